@@ -1,0 +1,383 @@
+"""``AmpWatch``: the Lightning glue. Reads signals in hooks, feeds the core, hands results to reporters.
+
+Kept thin on purpose (the way ``ThroughputMonitor`` sits on ``Throughput``): the decisions live in
+:mod:`lightning_ampwatch.machine`, the plugin knowledge in :mod:`lightning_ampwatch.signals`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, TypeVar, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from rich.console import Console
+from torch import Tensor
+from torchmetrics.aggregation import RunningMean, SumMetric
+
+from lightning_ampwatch.machine import AmpStateMachine, Observation, PrecisionMode, ScaleMirror, Thresholds
+from lightning_ampwatch.report import EventLog, print_diagnosis, write_text
+from lightning_ampwatch.signals import (
+    DeferredRead,
+    LossTape,
+    PrecisionInfo,
+    StepTaken,
+    current_lrs,
+    inspect_batch,
+    read_scale,
+    resolve_precision,
+    scaler_config,
+)
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+
+REMEDY_NAMES = ("lower_init_scale", "slow_growth", "fp32_island", "bf16_fallback", "reduce_lr", "unscale_before_clip")
+DEFAULT_REMEDIES = tuple(r for r in REMEDY_NAMES if r != "reduce_lr")
+UNRECOVERABLE_MODES = ("warn", "stop", "raise")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guarded(hook: F) -> F:
+    """Run a hook so that an internal failure is reported once and never reaches the training loop."""
+
+    @functools.wraps(hook)
+    def wrapper(self: "AmpWatch", *args: Any, **kwargs: Any) -> Any:
+        if self._disabled:
+            return None
+        try:
+            return hook(self, *args, **kwargs)
+        except AmpWatchError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the point is that nothing escapes
+            self._internal_failure(hook.__name__, err)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class _OpenStep:
+    """An optimizer step between ``on_before_optimizer_step`` and the point where its outcome is known."""
+
+    step: int
+    scale: float | None
+    lrs: tuple[float, ...]
+    tape: LossTape
+    batches: list[Any] = field(default_factory=list)
+    skipped: bool = False
+    found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read when it has landed
+    loss: DeferredRead | None = None  # no scaler: the loss, read when it has landed
+
+
+class AmpWatch(Callback):
+    r"""Watch a mixed-precision run and name the cause when it goes wrong.
+
+    Every optimizer step it learns, at no extra host-device synchronisation, whether the GradScaler skipped the
+    step, the scale and its growth, and the learning rate; on an anomaly it reads the loss and the batch,
+    classifies the episode into the AMP failure taxonomy and reports it once.
+
+    Args:
+        remediate: ``False`` (diagnose only), ``True`` (every remedy except ``reduce_lr``) or an iterable of remedy
+            names: ``lower_init_scale``, ``slow_growth``, ``fp32_island``, ``bf16_fallback``, ``reduce_lr``,
+            ``unscale_before_clip``.
+        on_unrecoverable: what to do about an alarm no allowed remedy fixes: ``"warn"`` (report and go on),
+            ``"stop"`` (set ``trainer.should_stop`` for a clean end) or ``"raise"`` (:class:`AmpWatchError`).
+        control_replay: replay the offending batch without autocast (the FP32 control) on the first alarm.
+        localize: name the first module or parameter that overflowed.
+        hold_lr_on_skip: a step the scaler skipped does not advance the LR scheduler either.
+        verbose: print each diagnosis once on the console (rank zero).
+        thresholds: when patterns become alarms; the defaults suit a default GradScaler.
+        log_dir: where ``ampwatch/diagnoses.jsonl`` goes; defaults to the trainer's log directory.
+    """
+
+    def __init__(
+        self,
+        remediate: Union[bool, Iterable[str]] = False,
+        on_unrecoverable: Literal["warn", "stop", "raise"] = "warn",
+        control_replay: bool = True,
+        localize: bool = True,
+        hold_lr_on_skip: bool = False,
+        verbose: bool = True,
+        thresholds: Thresholds | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.remedies = _parse_remediate(remediate)
+        if on_unrecoverable not in UNRECOVERABLE_MODES:
+            raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
+        for name, value in (("control_replay", control_replay), ("localize", localize),
+                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is not valid; use True or False")
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise ValueError(f"thresholds={thresholds!r} is not valid; use lightning_ampwatch.Thresholds(...) or None")
+        self.on_unrecoverable = on_unrecoverable
+        self.control_replay = control_replay
+        self.localize = localize
+        self.hold_lr_on_skip = hold_lr_on_skip
+        self.verbose = verbose
+        self.thresholds = thresholds or Thresholds()
+        self.log_dir = log_dir
+
+        self.diagnoses: list[Diagnosis] = []
+        self.machine: AmpStateMachine | None = None
+        self.precision: PrecisionInfo | None = None
+        self.event_log: EventLog | None = None
+        self._mirror: ScaleMirror | None = None
+        self._steps = StepTaken()
+        self._open: _OpenStep | None = None
+        self._pending: deque[_OpenStep] = deque()
+        self._tape = LossTape()
+        self._batches: list[Any] = []
+        self._last_tape: LossTape | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._disabled = False
+        self._failures: set[str] = set()
+        self._said: set[str] = set()
+        self._log_steps = 0
+        self._log_skipped = 0
+        self._log_nonfinite = 0
+        self._skip_rate: RunningMean | None = None
+        self._nonfinite_sum: SumMetric | None = None
+        self._console = Console(highlight=False, soft_wrap=False)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(remediate=sorted(self.remedies))
+
+    @_guarded
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.precision = info = resolve_precision(trainer.precision_plugin)
+        config: dict[str, Any] = {}
+        if info.scaler is not None:
+            config = scaler_config(info.scaler)
+            scale, tracker = read_scale(info.scaler)  # once, at start
+            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
+        else:
+            self._mirror = None
+        self.machine = AmpStateMachine(info.mode, self.thresholds, config)
+        if self._loaded_state is not None:
+            self._restore(self._loaded_state)
+            self._loaded_state = None
+        self.event_log = EventLog(self.log_dir or trainer.log_dir or trainer.default_root_dir)
+        self._steps.attach(trainer.optimizers)
+        self._skip_rate = RunningMean(window=4).to(pl_module.device)
+        self._nonfinite_sum = SumMetric().to(pl_module.device)
+        if info.note:
+            self._say_once(info.note)
+
+    @_guarded
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if len(self._batches) >= 64:  # a run whose steps never come: keep memory bounded
+            del self._batches[:-32]
+        self._batches.append(batch)
+
+    @_guarded
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._tape.add(loss, self._mirror.scale if self._mirror is not None else 1.0)
+
+    @_guarded
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._open is not None:  # manual optimization: a second step in the same batch
+            self._close_step(trainer, pl_module)
+        self._steps.reset()
+        self._open = _OpenStep(
+            step=trainer.global_step,
+            scale=self._mirror.scale if self._mirror is not None else None,
+            lrs=current_lrs(trainer.optimizers),
+            tape=self._tape,
+            batches=self._batches,
+        )
+        self._tape = LossTape()
+        self._batches = []
+
+    @_guarded
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._open is not None:
+            self._close_step(trainer, pl_module)
+        if self._should_log(trainer):
+            self._drain(trainer, force=True)
+            self._log_metrics(trainer, pl_module)
+
+    @_guarded
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drain(trainer, force=True)
+        self._steps.detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._steps.detach()  # also after an exception: leave the optimizers as we found them
+        self._open = None
+        self._pending.clear()
+        self._batches = []
+        self._tape = LossTape()
+
+    # ------------------------------------------------------------------ the per-step path
+
+    def _close_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The scaler has updated: queue the step, then resolve every queued step whose outcome is known."""
+        opened, self._open = self._open, None
+        assert opened is not None
+        if not opened.tape:
+            return  # backward never ran (training_step returned None): Lightning did not step
+        if self._scaler_active:
+            if self._steps.found_inf is not None:  # fused optimizer: called whether or not it skipped
+                opened.found_inf = DeferredRead(self._steps.found_inf)
+            else:
+                opened.skipped = not self._steps.taken
+        else:
+            # Without a scaler the loss is the only signal: copy it to the host without waiting.
+            opened.loss = DeferredRead(opened.tape.total())
+        self._pending.append(opened)
+        self._drain(trainer, force=False)
+
+    @property
+    def _scaler_active(self) -> bool:
+        return self.precision is not None and self.precision.scaler is not None
+
+    def _drain(self, trainer: pl.Trainer, force: bool) -> None:
+        """Resolve queued steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
+        while self._pending:
+            head = self._pending[0]
+            deferred = head.found_inf or head.loss
+            if deferred is not None and not force and not deferred.ready():
+                return
+            self._pending.popleft()
+            self._resolve(trainer, head)
+
+    def _resolve(self, trainer: pl.Trainer, opened: _OpenStep) -> None:
+        assert self.machine is not None
+        skipped = bool(opened.found_inf.value()) if opened.found_inf is not None else opened.skipped
+        grew = self._mirror.update(skipped) if self._mirror is not None else False
+        loss: float | None = opened.loss.value() if opened.loss is not None else None
+        if skipped and loss is None:
+            # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
+            loss = opened.tape.read()
+        loss_finite = None if loss is None else math.isfinite(loss)
+        self._last_tape = opened.tape
+        self._log_steps += 1
+        self._log_skipped += int(skipped)
+        batch_stats = None
+        if skipped or loss_finite is False:
+            batch_stats = inspect_batch(opened.batches)
+            self._log_nonfinite += int(loss_finite is False)
+        obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
+                          scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
+        for diagnosis in self.machine.observe(obs):
+            self._emit(trainer, diagnosis)
+
+    # ------------------------------------------------------------------ results
+
+    def _emit(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
+        self.diagnoses.append(diagnosis)
+        if trainer.is_global_zero:
+            if self.event_log is not None:
+                self.event_log.append(diagnosis)
+            if self.verbose:
+                print_diagnosis(diagnosis, self._console)
+            write_text(trainer.loggers, diagnosis)
+        if diagnosis.is_alarm and diagnosis.remedy is None:
+            self._unrecoverable(trainer, diagnosis)
+
+    def _unrecoverable(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
+        if self.on_unrecoverable == "stop":
+            trainer.should_stop = True
+            self._say_once(f"AmpWatch stops the run after {diagnosis.finding.value} at step {diagnosis.step} "
+                           "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
+        elif self.on_unrecoverable == "raise":
+            raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
+
+    def _should_log(self, trainer: pl.Trainer) -> bool:
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and hasattr(connector, "should_update_logs"):
+            return bool(connector.should_update_logs)
+        return trainer.log_every_n_steps > 0 and trainer.global_step % trainer.log_every_n_steps == 0
+
+    def _log_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At Lightning's own log steps only: one scale read, then ``pl_module.log``."""
+        metrics: dict[str, float | Tensor] = {}
+        info = self.precision
+        if info is not None and info.scaler is not None and self._mirror is not None:
+            scale, tracker = read_scale(info.scaler)
+            self._mirror.reconcile(scale, tracker)
+            metrics["ampwatch/scale"] = scale
+        assert self.machine is not None and self._skip_rate is not None and self._nonfinite_sum is not None
+        if self._log_steps:
+            flags = torch.zeros(self._log_steps, device=pl_module.device)
+            flags[: self._log_skipped] = 1.0
+            self._skip_rate.update(flags)
+        self._nonfinite_sum.update(torch.tensor(float(self._log_nonfinite), device=pl_module.device))
+        self._log_steps = self._log_skipped = self._log_nonfinite = 0
+        metrics["ampwatch/skipped_steps"] = float(self.machine.skipped_total)
+        metrics["ampwatch/nonfinite_losses"] = self._nonfinite_sum.compute()
+        metrics["ampwatch/skip_rate"] = self._skip_rate.compute()
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "diagnoses": [d.to_dict() for d in self.diagnoses],
+            "machine": None if self.machine is None else self.machine.state_dict(),
+            "mirror": None if self._mirror is None else self._mirror.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.machine is None:
+            self._loaded_state = dict(state_dict)  # on_fit_start builds the machine, then restores
+        else:
+            self._restore(state_dict)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.diagnoses = [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())]
+        if self.machine is not None and state.get("machine"):
+            self.machine.load_state_dict(state["machine"])
+
+    # ------------------------------------------------------------------ failure containment
+
+    def _internal_failure(self, where: str, err: Exception) -> None:
+        key = f"{where}:{type(err).__name__}"
+        if key not in self._failures:
+            self._failures.add(key)
+            warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+        self._open = None  # never carry a half-built step into the next one
+        if len(self._failures) >= 5:
+            self._disabled = True
+            warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
+                          RuntimeWarning, stacklevel=3)
+
+    def _say_once(self, message: str, key: str | None = None) -> None:
+        key = key or message
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_info(f"AmpWatch: {message}")
+
+
+def _parse_remediate(remediate: Union[bool, Iterable[str]]) -> frozenset[str]:
+    if remediate is True:
+        return frozenset(DEFAULT_REMEDIES)
+    if remediate is False or remediate is None:
+        return frozenset()
+    if isinstance(remediate, str):
+        remediate = [remediate]
+    try:
+        names = list(remediate)
+    except TypeError:
+        raise ValueError(f"remediate={remediate!r} is not valid; use True, False or a list of {REMEDY_NAMES}") from None
+    bad = [n for n in names if n not in REMEDY_NAMES]
+    if bad:
+        raise ValueError(f"remediate has unknown remedy {bad[0]!r}; valid names are {REMEDY_NAMES}")
+    return frozenset(names)

@@ -1,0 +1,224 @@
+"""Reading the run: where each precision plugin keeps its scaler, and how to learn scale, skipped steps,
+loss and learning rate without adding a host-device synchronisation to a healthy step.
+
+This is the only module that knows about plugin internals. It hands the core plain numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from lightning_ampwatch.machine import BatchStats, PrecisionMode
+
+
+@dataclass
+class PrecisionInfo:
+    """What the trainer's precision plugin does, learned once at fit start."""
+
+    mode: PrecisionMode
+    scaler: Any = None  # torch.amp.GradScaler (or ShardedGradScaler) when one is active
+    plugin_name: str = ""
+    note: str | None = None  # said once to the user when there is something we cannot watch
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {PrecisionMode.FP16: torch.float16, PrecisionMode.BF16: torch.bfloat16}.get(self.mode)
+
+
+def resolve_precision(plugin: Any) -> PrecisionInfo:
+    """Map a Lightning precision plugin to a :class:`PrecisionMode` and its scaler, if any."""
+    name = type(plugin).__name__
+    precision = str(getattr(plugin, "precision", "32-true"))
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and hasattr(scaler, "is_enabled") and not scaler.is_enabled():
+        scaler = None
+    if "deepspeed" in name.lower():
+        return PrecisionInfo(PrecisionMode.FP16 if precision.startswith("16") else PrecisionMode.BF16, None, name,
+                             "DeepSpeed keeps its loss scale inside its engine; only loss finiteness is watched.")
+    if precision.startswith("16-mixed") or precision == "16":
+        if scaler is None:
+            return PrecisionInfo(PrecisionMode.FP16, None, name,
+                                 "float16 autocast without a GradScaler: no loss scale to watch.")
+        return PrecisionInfo(PrecisionMode.FP16, scaler, name)
+    if precision.startswith("bf16"):
+        return PrecisionInfo(PrecisionMode.BF16, None, name, "bf16 needs no loss scaler: there is no scale to watch.")
+    if precision.startswith("16-true"):
+        return PrecisionInfo(PrecisionMode.HALF, None, name, "16-true has no loss scaler: there is no scale to watch.")
+    return PrecisionInfo(PrecisionMode.FP32, None, name,
+                         "The run is in full precision: there is no loss scaler to watch; loss finiteness is watched.")
+
+
+def scaler_config(scaler: Any) -> dict[str, Any]:
+    """The scaler's growth settings: plain Python attributes, no device read."""
+    return {
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
+
+
+def read_scale(scaler: Any) -> tuple[float, int]:
+    """The scaler's current scale and growth tracker. A device read: only at log steps, anomalies or start."""
+    scale_t = getattr(scaler, "_scale", None)
+    if scale_t is None:  # lazily initialised: nothing scaled yet (or just resumed)
+        return float(scaler._init_scale), int(getattr(scaler, "_init_growth_tracker", 0))
+    values = torch.stack([scale_t.reshape(()).float(), scaler._growth_tracker.reshape(()).float()]).tolist()
+    return float(values[0]), int(values[1])
+
+
+class StepTaken:
+    """Learns whether each optimizer step ran, without a sync.
+
+    GradScaler calls the real ``optimizer.step`` only when no inf was found, after it has already synchronised
+    to decide; a step post-hook therefore tells us "not skipped" for free. Fused optimizers are always called
+    and skip internally: for those the pre-hook keeps the ``found_inf`` tensor to read when a read is due.
+    """
+
+    def __init__(self) -> None:
+        self.taken = False
+        self.found_inf: Tensor | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.detach()
+        for opt in optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._pre))
+            self._handles.append(opt.register_step_post_hook(self._post))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        self.taken = False
+        self.found_inf = None
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(found_inf, Tensor):
+            self.found_inf = found_inf
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.taken = True
+
+
+@dataclass
+class LossTape:
+    """The losses handed to backward since the last optimizer step, kept as device tensors (no read).
+
+    Under a scaler, Lightning hands the callback the *scaled* loss; the scale it was multiplied by is stored
+    beside it so the read gives the user's loss. Several entries mean gradient accumulation or several manual
+    backward calls: the step's loss is their sum (Lightning already divides by the accumulation count).
+    """
+
+    entries: list[tuple[Tensor, float]] = field(default_factory=list)
+
+    def add(self, loss: Tensor, scale: float) -> None:
+        self.entries.append((loss.detach(), scale))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def total(self) -> Tensor:
+        """The step's (unscaled) loss as a device scalar; no read."""
+        if len(self.entries) == 1:
+            loss, scale = self.entries[0]
+            return loss.float().reshape(()) / scale if scale != 1.0 else loss.reshape(())
+        return torch.stack([loss.float().reshape(()) / scale for loss, scale in self.entries]).sum()
+
+    def read(self) -> float:
+        """The step's loss as a float: one device read."""
+        return float(self.total().float().cpu())
+
+
+class DeferredRead:
+    """A device scalar copied to the host without waiting; read once the copy has landed.
+
+    On CUDA the copy goes to pinned memory behind an event, so ``ready`` is a non-blocking query; on the CPU
+    the value is already on the host and ready at once.
+    """
+
+    def __init__(self, tensor: Tensor) -> None:
+        t = tensor.detach().reshape(())
+        self._event: Any = None
+        if t.device.type == "cuda":
+            self._host = torch.empty((), dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t.cpu()
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def value(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._host)
+
+
+def current_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, ...]:
+    """The learning rate of every param group, as Python floats (a tensor LR is read only if on the CPU)."""
+    out: list[float] = []
+    for opt in optimizers:
+        for group in opt.param_groups:
+            lr = group.get("lr", 0.0)
+            if isinstance(lr, Tensor):
+                if lr.device.type != "cpu":
+                    continue
+                lr = float(lr)
+            out.append(float(lr))
+    return tuple(out)
+
+
+def _float_tensors(obj: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+    if isinstance(obj, Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _float_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        for i, value in enumerate(obj):
+            yield from _float_tensors(value, f"{path}[{i}]")
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _float_tensors(getattr(obj, name), f"{path}.{name}")
+
+
+def inspect_batch(batches: Sequence[Any], max_rows: int = 8) -> BatchStats:
+    """Non-finite values and the largest magnitude in the step's batches. Reads the device: anomalies only."""
+    nonfinite_where: list[str] = []
+    absmax, absmax_where = 0.0, None
+    for i, batch in enumerate(batches):
+        prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
+        for path, tensor in _float_tensors(batch, prefix):
+            t = tensor.detach()
+            if t.numel() == 0:
+                continue
+            bad = ~torch.isfinite(t)
+            finite_abs = torch.where(bad, torch.zeros((), dtype=t.dtype, device=t.device), t).abs()
+            stats = torch.stack([bad.any().float(), finite_abs.amax().float()]).tolist()
+            if stats[0]:
+                rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten()[:max_rows].tolist() \
+                    if t.dim() > 0 else []
+                nonfinite_where.append(f"{path} rows {rows}" if rows else path)
+            if stats[1] > absmax:
+                absmax, absmax_where = float(stats[1]), path
+    return BatchStats(
+        nonfinite=bool(nonfinite_where),
+        nonfinite_where="; ".join(nonfinite_where) or None,
+        absmax=absmax if math.isfinite(absmax) else float("inf"),
+        absmax_where=absmax_where,
+    )

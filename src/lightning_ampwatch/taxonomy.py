@@ -1,0 +1,270 @@
+"""The vocabulary of the project: what can be wrong with an AMP run, and what to do about it.
+
+Pure Python on purpose: the state machine, the reporters and the CLI all share these names,
+and none of them should need torch or Lightning to talk about a finding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+
+class Finding(str, Enum):
+    """A class in the AMP failure taxonomy. The value equals the name, so it survives JSON."""
+
+    DATA_NONFINITE = "DATA_NONFINITE"
+    FP32_UNSTABLE = "FP32_UNSTABLE"
+    LOSS_OUTSIDE_AUTOCAST = "LOSS_OUTSIDE_AUTOCAST"
+    CLIP_BEFORE_UNSCALE = "CLIP_BEFORE_UNSCALE"
+    STEP_OUTSIDE_SCALER = "STEP_OUTSIDE_SCALER"
+    MANUAL_PRESCALE = "MANUAL_PRESCALE"
+    FORWARD_OVERFLOW = "FORWARD_OVERFLOW"
+    INPUT_RANGE = "INPUT_RANGE"
+    GRADIENT_OVERFLOW = "GRADIENT_OVERFLOW"
+    GROWTH_OVERFLOW = "GROWTH_OVERFLOW"
+    LR_SCHEDULE = "LR_SCHEDULE"
+    NORMAL_SCALING = "NORMAL_SCALING"
+
+    @property
+    def is_alarm(self) -> bool:
+        """Everything but healthy dynamic scaling is something the user must act on."""
+        return self is not Finding.NORMAL_SCALING
+
+    @property
+    def is_amp_fault(self) -> bool:
+        """False for the findings that the FP32 control clears AMP of (data, optimisation)."""
+        return self not in (Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE, Finding.NORMAL_SCALING)
+
+    @property
+    def summary(self) -> str:
+        return _SUMMARIES[self]
+
+    def __str__(self) -> str:  # "GRADIENT_OVERFLOW", not "Finding.GRADIENT_OVERFLOW"
+        return self.value
+
+
+_SUMMARIES: dict[Finding, str] = {
+    Finding.DATA_NONFINITE: "the batch itself contains NaN or inf values; this is a data problem, not AMP",
+    Finding.FP32_UNSTABLE: "the loss goes non-finite without reduced precision too; the optimisation is unstable",
+    Finding.LOSS_OUTSIDE_AUTOCAST: "the loss is computed outside autocast, in the precision of the model outputs",
+    Finding.CLIP_BEFORE_UNSCALE: "gradients are clipped while they are still multiplied by the loss scale",
+    Finding.STEP_OUTSIDE_SCALER: "the optimizer stepped without going through the GradScaler",
+    Finding.MANUAL_PRESCALE: "the loss was multiplied by hand before the GradScaler multiplied it again",
+    Finding.FORWARD_OVERFLOW: "a float16 value in the forward pass went past what float16 can hold",
+    Finding.INPUT_RANGE: "inputs or targets are larger than float16 holds comfortably",
+    Finding.GRADIENT_OVERFLOW: "the scaled gradients overflow float16, so the scaler keeps skipping steps",
+    Finding.GROWTH_OVERFLOW: "every time the scaler doubles the loss scale, the very next steps overflow",
+    Finding.LR_SCHEDULE: "the trouble began right after the learning rate went up",
+    Finding.NORMAL_SCALING: "a few skipped steps at a healthy scale: dynamic loss scaling doing its job",
+}
+
+
+class AmpWatchError(RuntimeError):
+    """Raised with ``on_unrecoverable="raise"``; ``.diagnosis`` is the finding that could not be fixed."""
+
+    def __init__(self, message: str, diagnosis: "Diagnosis | None" = None) -> None:
+        super().__init__(message)
+        self.diagnosis = diagnosis
+
+
+def _jsonable(value: Any) -> Any:
+    """Evidence must survive ``json.dumps``; non-finite floats become strings so the log stays valid JSON."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One named cause, with the measurements it rests on and a concrete fix."""
+
+    finding: Finding
+    step: int
+    location: str | None = None
+    evidence: dict[str, object] = field(default_factory=dict)
+    advice: str = ""
+    remedy: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.finding, Finding):
+            object.__setattr__(self, "finding", Finding(self.finding))
+        object.__setattr__(self, "evidence", _jsonable(dict(self.evidence)))
+
+    @property
+    def is_alarm(self) -> bool:
+        return self.finding.is_alarm
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["finding"] = self.finding.value
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Diagnosis":
+        known = {k: data[k] for k in ("finding", "step", "location", "evidence", "advice", "remedy") if k in data}
+        return cls(**known)
+
+    def headline(self) -> str:
+        where = f" in {self.location}" if self.location else ""
+        return f"{self.finding.value} at step {self.step}{where}: {self.finding.summary}"
+
+
+# --------------------------------------------------------------------------------------------
+# Advice: one function per finding, reading the evidence the machine gathered. Kept here (not in
+# the machine) so that the wording lives in one place and the machine only decides.
+# --------------------------------------------------------------------------------------------
+
+
+def _pow2(value: object) -> str:
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return str(value)
+    if v > 0 and math.isfinite(v) and math.log2(v).is_integer():
+        return f"2**{int(math.log2(v))}"
+    return f"{v:g}"
+
+
+def _advice_gradient(ev: Mapping[str, Any]) -> str:
+    if ev.get("pattern") == "unscaled_overflow":
+        return (
+            "Even a loss scale below 1 does not stop the overflow, so the gradients themselves are too large "
+            "for float16. Reduce them at the source (a mean instead of a sum in the loss, a lower learning rate, "
+            "gradient clipping after scaler.unscale_), or train in bf16-mixed where the hardware supports it."
+        )
+    safe = ev.get("safe_scale")
+    if safe:
+        return (
+            f"Start the scaler where it proved safe: torch.amp.GradScaler(init_scale={_pow2(safe)}) "
+            f"instead of the default 2**16; in Lightning pass it as "
+            f"MixedPrecision('16-mixed', device, scaler=GradScaler(init_scale={_pow2(safe)})). "
+            "If skips continue, clip gradients (Lightning's gradient_clip_val unscales first)."
+        )
+    return (
+        "Lower the starting scale, for example torch.amp.GradScaler(init_scale=2**10), and clip gradients "
+        "after unscaling (Lightning's gradient_clip_val does this for you). Most of these steps were thrown away."
+    )
+
+
+def _advice_growth(ev: Mapping[str, Any]) -> str:
+    interval = ev.get("growth_interval")
+    factor = ev.get("growth_factor")
+    bigger = f"{int(interval) * 10}" if isinstance(interval, (int, float)) and interval else "2000 or more"
+    return (
+        f"The scale keeps doubling into overflow. Let it grow less often or by less: "
+        f"GradScaler(growth_interval={bigger}"
+        + (f", growth_factor={max(1.0001, float(factor) ** 0.5):.3g})" if isinstance(factor, (int, float)) else ")")
+        + "; or start at the scale that held, "
+        + (f"init_scale={_pow2(ev['safe_scale'])}." if ev.get("safe_scale") else "a lower init_scale.")
+    )
+
+
+def _advice_lr(ev: Mapping[str, Any]) -> str:
+    before, after = ev.get("lr_before"), ev.get("lr_after")
+    kind = ev.get("lr_event")
+    what = "warmup reached its peak" if kind == "warmup_end" else "the learning rate rose"
+    return (
+        f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
+        "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
+        "instability visible sooner."
+        if isinstance(before, (int, float)) and isinstance(after, (int, float))
+        else f"The failure began right after {what}. Lower the peak learning rate or lengthen the warmup."
+    )
+
+
+def _advice_data(ev: Mapping[str, Any]) -> str:
+    where = ev.get("nonfinite_where")
+    return (
+        f"Clean the data before it reaches the model{' (' + str(where) + ')' if where else ''}: "
+        "check torch.isfinite(batch).all() in the dataset or a collate function, and drop or repair the "
+        "offending rows. Changing the precision will not help."
+    )
+
+
+def _advice_fp32(ev: Mapping[str, Any]) -> str:
+    return (
+        "This is not a mixed-precision problem: the loss is non-finite at full precision as well. "
+        "Lower the learning rate, add gradient clipping, and look for log/exp/division of values that can "
+        "reach zero or grow without bound in the loss."
+    )
+
+
+def _advice_forward(ev: Mapping[str, Any]) -> str:
+    if ev.get("precision") == "bf16":
+        return (
+            "bfloat16 has float32's range, so a non-finite loss here usually means an unstable operation "
+            "(log of 0, division by a tiny value) rather than an overflow; run the same batch in float32 to check."
+        )
+    return (
+        "Keep the fragile operation in float32 inside autocast: wrap it in torch.autocast(device_type, "
+        "enabled=False) and cast its inputs with .float() (softmax, exp, pow, large sums are the usual ones). "
+        "Where the hardware supports it, precision='bf16-mixed' removes this overflow class altogether."
+    )
+
+
+def _advice_input(ev: Mapping[str, Any]) -> str:
+    amax = ev.get("input_absmax")
+    where = ev.get("input_where")
+    return (
+        f"The batch holds values up to {amax:.3g}{' in ' + str(where) if where else ''}; float16 tops out at 65504. "
+        "Normalise inputs and targets (standardise features, rescale regression targets) or keep the first layer "
+        "and the loss in float32."
+        if isinstance(amax, (int, float))
+        else "Normalise inputs and targets; float16 tops out at 65504."
+    )
+
+
+def _advice_normal(ev: Mapping[str, Any]) -> str:
+    return (
+        "Nothing to fix: GradScaler skips a step now and then to find the largest safe scale. "
+        "Keep an eye on ampwatch/skipped_steps; act only if skips become frequent."
+    )
+
+
+def _advice_recipe(finding: Finding) -> Callable[[Mapping[str, Any]], str]:
+    texts = {
+        Finding.LOSS_OUTSIDE_AUTOCAST: "Compute the loss inside the same autocast region as the forward pass.",
+        Finding.CLIP_BEFORE_UNSCALE: "Call scaler.unscale_(optimizer) before clipping, or use Lightning's "
+        "gradient_clip_val, which unscales first.",
+        Finding.STEP_OUTSIDE_SCALER: "Step only through scaler.step(optimizer) followed by scaler.update().",
+        Finding.MANUAL_PRESCALE: "Do not multiply the loss yourself; let the GradScaler do the scaling. "
+        "Dividing by the number of accumulation steps is fine.",
+    }
+    text = texts[finding]
+    return lambda ev: text
+
+
+ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
+    Finding.DATA_NONFINITE: _advice_data,
+    Finding.FP32_UNSTABLE: _advice_fp32,
+    Finding.FORWARD_OVERFLOW: _advice_forward,
+    Finding.INPUT_RANGE: _advice_input,
+    Finding.GRADIENT_OVERFLOW: _advice_gradient,
+    Finding.GROWTH_OVERFLOW: _advice_growth,
+    Finding.LR_SCHEDULE: _advice_lr,
+    Finding.NORMAL_SCALING: _advice_normal,
+    **{f: _advice_recipe(f) for f in (
+        Finding.LOSS_OUTSIDE_AUTOCAST, Finding.CLIP_BEFORE_UNSCALE,
+        Finding.STEP_OUTSIDE_SCALER, Finding.MANUAL_PRESCALE,
+    )},
+}
+
+
+def advise(finding: Finding, evidence: Mapping[str, Any]) -> str:
+    """The concrete fix for ``finding`` given what was measured."""
+    return ADVICE[finding](evidence)
