@@ -146,7 +146,7 @@ class AmpWatch(Callback):
         self._log_nonfinite = 0
         self._skip_rate: RunningMean | None = None
         self._nonfinite_sum: SumMetric | None = None
-        self._console = Console(highlight=False, soft_wrap=False)
+        self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,6 +285,8 @@ class AmpWatch(Callback):
             if self.event_log is not None:
                 self.event_log.append(diagnosis)
             if self.verbose:
+                if self._console is None:
+                    self._console = Console(highlight=False)
                 print_diagnosis(diagnosis, self._console)
             write_text(trainer.loggers, diagnosis)
         if diagnosis.is_alarm and diagnosis.remedy is None:
@@ -344,6 +346,11 @@ class AmpWatch(Callback):
         self.diagnoses = [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())]
         if self.machine is not None and state.get("machine"):
             self.machine.load_state_dict(state["machine"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_console"] = None
+        return state
 
     # ------------------------------------------------------------------ failure containment
 
