@@ -11,7 +11,7 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, TypeVar, Union
 
 import lightning.pytorch as pl
@@ -22,7 +22,11 @@ from rich.console import Console
 from torch import Tensor
 from torchmetrics.aggregation import RunningMean, SumMetric
 
+from lightning_ampwatch import distributed
+from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.investigate import Investigator
 from lightning_ampwatch.machine import AmpStateMachine, Observation, PrecisionMode, ScaleMirror, Thresholds
+from lightning_ampwatch.probes import MicroBatch, capture_rng, uses_rng
 from lightning_ampwatch.report import EventLog, print_diagnosis, write_text
 from lightning_ampwatch.signals import (
     DeferredRead,
@@ -35,7 +39,9 @@ from lightning_ampwatch.signals import (
     resolve_precision,
     scaler_config,
 )
+from lightning_ampwatch.summary import RunStats, summary_lines
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 REMEDY_NAMES = ("lower_init_scale", "slow_growth", "fp32_island", "bf16_fallback", "reduce_lr", "unscale_before_clip")
 DEFAULT_REMEDIES = tuple(r for r in REMEDY_NAMES if r != "reduce_lr")
@@ -70,7 +76,7 @@ class _OpenStep:
     scale: float | None
     lrs: tuple[float, ...]
     tape: LossTape
-    batches: list[Any] = field(default_factory=list)
+    batches: list[MicroBatch] = field(default_factory=list)
     skipped: bool = False
     found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read when it has landed
     loss: DeferredRead | None = None  # no scaler: the loss, read when it has landed
@@ -130,14 +136,20 @@ class AmpWatch(Callback):
         self.machine: AmpStateMachine | None = None
         self.precision: PrecisionInfo | None = None
         self.event_log: EventLog | None = None
+        self.timeline: Timeline | None = None  # rank zero's per-step series for `ampwatch report --plot`
         self._mirror: ScaleMirror | None = None
         self._steps = StepTaken()
         self._open: _OpenStep | None = None
         self._pending: deque[_OpenStep] = deque()
         self._tape = LossTape()
-        self._batches: list[Any] = []
+        self._batches: list[MicroBatch] = []
+        self._investigator: Investigator | None = None
+        self._evidence: tuple[int, dict[str, Any] | None] | None = None  # (step, replay record) awaiting an alarm
+        self._capture_rng = False
+        self._loss_reads: deque[float] = deque(maxlen=8)  # recent healthy losses: the run's loss level
         self._last_tape: LossTape | None = None
         self._loaded_state: dict[str, Any] | None = None
+        self._guards = RecipeGuards()
         self._disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -169,22 +181,33 @@ class AmpWatch(Callback):
             self._restore(self._loaded_state)
             self._loaded_state = None
         self.event_log = EventLog(self.log_dir or trainer.log_dir or trainer.default_root_dir)
+        self.timeline = Timeline(self.event_log.dir / TIMELINE_NAME if trainer.is_global_zero else None,
+                                 precision=info.mode.value)
         self._steps.attach(trainer.optimizers)
+        self._capture_rng = uses_rng(pl_module)  # replays must redraw the same dropout masks
+        self._investigator = Investigator(
+            pl_module, trainer.precision_plugin.forward_context, pl_module.device, info.mode,
+            localize=self.localize, control=self.control_replay, automatic=pl_module.automatic_optimization,
+        )
         self._skip_rate = RunningMean(window=4).to(pl_module.device)
         self._nonfinite_sum = SumMetric().to(pl_module.device)
         if info.note:
             self._say_once(info.note)
+        self._guards.attach(trainer, pl_module, info, lambda diagnosis: self._emit(trainer, diagnosis),
+                            scale_reader=lambda: self._mirror.scale if self._mirror is not None else 1.0)
 
     @_guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if len(self._batches) >= 64:  # a run whose steps never come: keep memory bounded
             del self._batches[:-32]
-        self._batches.append(batch)
+        rng, cuda_rng = capture_rng(pl_module.device) if self._capture_rng else (None, None)
+        self._batches.append(MicroBatch(batch, batch_idx, rng, cuda_rng))
 
     @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._tape.add(loss, self._mirror.scale if self._mirror is not None else 1.0)
+        self._guards.on_before_backward(loss)
 
     @_guarded
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -210,14 +233,33 @@ class AmpWatch(Callback):
         if self._should_log(trainer):
             self._drain(trainer, force=True)
             self._log_metrics(trainer, pl_module)
+            self._flush_timeline()
 
     @_guarded
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, force=True)
         self._steps.detach()
+        self._guards.detach()
+        stats = self._run_stats()
+        if self.timeline is not None and stats is not None:
+            self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite, stats.scale)
+        self._flush_timeline()
+        if trainer.is_global_zero and self.verbose and stats is not None:
+            self._print_summary(stats)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips the teardown hook when fit raises; this is the one hook that still runs.
+        self._steps.detach()
+        self._guards.detach()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._steps.detach()  # also after an exception: leave the optimizers as we found them
+        self._steps.detach()  # leave the optimizers as we found them
+        self._guards.detach()  # ... and torch.nn.utils's clipping functions
+        try:
+            if self.timeline is not None:
+                self.timeline.flush()  # a run that crashed keeps the steps that led up to it
+        except OSError as err:
+            self._internal_failure("teardown", err)
         self._open = None
         self._pending.clear()
         self._batches = []
@@ -264,18 +306,77 @@ class AmpWatch(Callback):
         if skipped and loss is None:
             # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
             loss = opened.tape.read()
+        if not self._loss_reads and not skipped:
+            self._loss_reads.append(opened.tape.read())  # once per fit: a first loss level for the control
         loss_finite = None if loss is None else math.isfinite(loss)
         self._last_tape = opened.tape
         self._log_steps += 1
         self._log_skipped += int(skipped)
         batch_stats = None
+        fault_ranks = [distributed.rank()]
         if skipped or loss_finite is False:
-            batch_stats = inspect_batch(opened.batches)
+            batch_stats = inspect_batch([mb.batch for mb in opened.batches])
             self._log_nonfinite += int(loss_finite is False)
+            if skipped and distributed.world_size() > 1:
+                # every rank skipped this step together: agree on one view of it (the only collective we make)
+                records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
+                loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
+        elif loss is not None:
+            self._loss_reads.append(loss)
         obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
                           scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
+        if self.timeline is not None:
+            self.timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
+                                      loss_finite=obs.loss_finite, lrs=obs.lrs)
+        investigator = self._investigator
+        if investigator is not None and self._evidence is not None and \
+                self._evidence[0] < opened.step - self.thresholds.window:
+            self._evidence = None  # a suspicion that never became an alarm
+        if investigator is not None and skipped and self.machine.episode is None and self._evidence is None \
+                and self.machine.streak == self.thresholds.startup_streak - 1:
+            # Enough skips in a row for an alarm: replay now, while the weights are still those of the faulty
+            # step; the alarm itself may only be decided later (when the streak ends), after the optimizer moved.
+            self._evidence = (opened.step, self._collect(opened, fault_ranks, weights_stepped=False))
         for diagnosis in self.machine.observe(obs):
+            if diagnosis.is_alarm and investigator is not None:
+                diagnosis = self._investigate(diagnosis, opened, batch_stats, fault_ranks, skipped)
             self._emit(trainer, diagnosis)
+
+    def _investigate(self, diagnosis: Diagnosis, opened: _OpenStep, batch_stats: Any, fault_ranks: list[int],
+                     skipped: bool) -> Diagnosis:
+        """Localise and run the FP32 control for a new alarm (at most once per episode); the control may
+        rename the finding."""
+        assert self.machine is not None
+        if self._evidence is not None:
+            record = self._evidence[1]
+        elif skipped or not self._scaler_active:
+            record = self._collect(opened, fault_ranks, weights_stepped=not skipped)
+        else:
+            record = None  # decided on a clean step with nothing replayed while the fault was fresh
+        self._evidence = None
+        if self._investigator is None:  # the replay failed just now: the plain diagnosis still goes out
+            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"})
+        refined, renamed = self._investigator.apply(diagnosis, record, batch=batch_stats)
+        if renamed is not None:
+            self.machine.revise(renamed)
+        return refined
+
+    def _collect(self, opened: _OpenStep, fault_ranks: list[int], weights_stepped: bool) -> dict[str, Any] | None:
+        """Replay the step; a failure switches replays off for the rest of the run, on every rank alike."""
+        if self._investigator is None:
+            return None
+        try:
+            return self._investigator.collect(opened.batches, scale=opened.scale, fault_ranks=fault_ranks,
+                                              weights_stepped=weights_stepped, loss_level=self._loss_level())
+        except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
+            self._investigator = None
+            self._internal_failure("the replay of the faulty batch", err)
+            return None
+
+    def _loss_level(self) -> float | None:
+        """The run's usual loss: the smallest of the last few healthy losses read (first step, log steps)."""
+        finite = [x for x in self._loss_reads if math.isfinite(x)]
+        return min(finite) if finite else None
 
     # ------------------------------------------------------------------ results
 
@@ -284,6 +385,8 @@ class AmpWatch(Callback):
         if trainer.is_global_zero:
             if self.event_log is not None:
                 self.event_log.append(diagnosis)
+            if self.timeline is not None:
+                self.timeline.record_diagnosis(diagnosis)
             if self.verbose:
                 if self._console is None:
                     self._console = Console(highlight=False)
@@ -299,6 +402,27 @@ class AmpWatch(Callback):
                            "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
         elif self.on_unrecoverable == "raise":
             raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
+
+    def _flush_timeline(self) -> None:
+        """Write the buffered timeline rows; samples the latest loss (a log step already synchronises)."""
+        if self.timeline is not None:
+            self.timeline.flush(read_last_loss=self._last_tape.read if self._last_tape else None)
+
+    def _run_stats(self) -> RunStats | None:
+        if self.machine is None:
+            return None
+        return RunStats(steps=self.machine.steps_seen, skipped=self.machine.skipped_total,
+                        nonfinite=self.machine.nonfinite_total,
+                        scale=self._mirror.scale if self._mirror is not None else None,
+                        precision=self.machine.mode.value)
+
+    def _print_summary(self, stats: RunStats) -> None:
+        """A few lines on what happened in the fit, or one saying it was healthy."""
+        log_dir = self.event_log.dir.parent if self.event_log is not None else None
+        if self._console is None:
+            self._console = Console(highlight=False)
+        for line in summary_lines(self.diagnoses, stats, log_dir):
+            self._console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _should_log(self, trainer: pl.Trainer) -> bool:
         connector = getattr(trainer, "_logger_connector", None)
@@ -346,6 +470,10 @@ class AmpWatch(Callback):
         self.diagnoses = [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())]
         if self.machine is not None and state.get("machine"):
             self.machine.load_state_dict(state["machine"])
+        mirror = state.get("mirror")
+        if self._mirror is not None and mirror:
+            # on_fit_start read the scaler before Lightning restored it: carry on from the checkpointed scale
+            self._mirror.reconcile(mirror["scale"], mirror.get("tracker"))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -7,6 +7,7 @@ import logging
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
@@ -52,6 +53,39 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if scenario.expected in found else 1
 
 
+def _report(args: argparse.Namespace, console: Console) -> int:
+    """Print the episode table of a run; with ``--plot`` / ``--html`` draw its timeline too."""
+    from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, render_plot
+
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)  # never break a path across lines
+    try:
+        files = locate_run(args.path)
+        diagnoses, timeline = load_run(files)
+    except (OSError, ValueError) as err:
+        errors.print(f"ampwatch report: {err}", markup=False)
+        return 2
+    if not console.is_terminal:
+        console = Console(highlight=False, width=120)  # piped or captured: a table wider than the 80 default
+    print_report(files, diagnoses, timeline, console)
+    if (args.plot or args.html) and (timeline is None or not timeline.steps):
+        errors.print(f"ampwatch report: {files.directory} has no {'steps in its ' if timeline else ''}timeline.jsonl "
+                     "to draw (the callback writes it beside diagnoses.jsonl)", markup=False)
+        return 2
+    title = f"AmpWatch timeline: {files.directory.parent.name or files.directory}"
+    for out, render in ((args.plot, lambda o: render_plot(timeline, diagnoses, o, title=title)),
+                        (args.html, lambda o: render_html(o, files, diagnoses, timeline))):
+        if not out:
+            continue
+        try:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            render(out)
+        except (OSError, ValueError) as err:
+            errors.print(f"ampwatch report: cannot write {out}: {err}", markup=False)
+            return 2
+        console.print(f"Wrote {out}", markup=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ampwatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--list", action="store_true", help="list the scenarios and exit")
     demo.add_argument("--remediate", action="store_true", help="let AmpWatch apply its fixes mid-run")
     demo.add_argument("--root-dir", default=None, help="where logs go (default: a new temporary directory)")
+    report = sub.add_parser("report", help="summarise a run's diagnoses; draw its timeline with --plot/--html")
+    report.add_argument("path", help="a run or log directory, an ampwatch/ directory, or a diagnoses.jsonl")
+    report.add_argument("--plot", metavar="FILE.png", help="draw the timeline to this image (.png, .svg, .pdf)")
+    report.add_argument("--html", metavar="FILE.html", help="write a self-contained page: summary, plot, table")
     return parser
 
 
@@ -68,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(highlight=False)
     if args.command == "demo":
         return _demo(args, console)
+    if args.command == "report":
+        return _report(args, console)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

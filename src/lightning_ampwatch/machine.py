@@ -275,6 +275,16 @@ class AmpStateMachine:
         self.closed_episodes = list(state.get("closed_episodes", ()))
 
     @property
+    def streak(self) -> int:
+        """Anomalous steps in a row so far (0 on a healthy step)."""
+        return len(self._streak)
+
+    def revise(self, finding: Finding) -> None:
+        """The FP32 control renamed the open episode's finding (e.g. FORWARD_OVERFLOW -> FP32_UNSTABLE)."""
+        if self.episode is not None:
+            self.episode.finding = finding
+
+    @property
     def max_safe_scale(self) -> float | None:
         """The largest scale at which a step went through: what ``lower_init_scale`` falls back to."""
         return self._max_safe_scale
@@ -397,8 +407,10 @@ class AmpStateMachine:
         return None
 
     def _startup_overflow(self, streak: list[Observation], clean: Observation) -> Diagnosis:
+        below_floor = clean.scale is not None and clean.scale < self.thresholds.floor_scale
         ev: dict[str, Any] = {
-            "precision": self.mode.value, "pattern": "startup", "skipped_in_row": len(streak),
+            "precision": self.mode.value, "pattern": "unscaled_overflow" if below_floor else "startup",
+            "skipped_in_row": len(streak),
             "init_scale": streak[0].scale, "safe_scale": clean.scale,
             "scale_history": [o.scale for o in streak][-24:],
         }
@@ -425,6 +437,14 @@ class AmpStateMachine:
     def _lr_event(self, onset: int) -> dict[str, Any] | None:
         """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase."""
         t = self.thresholds
+        # A warmup climbs over many steps, so its last few rise little: judge it by the whole climb (first LR to
+        # a peak reached by rising steps just before the onset). A single jump is an increase, not a warmup.
+        climb = [p.lr for p in self._lr_history if p.step <= self._lr_peak_step][-3:]
+        if (self._lr_first is not None and onset - t.lr_lookback - 1 <= self._lr_peak_step < onset
+                and self._lr_peak >= t.warmup_ratio * self._lr_first
+                and len(climb) == 3 and climb[0] < climb[1] < climb[2]):
+            return {"lr_event": "warmup_end", "lr_before": self._lr_first, "lr_after": self._lr_peak,
+                    "lr_change_step": self._lr_peak_step}
         window = [p for p in self._lr_history if onset - t.lr_lookback - 1 <= p.step < onset]
         best: tuple[float, _LrPoint, _LrPoint] | None = None
         lowest: _LrPoint | None = None
@@ -438,13 +458,7 @@ class AmpStateMachine:
         if best is None or best[0] < 1 + t.lr_rise:
             return None
         _, lo, hi = best
-        warmup_end = (
-            self._lr_first is not None
-            and onset - t.lr_lookback - 1 <= self._lr_peak_step < window[-1].step
-            and self._lr_peak >= t.warmup_ratio * self._lr_first
-        )
-        return {"lr_event": "warmup_end" if warmup_end else "lr_increase", "lr_before": lo.lr,
-                "lr_after": hi.lr, "lr_change_step": hi.step}
+        return {"lr_event": "lr_increase", "lr_before": lo.lr, "lr_after": hi.lr, "lr_change_step": hi.step}
 
     # ---------------------------------------------------------------- helpers
 
@@ -472,3 +486,34 @@ def with_location(diagnosis: Diagnosis, location: str | None, **evidence: Any) -
     """A copy of ``diagnosis`` that names where it happened, with extra evidence merged in."""
     merged = {**diagnosis.evidence, **evidence}
     return replace(diagnosis, location=location, evidence=merged, advice=advise(diagnosis.finding, merged))
+
+
+#: Findings that blame reduced precision, and so are put to the FP32 control.
+AMP_BLAMING = frozenset({Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GRADIENT_OVERFLOW,
+                         Finding.GROWTH_OVERFLOW})
+
+#: How far above the run's loss level a finite control loss must be to read as instability rather than AMP.
+CONTROL_LEVEL_RATIO = 1e3
+
+
+def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
+                  batch_nonfinite: bool, loss_level: float | None) -> tuple[Finding, str]:
+    """What the FP32 control says about a finding: (the finding it leaves standing, why, in a few words).
+
+    A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
+    A control that is finite but orders of magnitude above the run's usual loss reads as divergence, not AMP.
+    Findings that do not blame reduced precision (data, LR schedule) keep their name; the control is evidence.
+    """
+    if control_loss is None:
+        return finding, "control not run"
+    control_failed = not math.isfinite(control_loss) or control_grads_finite is False
+    if finding not in AMP_BLAMING:
+        return finding, "control failed too" if control_failed else "control finite"
+    if control_failed:
+        if batch_nonfinite:
+            return Finding.DATA_NONFINITE, "control failed too; the batch holds non-finite values"
+        return Finding.FP32_UNSTABLE, "control failed too: not an AMP fault"
+    if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
+        return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x the run's loss level: "
+                                       "the optimisation is diverging")
+    return finding, "control finite: an AMP fault"

@@ -1,21 +1,30 @@
-"""Turning diagnoses into what people read: the JSON event log, the console panel, logger text.
+"""Turning diagnoses into what people read: the JSON event log, the console panel, logger text, and the
+``ampwatch report`` table, plot and HTML page.
 
 The event log is the source of truth: the console and the loggers never show anything it lacks.
 """
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 import json
+import math
 import os
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import IO, Any, Callable, Iterable, Sequence
 
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes
 from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, read_timeline
 
 EVENT_LOG_NAME = "diagnoses.jsonl"
 
@@ -102,10 +111,17 @@ def _mlflow(logger: Any, diagnosis: Diagnosis) -> None:
                                f"ampwatch/step{diagnosis.step:08d}_{diagnosis.finding.value}.md")
 
 
+WANDB_COLUMNS = ["step", "finding", "location", "advice", "remedy"]
+_wandb_rows: "weakref.WeakKeyDictionary[Any, list[list[Any]]]" = weakref.WeakKeyDictionary()
+
+
 def _wandb(logger: Any, diagnosis: Diagnosis) -> None:
-    logger.log_text(key="ampwatch/diagnoses", columns=["step", "finding", "location", "advice", "remedy"],
-                    data=[[diagnosis.step, diagnosis.finding.value, diagnosis.location or "", diagnosis.advice,
-                           diagnosis.remedy or ""]], step=None)
+    """W&B tables are immutable: each diagnosis logs the whole table so far, so the latest version has them all."""
+    rows = _wandb_rows.setdefault(logger, [])
+    rows.append([diagnosis.step, diagnosis.finding.value, diagnosis.location or "", diagnosis.advice,
+                 diagnosis.remedy or ""])
+    logger.log_text(key="ampwatch/diagnoses", columns=WANDB_COLUMNS, data=[list(r) for r in rows],
+                    step=diagnosis.step)
 
 
 TEXT_WRITERS: dict[str, TextWriter] = {
@@ -122,3 +138,282 @@ def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
             if writer is not None:
                 writer(logger, diagnosis)
                 break
+
+
+# ---------------------------------------------------------------------------- `ampwatch report`
+
+
+@dataclass
+class RunFiles:
+    """The AmpWatch files of one run, found from whatever path the user named."""
+
+    source: Path
+    diagnoses: Path | None = None
+    timeline: Path | None = None
+    others: list[Path] = field(default_factory=list)  # further ampwatch directories under ``source``, not shown
+
+    @property
+    def directory(self) -> Path:
+        return (self.diagnoses or self.timeline or self.source).parent
+
+
+def _ampwatch_files(directory: Path) -> tuple[Path | None, Path | None]:
+    diagnoses, timeline = directory / EVENT_LOG_NAME, directory / TIMELINE_NAME
+    return (diagnoses if diagnoses.is_file() else None), (timeline if timeline.is_file() else None)
+
+
+def locate_run(path: str | os.PathLike[str]) -> RunFiles:
+    """Resolve a run directory, a log directory, an ``ampwatch`` directory or one of its two files.
+
+    Raises ``FileNotFoundError`` naming the path when there is nothing to read; of several runs under a
+    directory the most recently written one is taken (the others are listed in ``RunFiles.others``).
+    """
+    source = Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    if source.is_file():
+        if source.name == TIMELINE_NAME:
+            diagnoses, _ = _ampwatch_files(source.parent)
+            return RunFiles(source, diagnoses=diagnoses, timeline=source)
+        _, timeline = _ampwatch_files(source.parent) if source.name == EVENT_LOG_NAME else (None, None)
+        return RunFiles(source, diagnoses=source, timeline=timeline)
+    for directory in (source, source / "ampwatch"):
+        diagnoses, timeline = _ampwatch_files(directory)
+        if diagnoses or timeline:
+            return RunFiles(source, diagnoses=diagnoses, timeline=timeline)
+    found = sorted({p.parent for name in (EVENT_LOG_NAME, TIMELINE_NAME) for p in source.rglob(f"ampwatch/{name}")},
+                   key=lambda d: max(f.stat().st_mtime for f in d.iterdir() if f.is_file()), reverse=True)
+    if not found:
+        raise FileNotFoundError(f"{source}: no AmpWatch logs here (looked for ampwatch/{EVENT_LOG_NAME} and "
+                                f"ampwatch/{TIMELINE_NAME} in it and below it)")
+    diagnoses, timeline = _ampwatch_files(found[0])
+    return RunFiles(source, diagnoses=diagnoses, timeline=timeline, others=found[1:])
+
+
+def load_run(files: RunFiles) -> tuple[list[Diagnosis], TimelineData | None]:
+    """Read both files; a malformed one raises ``ValueError`` naming the file (and the line)."""
+    diagnoses: list[Diagnosis] = []
+    if files.diagnoses is not None:
+        try:
+            diagnoses = EventLog.read(files.diagnoses)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{files.diagnoses}: not an AmpWatch event log (not UTF-8 text: {err.reason})") from err
+    timeline = read_timeline(files.timeline) if files.timeline is not None else None
+    return diagnoses, timeline
+
+
+def timeline_stats(timeline: TimelineData | None, diagnoses: Sequence[Diagnosis] = ()) -> RunStats | None:
+    """Counters for the report header, from the timeline (every anomalous step is in it)."""
+    if timeline is None or not timeline.steps:
+        return None
+    ends = timeline.of_kind("end")
+    if ends and ends[-1].get("step") == timeline.steps[-1]:  # exact counters, written at fit end
+        end = ends[-1]
+        return RunStats(steps=int(end.get("steps", 0)), skipped=int(end.get("skipped", 0)),
+                        nonfinite=int(end.get("nonfinite", 0)), scale=end.get("scale"), precision=timeline.precision)
+    scales = [s for s in timeline.scales if s is not None]
+    return RunStats(steps=timeline.steps[-1] - timeline.steps[0] + 1, skipped=sum(timeline.skipped),
+                    nonfinite=sum(1 for f in timeline.loss_finite if f is False),
+                    scale=scales[-1] if scales else None, precision=timeline.precision)
+
+
+def episodes_table(rows: Sequence[Episode]) -> Table:
+    """One row per diagnosis: steps, finding, location, advice, remedy."""
+    table = Table(show_lines=True, header_style="bold", expand=False)
+    table.add_column("steps", no_wrap=True)
+    table.add_column("finding", no_wrap=True)
+    table.add_column("location", overflow="fold", max_width=28)
+    table.add_column("advice", ratio=1, min_width=24)
+    table.add_column("remedy", overflow="fold")
+    for row in rows:
+        d = row.diagnosis
+        steps = Text(row.steps)
+        if row.anomalous is not None and d.is_alarm:
+            steps.append(f"\n{row.anomalous} bad step{'s' if row.anomalous != 1 else ''}", style="dim")
+        remedy = Text(d.remedy, style="green") if d.remedy else Text("none" if d.is_alarm else "-", style="dim")
+        table.add_row(steps, Text(d.finding.value, style="bold red" if d.is_alarm else "blue"),
+                      Text(d.location or "-"), Text(d.advice), remedy)
+    return table
+
+
+def report_lines(files: RunFiles, diagnoses: Sequence[Diagnosis], timeline: TimelineData | None) -> list[str]:
+    """The plain-text header of a report: which run, and what happened in it."""
+    lines = [f"AmpWatch report: {files.directory}"]
+    if files.others:
+        lines.append(f"  ({len(files.others)} other run(s) under {files.source}; showing the newest. "
+                     "Name one of their ampwatch directories to see it.)")
+    if timeline is not None and timeline.earlier_runs:
+        lines.append(f"  ({timeline.earlier_runs} earlier run(s) in {timeline.path.name}; showing the last.)")
+    stats = timeline_stats(timeline, diagnoses)
+    alarms = sum(1 for d in diagnoses if d.is_alarm)
+    counts = counts_line(stats) if stats is not None else "no timeline beside the event log"
+    verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}" if alarms else "no alarm: a healthy run"
+    lines.append(f"  {counts}; {verdict}.")
+    return lines
+
+
+def print_report(files: RunFiles, diagnoses: Sequence[Diagnosis], timeline: TimelineData | None,
+                 console: Console) -> None:
+    for line in report_lines(files, diagnoses, timeline):
+        console.print(line, markup=False, highlight=False)
+    if diagnoses:
+        console.print(episodes_table(episodes(diagnoses, timeline)))
+    else:
+        console.print("  No diagnoses were made.", markup=False)
+
+
+def _pow2_label(value: float, _pos: Any = None) -> str:
+    if value <= 0 or not math.isfinite(value):
+        return ""
+    exponent = math.log2(value)
+    return f"$2^{{{int(round(exponent))}}}$" if abs(exponent - round(exponent)) < 1e-6 else ""
+
+
+def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str | os.PathLike[str] | IO[bytes],
+                title: str = "AmpWatch timeline", fmt: str | None = None) -> None:
+    """Draw the timeline: loss scale (log2) with skipped steps, loss, learning rates, and a marker at every
+    diagnosis and remedy. Headless: a bare ``Figure`` on the Agg canvas, no pyplot state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.transforms import blended_transform_factory
+
+    if not timeline.steps:
+        raise ValueError(f"{timeline.path}: the timeline holds no steps to draw")
+    steps = timeline.steps
+    has_scale = any(s is not None for s in timeline.scales)
+    n_groups = max((len(lrs) for lrs in timeline.lrs), default=0)
+    panels = (["scale"] if has_scale else []) + ["loss"] + (["lr"] if n_groups else [])
+    heights = {"scale": 3.0, "loss": 2.0, "lr": 1.6}
+    fig = Figure(figsize=(11, 1.1 + sum(heights[p] for p in panels)), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False,
+                        gridspec_kw={"height_ratios": [heights[p] for p in panels]})[:, 0]
+    ax_of = dict(zip(panels, axes))
+    bad_steps = [s for s, skip in zip(steps, timeline.skipped) if skip]
+
+    if has_scale:
+        ax = ax_of["scale"]
+        pts = [(s, v) for s, v in zip(steps, timeline.scales) if v is not None and v > 0]
+        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="tab:blue", lw=1.6, label="loss scale")
+        skipped = [(s, v) for s, v, k in zip(steps, timeline.scales, timeline.skipped) if k and v]
+        if skipped:
+            ax.scatter([p[0] for p in skipped], [p[1] for p in skipped], marker="v", s=26, color="tab:red",
+                       zorder=3, label=f"skipped step ({len(bad_steps)})")
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_locator(LogLocator(base=2, numticks=9))
+        ax.yaxis.set_major_formatter(FuncFormatter(_pow2_label))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, p: ""))
+        ax.set_ylabel("loss scale")
+        ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+
+    ax = ax_of["loss"]
+    finite = [(s, v) for s, v in zip(steps, timeline.losses) if v is not None and math.isfinite(v)]
+    nonfinite = [s for s, f in zip(steps, timeline.loss_finite) if f is False]
+    if finite:
+        ax.plot([p[0] for p in finite], [p[1] for p in finite], ".-", ms=4, lw=0.7, alpha=0.8, color="tab:green",
+                label="loss (where read)")
+        values = [p[1] for p in finite]
+        if min(values) > 0 and max(values) / min(values) > 100:
+            ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no loss read (a healthy step under a GradScaler is not read)", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, color="0.4")
+    if nonfinite:
+        top = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.scatter(nonfinite, [0.94] * len(nonfinite), transform=top, marker="x", s=30, color="tab:red",
+                   zorder=3, label=f"non-finite loss ({len(nonfinite)}, drawn at the top)", clip_on=False)
+    ax.set_ylabel("loss")
+    if finite or nonfinite:
+        ax.legend(loc="upper left" if nonfinite and nonfinite[0] > (steps[0] + steps[-1]) / 2 else "upper right",
+                  fontsize=8, framealpha=0.9)
+
+    if n_groups:
+        ax = ax_of["lr"]
+        shown = min(n_groups, 6)
+        for g in range(shown):
+            ys = [lrs[g] if len(lrs) > g else math.nan for lrs in timeline.lrs]
+            ax.step(steps, ys, where="post", lw=1.3, label=f"group {g}" if n_groups > 1 else "learning rate")
+        flat = [v for lrs in timeline.lrs for v in lrs[:shown]]
+        if flat and min(flat) > 0:
+            ax.set_yscale("log")  # schedules are multiplicative; a log axis also keeps a flat LR readable
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel("learning rate")
+        if n_groups > 1:
+            extra = f" (first {shown} of {n_groups})" if n_groups > shown else ""
+            ax.legend(loc="upper left", fontsize=8, framealpha=0.9, title=f"param groups{extra}", title_fontsize=8)
+
+    markers: list[tuple[int, str, str, str]] = []  # step, label, colour, line style
+    for d in diagnoses:
+        where = f" in {d.location}" if d.location else ""
+        markers.append((d.step, f"{d.finding.value}{where}", "tab:red" if d.is_alarm else "tab:purple", "--"))
+    remedies = {(e["step"], str(e.get("name"))) for e in timeline.of_kind("remedy")}
+    if not remedies:  # a timeline from before remedies were recorded: fall back on the diagnoses
+        remedies = {(d.step, d.remedy) for d in diagnoses if d.remedy}
+    for step, name in sorted(remedies):
+        markers.append((step, f"remedy: {name}", "tab:green", "-."))
+    first, last = steps[0], steps[-1]
+    span = max(1, last - first)
+    for ax in axes:
+        ax.set_xlim(first - 0.01 * span - 0.5, last + 0.01 * span + 0.5)
+        ax.grid(True, which="major", alpha=0.25)
+        for step, _, colour, style in markers:
+            ax.axvline(step, color=colour, ls=style, lw=1.1, alpha=0.85, zorder=1)
+    top_ax = axes[0]
+    label_at = blended_transform_factory(top_ax.transData, top_ax.transAxes)
+    previous: float | None = None
+    lane = 0
+    for step, label, colour, _ in markers:
+        lane = lane + 1 if previous is not None and step - previous < 0.03 * span else 0
+        previous = step
+        top_ax.text(step + 0.004 * span * (1 + 3 * lane), 0.97, label, transform=label_at, rotation=90,
+                    va="top", ha="left", fontsize=8, color=colour, clip_on=True,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75})
+    if markers:
+        kinds = {("tab:red", "--"): "alarm", ("tab:purple", "--"): "normal scaling", ("tab:green", "-."): "remedy"}
+        used = {(c, s) for _, _, c, s in markers}
+        handles = [Line2D([], [], color=c, ls=s, label=name) for (c, s), name in kinds.items() if (c, s) in used]
+        axes[-1].legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.9)
+    axes[-1].set_xlabel("optimizer step")
+    stats = timeline_stats(timeline, diagnoses)
+    fig.suptitle(title, fontsize=12, fontweight="bold")
+    if stats is not None:
+        axes[0].set_title(counts_line(stats), fontsize=9, color="0.3")
+    if fmt is None:
+        suffix = Path(out).suffix.lstrip(".").lower() if isinstance(out, (str, os.PathLike)) else ""
+        fmt = suffix or "png"
+    # no version stamp in a PNG: the same run gives the same bytes (docs/timeline.png stays diff-free)
+    fig.savefig(out, format=fmt, metadata={"Software": None} if fmt == "png" else None)
+
+
+def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: Sequence[Diagnosis],
+                timeline: TimelineData | None) -> None:
+    """One self-contained page: the report header, the plot (embedded) and the episode table."""
+    parts = ["<!doctype html>", '<html><head><meta charset="utf-8"><title>AmpWatch report</title><style>',
+             "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}",
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.4em .6em;vertical-align:top;"
+             "text-align:left}.alarm{color:#b00;font-weight:bold}.normal{color:#35c}img{max-width:100%}"
+             "</style></head><body>", "<h1>AmpWatch report</h1>"]
+    parts += [f"<p>{html.escape(line.strip())}</p>" for line in report_lines(files, diagnoses, timeline)]
+    if timeline is not None and timeline.steps:
+        buffer = io.BytesIO()
+        render_plot(timeline, diagnoses, buffer, title=f"AmpWatch timeline: {files.directory.parent.name}",
+                    fmt="png")
+        encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+        parts.append(f'<p><img alt="AmpWatch timeline" src="data:image/png;base64,{encoded}"></p>')
+    if diagnoses:
+        parts.append("<table><tr><th>steps</th><th>finding</th><th>location</th><th>advice</th><th>remedy</th></tr>")
+        for row in episodes(diagnoses, timeline):
+            d = row.diagnosis
+            parts.append(f"<tr><td>{html.escape(row.steps)}</td>"
+                         f"<td class=\"{'alarm' if d.is_alarm else 'normal'}\">{d.finding.value}</td>"
+                         f"<td>{html.escape(d.location or '-')}</td><td>{html.escape(d.advice)}</td>"
+                         f"<td>{html.escape(d.remedy or ('none' if d.is_alarm else '-'))}</td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>No diagnoses were made.</p>")
+    parts.append("</body></html>")
+    Path(out).write_text("\n".join(parts) + "\n", encoding="utf-8")

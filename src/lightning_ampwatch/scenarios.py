@@ -148,12 +148,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "scale_collapse",
-            "Gradients so large that even a scale below 1 overflows float16: the scale collapses and no step "
-            "goes through.",
+            "A summed loss over 512 samples with targets in the thousands: the gradients exceed float16 even "
+            "unscaled, so the scale collapses below 1 and most steps are thrown away.",
             "GRADIENT_OVERFLOW",
-            lambda: Regressor(lr=1e-6, loss_scale=1e6),
-            lambda: regression_data(),
-            max_steps=30,
+            lambda: Regressor(lr=1e-6, reduction="sum"),
+            lambda: regression_data(n=2048, y_scale=1000.0),
+            max_steps=24,
+            batch_size=512,
         ),
         Scenario(
             "growth_overflow",
@@ -204,6 +205,15 @@ SCENARIOS: dict[str, Scenario] = {
             lambda: regression_data(),
             precision="32",
             max_steps=40,
+        ),
+        Scenario(
+            "diverging_lr",
+            "A float16 run with a learning rate far too high: float16 overflows first, but the FP32 control "
+            "shows the loss exploding at full precision too, so AMP is cleared.",
+            "FP32_UNSTABLE",
+            lambda: Regressor(lr=5.0),
+            lambda: regression_data(),
+            max_steps=12,
         ),
         Scenario(
             "healthy",

@@ -28,6 +28,8 @@ class Finding(str, Enum):
     GROWTH_OVERFLOW = "GROWTH_OVERFLOW"
     LR_SCHEDULE = "LR_SCHEDULE"
     NORMAL_SCALING = "NORMAL_SCALING"
+    FP16_PARAMETERS = "FP16_PARAMETERS"
+    EPS_UNDERFLOW = "EPS_UNDERFLOW"
 
     @property
     def is_alarm(self) -> bool:
@@ -49,7 +51,7 @@ class Finding(str, Enum):
 
 _SUMMARIES: dict[Finding, str] = {
     Finding.DATA_NONFINITE: "the batch itself contains NaN or inf values; this is a data problem, not AMP",
-    Finding.FP32_UNSTABLE: "the loss goes non-finite without reduced precision too; the optimisation is unstable",
+    Finding.FP32_UNSTABLE: "the run is unstable at full precision too: the optimisation is at fault, not AMP",
     Finding.LOSS_OUTSIDE_AUTOCAST: "the loss is computed outside autocast, in the precision of the model outputs",
     Finding.CLIP_BEFORE_UNSCALE: "gradients are clipped while they are still multiplied by the loss scale",
     Finding.STEP_OUTSIDE_SCALER: "the optimizer stepped without going through the GradScaler",
@@ -60,6 +62,8 @@ _SUMMARIES: dict[Finding, str] = {
     Finding.GROWTH_OVERFLOW: "every time the scaler doubles the loss scale, the very next steps overflow",
     Finding.LR_SCHEDULE: "the trouble began right after the learning rate went up",
     Finding.NORMAL_SCALING: "a few skipped steps at a healthy scale: dynamic loss scaling doing its job",
+    Finding.FP16_PARAMETERS: "trainable parameters are already float16 under 16-mixed, so nothing is kept in float32",
+    Finding.EPS_UNDERFLOW: "the optimizer's eps is too small for float16 and no longer guards its division",
 }
 
 
@@ -197,8 +201,14 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
 
 
 def _advice_fp32(ev: Mapping[str, Any]) -> str:
-    return (
-        "This is not a mixed-precision problem: the loss is non-finite at full precision as well. "
+    level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
+    if "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
+            and isinstance(control, (int, float)):
+        why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "
+               "training is diverging and float16 merely overflowed first. ")
+    else:
+        why = "The loss is non-finite at full precision as well, so reduced precision is not the cause. "
+    return why + (
         "Lower the learning rate, add gradient clipping, and look for log/exp/division of values that can "
         "reach zero or grow without bound in the loss."
     )
@@ -236,17 +246,85 @@ def _advice_normal(ev: Mapping[str, Any]) -> str:
     )
 
 
-def _advice_recipe(finding: Finding) -> Callable[[Mapping[str, Any]], str]:
-    texts = {
-        Finding.LOSS_OUTSIDE_AUTOCAST: "Compute the loss inside the same autocast region as the forward pass.",
-        Finding.CLIP_BEFORE_UNSCALE: "Call scaler.unscale_(optimizer) before clipping, or use Lightning's "
-        "gradient_clip_val, which unscales first.",
-        Finding.STEP_OUTSIDE_SCALER: "Step only through scaler.step(optimizer) followed by scaler.update().",
-        Finding.MANUAL_PRESCALE: "Do not multiply the loss yourself; let the GradScaler do the scaling. "
-        "Dividing by the number of accumulation steps is fine.",
-    }
-    text = texts[finding]
-    return lambda ev: text
+def _at(ev: Mapping[str, Any]) -> str:
+    code = ev.get("code")
+    return f" (`{code}`)" if code else ""
+
+
+def _advice_loss_autocast(ev: Mapping[str, Any]) -> str:
+    op = ev.get("loss_op")
+    return (
+        f"The loss op {op + ' ' if op else ''}ran in float16 because autocast was off where the loss was computed"
+        f"{_at(ev)}. Compute the loss inside the autocast region (in Lightning, training_step already is one: "
+        "drop the autocast(enabled=False) block), or cast the model outputs and targets with .float() before the "
+        "loss so it runs in float32."
+    )
+
+
+def _advice_clip(ev: Mapping[str, Any]) -> str:
+    real = ev.get("limit_in_real_units")
+    effect = (f"Your clipping limit acts as {real:.3g} on the real gradients. " if isinstance(real, (int, float))
+              else "")
+    if ev.get("optimization") == "manual" or ev.get("via") == "LightningModule.clip_gradients":
+        return effect + (
+            "In manual optimization opt.step() unscales only after this line runs, and calling scaler.unscale_ "
+            "yourself makes that step fail. Move the clipping into the on_before_optimizer_step(self, optimizer) "
+            "hook, which Lightning calls after unscaling: self.clip_gradients(optimizer, gradient_clip_val=...)."
+        )
+    return effect + (
+        "Clip where the gradients are already unscaled: pass gradient_clip_val to the Trainer, or clip inside "
+        "on_before_optimizer_step or configure_gradient_clipping (both run after Lightning unscales). Outside "
+        "Lightning, call scaler.unscale_(optimizer) before clipping."
+    )
+
+
+def _advice_step(ev: Mapping[str, Any]) -> str:
+    if ev.get("optimization") == "manual":
+        return (
+            f"Step the LightningOptimizer from self.optimizers(), not the raw optimizer{_at(ev)}: opt.step() goes "
+            "through the GradScaler, which unscales, skips steps with inf/NaN gradients and updates the scale."
+        )
+    return (
+        f"Let the GradScaler step the optimizer{_at(ev)}: in an optimizer_step override call optimizer.step("
+        "closure=optimizer_closure) on the LightningOptimizer you are given; outside Lightning use "
+        "scaler.step(optimizer) followed by scaler.update()."
+    )
+
+
+def _advice_prescale(ev: Mapping[str, Any]) -> str:
+    if ev.get("second_scaler_scale"):
+        what = "The loss went through scaler.scale twice"
+        fix = "Hand the plain loss to backward (self.manual_backward(loss)); Lightning scales it once itself."
+    else:
+        factor = ev.get("factor")
+        what = f"The loss was multiplied by {_pow2(factor)} before the scaler's own scale" if factor else \
+            "The loss was multiplied by hand before the scaler's own scale"
+        fix = "Drop that factor and let the GradScaler pick the scale; if you want a larger start, pass " \
+              "GradScaler(init_scale=...) to the precision plugin."
+    return (
+        f"{what}{_at(ev)}, so the gradients carry both and overflow early. {fix} Dividing the loss by the number "
+        "of accumulation steps is fine."
+    )
+
+
+def _advice_fp16_params(ev: Mapping[str, Any]) -> str:
+    return (
+        "16-mixed keeps the parameters in float32 and lets autocast run selected ops in float16; with float16 "
+        "parameters the scaler cannot unscale their gradients (it refuses float16 gradients) and the updates lose "
+        "precision. Remove the .half() / .to(torch.float16) on the model and let the precision plugin cast, or "
+        "train with precision='16-true' if you really want float16 weights."
+    )
+
+
+def _advice_eps(ev: Mapping[str, Any]) -> str:
+    eps, held = ev.get("eps"), ev.get("eps_in_float16")
+    known = isinstance(eps, (int, float)) and isinstance(held, (int, float))
+    what = f"eps={eps:g} becomes {held:g} in float16" if known else "eps is below float16's smallest normal number"
+    return (
+        f"{what}, so it no longer keeps the update m / (sqrt(v) + eps) finite once v underflows. Pass eps=1e-4 "
+        f"(or larger) to {ev.get('optimizer') or 'the optimizer'}, or train with 16-mixed / bf16 so that the "
+        "optimizer state stays in float32."
+    )
 
 
 ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
@@ -258,10 +336,12 @@ ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
     Finding.GROWTH_OVERFLOW: _advice_growth,
     Finding.LR_SCHEDULE: _advice_lr,
     Finding.NORMAL_SCALING: _advice_normal,
-    **{f: _advice_recipe(f) for f in (
-        Finding.LOSS_OUTSIDE_AUTOCAST, Finding.CLIP_BEFORE_UNSCALE,
-        Finding.STEP_OUTSIDE_SCALER, Finding.MANUAL_PRESCALE,
-    )},
+    Finding.LOSS_OUTSIDE_AUTOCAST: _advice_loss_autocast,
+    Finding.CLIP_BEFORE_UNSCALE: _advice_clip,
+    Finding.STEP_OUTSIDE_SCALER: _advice_step,
+    Finding.MANUAL_PRESCALE: _advice_prescale,
+    Finding.FP16_PARAMETERS: _advice_fp16_params,
+    Finding.EPS_UNDERFLOW: _advice_eps,
 }
 
 

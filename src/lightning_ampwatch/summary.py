@@ -1,0 +1,115 @@
+"""What happened in a run, in a few lines: the end-of-fit console summary and the episodes of ``ampwatch report``.
+
+Pure Python over plain numbers, diagnoses and a parsed timeline, so the callback and the CLI say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.timeline import TimelineData
+
+RECOVERY_GAP = 8  # clean steps that end an episode's span; the machine's default ``recovery_steps``
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """The counters a summary rests on."""
+
+    steps: int
+    skipped: int = 0
+    nonfinite: int = 0
+    scale: float | None = None  # the loss scale at the end; None without a scaler
+    precision: str | None = None
+
+
+def format_scale(scale: float | None) -> str:
+    """``2**11`` for powers of two (what a GradScaler holds), plain otherwise."""
+    if scale is None:
+        return "-"
+    if scale > 0 and math.isfinite(scale) and math.log2(scale).is_integer():
+        return f"2**{int(math.log2(scale))}"
+    return f"{scale:g}"
+
+
+def counts_line(stats: RunStats) -> str:
+    """"60 optimizer steps, 8 skipped by the scaler (13%), loss scale 2**8 at the end"."""
+    parts = [f"{stats.steps} optimizer step{'s' if stats.steps != 1 else ''}"]
+    if stats.skipped:
+        share = f" ({stats.skipped / stats.steps:.0%})" if stats.steps else ""
+        parts.append(f"{stats.skipped} skipped by the scaler{share}")
+    if stats.nonfinite:
+        parts.append(f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}")
+    if stats.scale is not None:
+        parts.append(f"loss scale {format_scale(stats.scale)} at the end")
+    return ", ".join(parts)
+
+
+def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str | Path | None = None) -> list[str]:
+    """The end-of-fit summary: one line for a healthy run, a few for one that had trouble."""
+    alarms = [d for d in diagnoses if d.is_alarm]
+    if not alarms:
+        if any(d.finding is Finding.NORMAL_SCALING for d in diagnoses):
+            return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]
+        return [f"AmpWatch: {counts_line(stats)}; nothing to report. Healthy run."]
+    lines = [f"AmpWatch summary: {counts_line(stats)}; {len(alarms)} alarm{'s' if len(alarms) != 1 else ''}."]
+    for d in diagnoses:
+        where = f" in {d.location}" if d.location else ""
+        if d.remedy:
+            outcome = f"fixed with {d.remedy}"
+        elif d.is_alarm:
+            outcome = "not fixed: see the advice above"
+        else:
+            outcome = "normal"
+        lines.append(f"  step {d.step:>6}  {d.finding.value}{where} ({outcome})")
+    if log_dir is not None:
+        lines.append(f"  Details in {Path(log_dir) / 'ampwatch'}; draw them with: "
+                     f"ampwatch report {log_dir} --plot timeline.png")
+    return lines
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One diagnosis with the stretch of anomalous steps it covers (from the timeline, when there is one)."""
+
+    diagnosis: Diagnosis
+    first: int
+    last: int
+    anomalous: int | None  # anomalous steps in the span; None without a timeline
+
+    @property
+    def steps(self) -> str:
+        if self.last == self.first:
+            return str(self.first)
+        return f"{self.first}-{self.last}"
+
+
+def episodes(diagnoses: Sequence[Diagnosis], timeline: TimelineData | None = None,
+             recovery_gap: int = RECOVERY_GAP) -> list[Episode]:
+    """Each alarm spans from its onset over anomalous steps no more than ``recovery_gap`` apart, up to the next
+    alarm; ``NORMAL_SCALING`` covers just its step."""
+    ordered = sorted(diagnoses, key=lambda d: d.step)
+    bad: list[int] = []
+    if timeline is not None:
+        bad = sorted(s for s, skip, fin in zip(timeline.steps, timeline.skipped, timeline.loss_finite)
+                     if skip or fin is False)
+    alarm_onsets = [d.step for d in ordered if d.is_alarm]
+    out: list[Episode] = []
+    for d in ordered:
+        if not d.is_alarm or timeline is None:
+            out.append(Episode(d, d.step, d.step, None))
+            continue
+        limit = min((s for s in alarm_onsets if s > d.step), default=math.inf)
+        last, count = d.step, 0
+        for step in bad:
+            if step < d.step:
+                continue
+            if step >= limit or step - last > recovery_gap:
+                break
+            last, count = step, count + 1
+        out.append(Episode(d, d.step, last, count))
+    return out
