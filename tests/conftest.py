@@ -1,0 +1,70 @@
+"""Shared fixtures: a real true-fp16 CPU trainer factory, quiet Lightning logs, and an observation spy."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ampwatch.machine import AmpStateMachine, Observation
+from lightning_ampwatch.scenarios import true_fp16_plugin
+
+_LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+# The test models are tiny: one intra-op thread is several times faster than two fighting over 2 cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning() -> Any:
+    """Lightning's start-up chatter ("GPU available", tips) drowns a failing test's output."""
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
+def make_trainer(root_dir: Any, callbacks: list[Any], precision: str = "fp16", scaler: dict[str, Any] | None = None,
+                 **overrides: Any) -> pl.Trainer:
+    """A small CPU trainer; ``precision="fp16"`` is real float16 autocast with a real GradScaler."""
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=20, default_root_dir=str(root_dir), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=10, callbacks=callbacks,
+    )
+    if precision == "fp16":
+        kwargs["plugins"] = [true_fp16_plugin(**(scaler or {}))]
+    else:
+        kwargs["precision"] = precision
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+@pytest.fixture
+def fp16_trainer(tmp_path: Any) -> Callable[..., pl.Trainer]:
+    """``fp16_trainer(callbacks, scaler={...}, **trainer_kwargs)``: a true-fp16 CPU trainer rooted in tmp_path."""
+
+    def factory(callbacks: list[Any], scaler: dict[str, Any] | None = None, **overrides: Any) -> pl.Trainer:
+        return make_trainer(tmp_path, callbacks, "fp16", scaler, **overrides)
+
+    return factory
+
+
+@pytest.fixture
+def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
+    """Every Observation the callback feeds its machine, in order (the machine still runs as usual)."""
+    seen: list[Observation] = []
+    original = AmpStateMachine.observe
+
+    def recording(self: AmpStateMachine, obs: Observation) -> Any:
+        seen.append(obs)
+        return original(self, obs)
+
+    monkeypatch.setattr(AmpStateMachine, "observe", recording)
+    return seen

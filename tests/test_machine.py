@@ -1,0 +1,481 @@
+"""The state machine alone, fed synthetic observation sequences, plus ScaleMirror against a real GradScaler."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Iterable, Sequence
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_ampwatch import Diagnosis, Finding, Thresholds
+from lightning_ampwatch.machine import (
+    AmpStateMachine,
+    BatchStats,
+    Observation,
+    PrecisionMode,
+    ScaleMirror,
+    replay,
+)
+
+DEFAULT_SCALER = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+def scaled_run(skips: Iterable[int], steps: int, init_scale: float = 2.0**16, growth_interval: int = 2000,
+               lrs: Sequence[float] | None = None, start: int = 0, mirror: ScaleMirror | None = None,
+               loss: float = 1.0) -> list[Observation]:
+    """Observations of a scaler run: the scale comes from a ScaleMirror fed the same skips, as in the callback."""
+    mirror = mirror or ScaleMirror(init_scale, growth_interval=growth_interval)
+    skip_set = set(skips)
+    out = []
+    for step in range(start, start + steps):
+        skipped = step in skip_set
+        scale = mirror.scale
+        grew = mirror.update(skipped)
+        lr = (lrs[step - start],) if lrs is not None else (0.01,)
+        out.append(Observation(step=step, skipped=skipped, loss=loss, loss_finite=True, scale=scale, grew=grew,
+                               lrs=lr))
+    return out
+
+
+def alarms(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
+    return [d for d in diagnoses if d.is_alarm]
+
+
+def fp16_machine(**thresholds: float) -> AmpStateMachine:
+    return AmpStateMachine(PrecisionMode.FP16, Thresholds(**thresholds) if thresholds else None, DEFAULT_SCALER)
+
+
+# ----------------------------------------------------------------------------- GRADIENT_OVERFLOW
+
+
+def test_startup_overflow_names_the_scale_that_proved_safe() -> None:
+    # 2**16 .. 2**11 overflow (6 skips from step 0), 2**10 goes through
+    found = replay(fp16_machine(), scaled_run(range(6), 30))
+    assert len(found) == 1
+    diagnosis = found[0]
+    assert diagnosis.finding is Finding.GRADIENT_OVERFLOW
+    assert diagnosis.step == 0
+    assert diagnosis.evidence["pattern"] == "startup"
+    assert diagnosis.evidence["safe_scale"] == 1024.0
+    assert diagnosis.evidence["init_scale"] == 65536.0
+    assert diagnosis.evidence["skipped_in_row"] == 6
+    assert "init_scale=2**10" in diagnosis.advice
+
+
+def test_short_startup_streak_is_normal_scaling_not_an_alarm() -> None:
+    found = replay(fp16_machine(), scaled_run(range(2), 30))
+    assert [d.finding for d in found] == [Finding.NORMAL_SCALING]
+    assert found[0].step == 0
+
+
+def test_collapse_after_a_healthy_start() -> None:
+    machine = fp16_machine()
+    found = replay(machine, scaled_run(range(20, 26), 40))
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+    assert found[0].step == 20
+    assert found[0].evidence["pattern"] == "collapse"
+    assert found[0].evidence["safe_scale"] == 65536.0
+    assert machine.episode is not None or machine.closed_episodes  # it opened an episode
+
+
+def test_burst_of_skips_not_in_a_row() -> None:
+    found = replay(fp16_machine(), scaled_run([20, 21, 23, 25], 40))
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+    assert found[0].step == 20
+    assert found[0].evidence["pattern"] == "burst"
+
+
+def test_persistent_skipping_at_a_steady_rate() -> None:
+    skips = [s for s in range(10, 60) if s % 3 == 0]  # one step in three, never 4 within 8 steps
+    found = replay(fp16_machine(), scaled_run(skips, 60))
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+    assert found[0].evidence["pattern"] == "persistent"
+    assert found[0].evidence["skip_rate"] >= 0.25
+    assert 10 <= found[0].step <= 30
+
+
+def test_overflow_below_scale_one_blames_the_gradients_not_the_scale() -> None:
+    machine = fp16_machine()
+    found = replay(machine, scaled_run(range(40), 40))  # 2**16 halved 40 times: far below 1
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+    diagnosis = found[0]
+    assert diagnosis.step == 0
+    assert diagnosis.evidence["pattern"] == "unscaled_overflow"
+    assert diagnosis.evidence["scale"] < 1.0
+    assert "init_scale" not in diagnosis.advice and "bf16-mixed" in diagnosis.advice
+
+
+# ----------------------------------------------------------------------------- GROWTH_OVERFLOW
+
+
+def ceiling_run(steps: int, ceiling: float, growth_interval: int, init_scale: float,
+                lrs: Sequence[float] | None = None) -> list[Observation]:
+    """A scaler whose gradients overflow above ``ceiling``: each growth past it is skipped at once."""
+    mirror = ScaleMirror(init_scale, growth_interval=growth_interval)
+    out = []
+    for step in range(steps):
+        scale = mirror.scale
+        skipped = scale > ceiling
+        grew = mirror.update(skipped)
+        out.append(Observation(step=step, skipped=skipped, loss=1.0, loss_finite=True, scale=scale, grew=grew,
+                               lrs=(lrs[step] if lrs else 0.01,)))
+    return out
+
+
+def test_growth_overflow_when_every_growth_is_skipped() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 3})
+    found = replay(machine, ceiling_run(60, ceiling=1024.0, growth_interval=3, init_scale=1024.0))
+    assert [d.finding for d in found] == [Finding.GROWTH_OVERFLOW]
+    diagnosis = found[0]
+    assert diagnosis.evidence["pattern"] == "growth_overflow"
+    assert len(diagnosis.evidence["growth_steps"]) == 3
+    assert diagnosis.step <= 4  # the first growth happens at step 2 and is skipped at step 3
+    assert diagnosis.evidence["safe_scale"] == 1024.0
+    assert "growth_interval=30" in diagnosis.advice and "init_scale=2**10" in diagnosis.advice
+
+
+def test_growth_overflow_episode_stays_open_while_growths_keep_failing() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 3})
+    found = replay(machine, ceiling_run(300, ceiling=1024.0, growth_interval=3, init_scale=1024.0))
+    assert len(alarms(found)) == 1
+
+
+def test_growth_overflow_closes_once_growths_survive_and_is_announced_again() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 3})
+    mirror = ScaleMirror(1024.0, growth_interval=3)
+    observations = []
+    for step in range(120):
+        ceiling = 1024.0 if step < 40 else 2.0**14  # the gradients shrink: four growths survive, then it fails again
+        scale = mirror.scale
+        skipped = scale > ceiling
+        observations.append(Observation(step=step, skipped=skipped, loss=1.0, loss_finite=True, scale=scale,
+                                        grew=mirror.update(skipped), lrs=(0.01,)))
+    found = replay(machine, observations)
+    assert [d.finding for d in found] == [Finding.GROWTH_OVERFLOW, Finding.GROWTH_OVERFLOW]
+    assert len(machine.closed_episodes) == 1
+    closed = machine.closed_episodes[0]
+    assert closed["finding"] == "GROWTH_OVERFLOW" and closed["onset"] == found[0].step
+    assert found[0].step < 40 < closed["end"] < found[1].step
+    assert found[1].evidence["safe_scale"] == 2.0**14
+
+
+# ----------------------------------------------------------------------------- LR_SCHEDULE
+
+
+def test_lr_increase_before_the_onset_is_blamed_before_the_scaler() -> None:
+    lrs = [0.01] * 30 + [0.4] * 30
+    found = replay(fp16_machine(), scaled_run(range(32, 38), 60, lrs=lrs))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
+    diagnosis = found[0]
+    assert diagnosis.step == 32
+    assert diagnosis.evidence["lr_event"] == "lr_increase"
+    assert diagnosis.evidence["lr_before"] == 0.01 and diagnosis.evidence["lr_after"] == 0.4
+    assert diagnosis.evidence["lr_change_step"] == 30
+    assert "the learning rate rose (0.01 -> 0.4)" in diagnosis.advice
+
+
+def test_same_skips_without_the_lr_change_blame_the_scaler() -> None:
+    found = replay(fp16_machine(), scaled_run(range(32, 38), 60, lrs=[0.01] * 60))
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+
+
+def test_warmup_end_with_lr_before_and_after() -> None:
+    warmup = [0.001 + 0.009 * min(step, 20) / 20 for step in range(60)]  # peaks at step 20, then flat
+    found = replay(fp16_machine(), scaled_run(range(22, 28), 60, lrs=warmup))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
+    ev = found[0].evidence
+    assert ev["lr_event"] == "warmup_end"
+    assert ev["lr_before"] == pytest.approx(0.001) and ev["lr_after"] == pytest.approx(0.01)
+    assert ev["lr_change_step"] == 20
+    assert "warmup reached its peak (0.001 -> 0.01)" in found[0].advice
+
+
+def test_end_of_a_long_warmup_is_blamed_although_its_last_steps_rise_little() -> None:
+    # 200 warmup steps: the LR rises only ~2.5% over the last five, but 100x over the whole climb
+    warmup = [1e-4 + (1e-2 - 1e-4) * min(step, 200) / 200 for step in range(260)]
+    found = replay(fp16_machine(), scaled_run(range(202, 208), 260, lrs=warmup))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
+    assert found[0].evidence["lr_event"] == "warmup_end"
+    assert found[0].evidence["lr_before"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("delay", [1, 2, 4])
+def test_a_single_lr_jump_is_an_increase_not_a_warmup_whatever_the_delay(delay: int) -> None:
+    lrs = [0.01] * 30 + [0.4] * 30
+    found = replay(fp16_machine(), scaled_run(range(30 + delay, 36 + delay), 60, lrs=lrs))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
+    assert found[0].evidence["lr_event"] == "lr_increase"
+
+
+def test_lr_rise_long_before_the_onset_is_not_blamed() -> None:
+    lrs = [0.01] * 10 + [0.4] * 50
+    found = replay(fp16_machine(), scaled_run(range(40, 46), 60, lrs=lrs))
+    assert [d.finding for d in found] == [Finding.GRADIENT_OVERFLOW]
+
+
+def test_lr_rise_takes_precedence_over_forward_overflow() -> None:
+    machine = fp16_machine()
+    replay(machine, scaled_run([], 10, lrs=[0.01] * 8 + [0.5] * 2))
+    found = machine.observe(Observation(step=10, skipped=True, loss=float("inf"), loss_finite=False, scale=65536.0,
+                                        lrs=(0.5,), batch=BatchStats(absmax=3.0)))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
+
+
+# ----------------------------------------------------------------------------- NORMAL_SCALING
+
+
+def test_normal_scaling_is_reported_once_and_never_opens_an_episode() -> None:
+    machine = fp16_machine()
+    found = replay(machine, scaled_run([10, 50, 90, 130], 160))
+    assert [d.finding for d in found] == [Finding.NORMAL_SCALING]
+    assert found[0].step == 10
+    assert not found[0].is_alarm
+    assert machine.episode is None and machine.closed_episodes == []
+    assert "Nothing to fix" in found[0].advice
+
+
+# ----------------------------------------------------------------------------- loss-based findings
+
+
+def anomalous(step: int, batch: BatchStats | None, loss: float = float("nan"), skipped: bool = True) -> Observation:
+    return Observation(step=step, skipped=skipped, loss=loss, loss_finite=False, scale=65536.0, lrs=(0.01,),
+                       batch=batch)
+
+
+def test_nonfinite_batch_is_a_data_problem_in_any_precision() -> None:
+    for mode in PrecisionMode:
+        machine = AmpStateMachine(mode)
+        replay(machine, scaled_run([], 5))
+        found = machine.observe(anomalous(5, BatchStats(nonfinite=True, nonfinite_where="batch[0] rows [8]",
+                                                        absmax=2.0e5)))
+        assert [d.finding for d in found] == [Finding.DATA_NONFINITE], mode
+        assert found[0].step == 5
+        assert found[0].evidence["nonfinite_where"] == "batch[0] rows [8]"
+        assert "batch[0] rows [8]" in found[0].advice
+
+
+def test_huge_batch_values_under_fp16_are_input_range() -> None:
+    machine = fp16_machine()
+    found = machine.observe(anomalous(0, BatchStats(absmax=1.0e5, absmax_where="batch[0]"), loss=float("inf")))
+    assert [d.finding for d in found] == [Finding.INPUT_RANGE]
+    assert found[0].evidence["input_absmax"] == 1.0e5
+    assert "1e+05 in batch[0]" in found[0].advice
+
+
+def test_huge_batch_values_with_a_finite_loss_overflow_streak_are_input_range() -> None:
+    machine = fp16_machine()
+    replay(machine, scaled_run([], 10))
+    big = BatchStats(absmax=5.0e4, absmax_where="batch[1]")
+    found = []
+    for step in range(10, 14):
+        found += machine.observe(Observation(step=step, skipped=True, loss=2.0, loss_finite=True, scale=1024.0,
+                                             lrs=(0.01,), batch=big))
+    assert [d.finding for d in found] == [Finding.INPUT_RANGE]
+
+
+def test_nonfinite_loss_with_finite_data_under_fp16_is_forward_overflow() -> None:
+    found = fp16_machine().observe(anomalous(0, BatchStats(absmax=10.0)))
+    assert [d.finding for d in found] == [Finding.FORWARD_OVERFLOW]
+    assert found[0].location is None  # a later issue localises it
+    assert "autocast" in found[0].advice
+
+
+def test_bf16_never_blames_input_range() -> None:
+    found = AmpStateMachine(PrecisionMode.BF16).observe(anomalous(0, BatchStats(absmax=1.0e6), skipped=False))
+    assert [d.finding for d in found] == [Finding.FORWARD_OVERFLOW]
+    assert "bfloat16" in found[0].advice
+
+
+def test_nonfinite_loss_under_fp32_is_fp32_unstable() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP32)
+    clean = [Observation(step=s, loss=1.0, loss_finite=True, lrs=(0.01,)) for s in range(5)]
+    replay(machine, clean)
+    found = machine.observe(anomalous(5, BatchStats(absmax=1.0e6), skipped=False))
+    assert [d.finding for d in found] == [Finding.FP32_UNSTABLE]
+    assert found[0].step == 5
+    assert "full precision" in found[0].advice and "learning rate" in found[0].advice
+
+
+# ----------------------------------------------------------------------------- episodes
+
+
+def test_one_alarm_per_episode() -> None:
+    machine = fp16_machine()
+    found = replay(machine, scaled_run(range(10, 200), 200))  # never recovers
+    assert len(alarms(found)) == 1
+
+
+def test_repeated_nonfinite_loss_is_one_episode() -> None:
+    machine = fp16_machine()
+    found = replay(machine, [anomalous(s, BatchStats(absmax=1.0)) for s in range(20)])
+    assert [d.finding for d in found] == [Finding.FORWARD_OVERFLOW]
+
+
+def test_episode_closes_after_recovery_and_a_later_fault_is_announced_again() -> None:
+    machine = fp16_machine()
+    t = machine.thresholds
+    first = replay(machine, scaled_run(range(20, 26), 40))
+    assert machine.episode is None  # 14 clean steps after the burst
+    assert machine.closed_episodes == [{"finding": "GRADIENT_OVERFLOW", "onset": 20, "end": 25 + t.recovery_steps}]
+    mirror = ScaleMirror(1024.0)
+    second = replay(machine, scaled_run(range(70, 76), 60, start=40, mirror=mirror))
+    assert [d.step for d in alarms(first)] == [20]
+    assert [d.step for d in alarms(second)] == [70]
+
+
+def test_episode_stays_open_until_enough_clean_steps() -> None:
+    machine = fp16_machine()
+    replay(machine, scaled_run(range(20, 26), 26 + machine.thresholds.recovery_steps - 1))
+    assert machine.episode is not None and machine.episode.onset == 20
+
+
+def test_state_dict_round_trip_does_not_reannounce() -> None:
+    sequence = scaled_run(range(20, 60), 80)  # a long streak: the resume lands inside the episode
+    before, after = sequence[:30], sequence[30:]
+    original = fp16_machine()
+    announced = replay(original, before)
+    assert [d.finding for d in announced] == [Finding.GRADIENT_OVERFLOW]
+
+    state = json.loads(json.dumps(original.state_dict()))
+    resumed = fp16_machine()
+    resumed.load_state_dict(state)
+    assert resumed.episode == original.episode
+    assert resumed.steps_seen == 30 and resumed.skipped_total == 10
+    assert replay(resumed, after) == replay(original, after)
+    assert resumed.state_dict() == original.state_dict()
+
+
+def test_resumed_machine_does_not_reannounce_normal_scaling() -> None:
+    original = fp16_machine()
+    assert [d.finding for d in replay(original, scaled_run([5], 30))] == [Finding.NORMAL_SCALING]
+    resumed = fp16_machine()
+    resumed.load_state_dict(original.state_dict())
+    assert replay(resumed, scaled_run([40], 30, start=30)) == []
+
+
+# ----------------------------------------------------------------------------- healthy runs: property test
+
+
+@st.composite
+def healthy_runs(draw: st.DrawFn) -> list[Observation]:
+    steps = draw(st.integers(min_value=50, max_value=1500))
+    gap = 40  # each skip isolated: well over recovery_steps and window apart
+    max_skips = steps // 250  # skip rate at most 0.4%
+    count = draw(st.integers(min_value=0, max_value=max_skips))
+    gaps = draw(st.lists(st.integers(min_value=gap, max_value=4 * gap), min_size=count, max_size=count))
+    skips: list[int] = []
+    for g in gaps:  # the first skip lands anywhere in [gap, 4 * gap], each next one a gap later
+        skips.append((skips[-1] if skips else 0) + g)
+    skips = [s for s in skips if s < steps]
+    groups = draw(st.integers(min_value=1, max_value=2))
+    lr0 = draw(st.floats(min_value=1e-5, max_value=1.0))
+    decay = draw(st.sampled_from(["constant", "step", "cosine", "exponential"]))
+    def lr_at(step: int) -> float:
+        if decay == "step":
+            return lr0 * 0.1 ** (step // 100)
+        if decay == "cosine":
+            return lr0 * 0.5 * (1 + math.cos(math.pi * step / steps))
+        if decay == "exponential":
+            return lr0 * 0.999 ** step
+        return lr0
+    mirror = ScaleMirror(draw(st.sampled_from([2.0**10, 2.0**14, 2.0**16])),
+                         tracker=draw(st.integers(min_value=0, max_value=1999)))
+    out = []
+    skip_set = set(skips)
+    for step in range(steps):
+        skipped = step in skip_set
+        scale = mirror.scale
+        grew = mirror.update(skipped)
+        lr = lr_at(step)
+        loss = draw(st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e3))) if step % 97 == 0 else 1.0
+        out.append(Observation(step=step, skipped=skipped, loss=loss, loss_finite=None if loss is None else True,
+                               scale=scale, grew=grew, lrs=tuple(lr for _ in range(groups))))
+    return out
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(healthy_runs())
+def test_rare_isolated_skips_never_raise_an_alarm(run: list[Observation]) -> None:
+    machine = fp16_machine()
+    found = replay(machine, run)
+    assert alarms(found) == []
+    assert len(found) <= 1  # NORMAL_SCALING at most once
+    assert machine.episode is None
+
+
+# ----------------------------------------------------------------------------- ScaleMirror vs GradScaler
+
+
+def drive_real_scaler(found_infs: Sequence[bool], **scaler_kwargs: float) -> list[tuple[float, bool]]:
+    """Step a real CPU GradScaler whose gradient is inf exactly when asked; returns (scale after, grew)."""
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+    out = []
+    previous = scaler.get_scale()
+    for inf in found_infs:
+        opt.zero_grad()
+        factor = torch.tensor(float("inf") if inf else 1.0)
+        scaler.scale((param * factor).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        now = scaler.get_scale()
+        out.append((now, now > previous))
+        previous = now
+    return out
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    found_infs=st.lists(st.booleans(), min_size=1, max_size=40),
+    growth_interval=st.integers(min_value=1, max_value=5),
+    growth_factor=st.sampled_from([2.0, 1.5, 4.0]),
+    backoff_factor=st.sampled_from([0.5, 0.25]),
+    init_scale=st.sampled_from([1.0, 2.0**8, 2.0**16]),
+)
+def test_scale_mirror_follows_the_real_grad_scaler(found_infs: list[bool], growth_interval: int,
+                                                   growth_factor: float, backoff_factor: float,
+                                                   init_scale: float) -> None:
+    kwargs = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                  growth_interval=growth_interval)
+    real = drive_real_scaler(found_infs, **kwargs)
+    mirror = ScaleMirror(init_scale, growth_factor, backoff_factor, growth_interval)
+    for inf, (real_scale, real_grew) in zip(found_infs, real):
+        grew = mirror.update(inf)
+        assert mirror.scale == pytest.approx(real_scale, rel=1e-6)
+        assert grew == real_grew
+
+
+def test_scale_mirror_state_round_trip() -> None:
+    mirror = ScaleMirror(1024.0, growth_interval=3, tracker=2)
+    copy = ScaleMirror.from_state_dict(json.loads(json.dumps(mirror.state_dict())))
+    assert [copy.update(False) for _ in range(4)] == [mirror.update(False) for _ in range(4)]
+    assert copy.scale == mirror.scale == 4096.0
+
+
+# ----------------------------------------------------------------------------- Thresholds
+
+
+@pytest.mark.parametrize("field, value", [("streak", 0), ("window", -1), ("lr_rise", 0.0), ("recovery_steps", True),
+                                          ("input_limit", "big"), ("window_skip_rate", 1.5),
+                                          ("growth_skip_rate", 2.0)])
+def test_thresholds_reject_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError) as err:
+        Thresholds(**{field: value})  # type: ignore[arg-type]
+    message = str(err.value)
+    assert field in message or "skip rates" in message
+
+
+def test_thresholds_name_the_field_and_value() -> None:
+    with pytest.raises(ValueError, match=r"Thresholds\.streak must be a positive number, got 0"):
+        Thresholds(streak=0)
+
+
+def test_machine_rejects_unknown_precision_mode() -> None:
+    with pytest.raises(ValueError):
+        AmpStateMachine("fp8")

@@ -1,0 +1,132 @@
+"""The vocabulary: Finding values, the Diagnosis record, its JSON form and the advice wording."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from lightning_ampwatch import AmpWatchError, Diagnosis, Finding
+from lightning_ampwatch.taxonomy import advise
+
+
+def test_finding_value_equals_name_and_survives_json() -> None:
+    for finding in Finding:
+        assert finding.value == finding.name
+        assert str(finding) == finding.name
+        assert Finding(json.loads(json.dumps(finding))) is finding
+
+
+def test_only_normal_scaling_is_not_an_alarm() -> None:
+    quiet = [f for f in Finding if not f.is_alarm]
+    assert quiet == [Finding.NORMAL_SCALING]
+    assert Diagnosis(Finding.NORMAL_SCALING, 3).is_alarm is False
+    assert Diagnosis(Finding.GRADIENT_OVERFLOW, 3).is_alarm is True
+
+
+def test_every_finding_has_a_summary_and_advice() -> None:
+    for finding in Finding:
+        assert finding.summary
+        assert advise(finding, {})
+
+
+def test_diagnosis_is_frozen() -> None:
+    diagnosis = Diagnosis(Finding.GRADIENT_OVERFLOW, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        diagnosis.step = 6  # type: ignore[misc]
+
+
+def test_finding_given_as_string_becomes_the_enum() -> None:
+    assert Diagnosis("LR_SCHEDULE", 1).finding is Finding.LR_SCHEDULE  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Diagnosis("NOT_A_FINDING", 1)  # type: ignore[arg-type]
+
+
+def test_to_dict_from_dict_round_trip_through_json() -> None:
+    original = Diagnosis(
+        finding=Finding.GROWTH_OVERFLOW, step=42, location="encoder.0",
+        evidence={"scale_history": [65536.0, 32768.0], "growth_steps": [3, 7, 11], "pattern": "growth_overflow"},
+        advice="grow slower", remedy="slow_growth",
+    )
+    data = json.loads(json.dumps(original.to_dict()))
+    assert data["finding"] == "GROWTH_OVERFLOW"
+    assert Diagnosis.from_dict(data) == original
+    assert Diagnosis.from_dict(json.loads(original.to_json())) == original
+
+
+def test_from_dict_ignores_unknown_keys() -> None:
+    data = {**Diagnosis(Finding.INPUT_RANGE, 2).to_dict(), "written_by": "a later version"}
+    assert Diagnosis.from_dict(data) == Diagnosis(Finding.INPUT_RANGE, 2)
+
+
+def test_non_finite_evidence_stays_valid_json() -> None:
+    diagnosis = Diagnosis(Finding.FORWARD_OVERFLOW, 0, evidence={
+        "loss": float("nan"), "scale": float("inf"), "history": [1.0, float("-inf")], "nested": {"x": float("nan")},
+    })
+    text = diagnosis.to_json()
+    # strict JSON: no NaN / Infinity tokens anywhere
+    parsed = json.loads(text, parse_constant=lambda token: pytest.fail(f"non-JSON token {token} in {text}"))
+    ev = parsed["evidence"]
+    assert ev["loss"] == "nan" and ev["scale"] == "inf" and ev["history"] == [1.0, "-inf"]
+    assert ev["nested"] == {"x": "nan"}
+    assert math.isnan(float(ev["loss"]))
+
+
+def test_evidence_that_is_not_json_native_is_stringified() -> None:
+    diagnosis = Diagnosis(Finding.DATA_NONFINITE, 0, evidence={"finding": Finding.NORMAL_SCALING, "pair": (1, 2),
+                                                                 "obj": object})
+    parsed = json.loads(diagnosis.to_json())["evidence"]
+    assert parsed["finding"] == "NORMAL_SCALING"
+    assert parsed["pair"] == [1, 2]
+    assert isinstance(parsed["obj"], str)
+
+
+def test_headline_names_finding_step_and_location() -> None:
+    headline = Diagnosis(Finding.FORWARD_OVERFLOW, 17, location="attention.q").headline()
+    assert headline.startswith("FORWARD_OVERFLOW at step 17 in attention.q: ")
+
+
+@pytest.mark.parametrize("safe, text", [(1024.0, "init_scale=2**10"), (2.0**13, "init_scale=2**13"),
+                                        (0.5, "init_scale=2**-1")])
+def test_gradient_overflow_advice_names_the_safe_scale_as_a_power_of_two(safe: float, text: str) -> None:
+    advice = advise(Finding.GRADIENT_OVERFLOW, {"pattern": "startup", "safe_scale": safe})
+    assert text in advice
+    assert "GradScaler(" in advice
+
+
+def test_unscaled_overflow_advice_does_not_suggest_a_lower_scale() -> None:
+    advice = advise(Finding.GRADIENT_OVERFLOW, {"pattern": "unscaled_overflow", "safe_scale": 1024.0})
+    assert "init_scale" not in advice
+    assert "bf16-mixed" in advice
+
+
+def test_growth_advice_names_a_larger_interval_and_a_smaller_factor() -> None:
+    advice = advise(Finding.GROWTH_OVERFLOW, {"growth_interval": 3, "growth_factor": 2.0, "safe_scale": 4096.0})
+    assert "growth_interval=30" in advice
+    assert "growth_factor=1.41" in advice
+    assert "init_scale=2**12" in advice
+
+
+@pytest.mark.parametrize("event, words", [("warmup_end", "warmup"), ("lr_increase", "learning rate rose")])
+def test_lr_advice_says_which_event_with_the_lr_before_and_after(event: str, words: str) -> None:
+    advice = advise(Finding.LR_SCHEDULE, {"lr_event": event, "lr_before": 0.001, "lr_after": 0.04})
+    assert words in advice
+    assert "0.001 -> 0.04" in advice
+
+
+def test_input_range_advice_quotes_the_magnitude_and_where() -> None:
+    advice = advise(Finding.INPUT_RANGE, {"input_absmax": 123456.0, "input_where": "batch[0]"})
+    assert "1.23e+05" in advice and "batch[0]" in advice and "65504" in advice
+
+
+def test_data_advice_names_the_rows() -> None:
+    advice = advise(Finding.DATA_NONFINITE, {"nonfinite_where": "batch[0] rows [8]"})
+    assert "batch[0] rows [8]" in advice
+
+
+def test_amp_watch_error_carries_the_diagnosis() -> None:
+    diagnosis = Diagnosis(Finding.GRADIENT_OVERFLOW, 0)
+    err = AmpWatchError("boom", diagnosis)
+    assert isinstance(err, RuntimeError) and err.diagnosis is diagnosis
