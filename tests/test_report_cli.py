@@ -1,0 +1,169 @@
+"""``ampwatch report PATH``: the episode table, ``--plot`` and ``--html`` from a real run's logs, and clear errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from matplotlib.image import imread
+
+from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.cli import main
+from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real true-fp16 run whose learning rate jumps 40x at step 30, logged by a CSVLogger (a versioned dir)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    root = tmp_path_factory.mktemp("report")
+    scenario = SCENARIOS["lr_schedule"]
+    pl.seed_everything(0, verbose=False)
+    trainer = build_trainer(scenario, [AmpWatch(verbose=False)], str(root), logger=CSVLogger(str(root)))
+    trainer.fit(scenario.model(), scenario.dataloader())
+    assert (root / "lightning_logs" / "version_0" / "ampwatch" / "timeline.jsonl").is_file()
+    return root
+
+
+def report(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["report", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_report_prints_the_episode_table(run_dir: Path) -> None:
+    code, out, err = report(str(run_dir))
+    assert code == 0, err
+    assert "AmpWatch report: " + str(run_dir / "lightning_logs" / "version_0" / "ampwatch") in out
+    assert "60 optimizer steps" in out and "1 alarm." in out
+    for header in ("steps", "finding", "location", "advice", "remedy"):
+        assert header in out
+    row = next(line for line in out.splitlines() if "LR_SCHEDULE" in line)
+    assert row.split("│")[1].strip().startswith("31-")  # the episode's span starts at its onset
+    assert "The failure began right after the learning rate rose (0.02 -> 0.8)" in " ".join(
+        part.strip() for line in out.splitlines() for part in line.split("│")[4:5])
+    assert row.split("│")[5].strip() == "none"  # no remedy applied
+
+
+@pytest.mark.parametrize("which", ["ampwatch dir", "version dir", "diagnoses.jsonl", "timeline.jsonl"])
+def test_report_accepts_each_kind_of_path(run_dir: Path, which: str) -> None:
+    version = run_dir / "lightning_logs" / "version_0"
+    path = {"ampwatch dir": version / "ampwatch", "version dir": version,
+            "diagnoses.jsonl": version / "ampwatch" / "diagnoses.jsonl",
+            "timeline.jsonl": version / "ampwatch" / "timeline.jsonl"}[which]
+    code, out, _ = report(str(path))
+    assert code == 0
+    assert "LR_SCHEDULE" in out and "60 optimizer steps" in out
+
+
+def test_plot_renders_the_timeline(run_dir: Path, tmp_path: Path) -> None:
+    png = tmp_path / "figs" / "timeline.png"
+    code, out, err = report(str(run_dir), "--plot", str(png))
+    assert code == 0, err
+    assert f"Wrote {png}" in out
+    image = imread(png)
+    height, width = image.shape[:2]
+    assert width >= 1000 and height >= 700
+    rgb = image[..., :3]
+    assert rgb.std() > 0.05, "the image is blank"
+    # the skipped-step markers and the alarm line are red; the scale curve blue (matplotlib's tab colours)
+    red = (rgb[..., 0] > 0.75) & (rgb[..., 1] < 0.3) & (rgb[..., 2] < 0.3)
+    blue = (rgb[..., 2] > 0.6) & (rgb[..., 0] < 0.3)
+    assert red.sum() > 200 and blue.sum() > 200
+
+
+def test_html_embeds_the_plot_and_the_table(run_dir: Path, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    code, _, err = report(str(run_dir), "--html", str(page))
+    assert code == 0, err
+    text = page.read_text(encoding="utf-8")
+    assert '<img alt="AmpWatch timeline" src="data:image/png;base64,' in text
+    assert '<td class="alarm">LR_SCHEDULE</td>' in text
+    assert "0.02 -&gt; 0.8" in text  # advice escaped, not raw
+
+
+def test_missing_path_is_named_and_fails(tmp_path: Path) -> None:
+    code, out, err = report(str(tmp_path / "nope"))
+    assert code == 2 and out == ""
+    assert f"ampwatch report: {tmp_path / 'nope'}: no such file or directory" in err
+
+
+def test_directory_without_logs_is_named_and_fails(tmp_path: Path) -> None:
+    code, _, err = report(str(tmp_path))
+    assert code == 2
+    assert f"{tmp_path}: no AmpWatch logs here" in err
+
+
+def test_malformed_event_log_names_file_and_line(run_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "ampwatch"
+    shutil.copytree(run_dir / "lightning_logs" / "version_0" / "ampwatch", broken)
+    with (broken / "diagnoses.jsonl").open("a") as fh:
+        fh.write('{"finding": "NOT_A_FINDING", "step": 3}\n')
+    code, _, err = report(str(tmp_path))
+    assert code == 2
+    assert f"{broken / 'diagnoses.jsonl'}:2: not an AmpWatch diagnosis" in err
+
+
+def test_malformed_timeline_names_file_and_line(run_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "ampwatch"
+    shutil.copytree(run_dir / "lightning_logs" / "version_0" / "ampwatch", broken)
+    with (broken / "timeline.jsonl").open("a") as fh:
+        fh.write("garbage\n")
+    code, _, err = report(str(broken / "timeline.jsonl"))
+    lines = (broken / "timeline.jsonl").read_text().count("\n")
+    assert code == 2
+    assert f"{broken / 'timeline.jsonl'}:{lines}: not an AmpWatch timeline row" in err
+
+
+def test_binary_event_log_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "diagnoses.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    code, _, err = report(str(path))
+    assert code == 2 and f"{path}: not an AmpWatch event log" in err
+
+
+def test_plot_without_a_timeline_says_so(run_dir: Path, tmp_path: Path) -> None:
+    only = tmp_path / "diagnoses.jsonl"
+    shutil.copy(run_dir / "lightning_logs" / "version_0" / "ampwatch" / "diagnoses.jsonl", only)
+    code, out, err = report(str(only), "--plot", str(tmp_path / "x.png"))
+    assert code == 2
+    assert "LR_SCHEDULE" in out  # the table still comes
+    assert f"{tmp_path} has no timeline.jsonl to draw" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_healthy_full_precision_run_report(tmp_path: Path) -> None:
+    """No scaler, no diagnosis: the report says so, and the plot has the loss (read every step) and the LR."""
+    scenario = SCENARIOS["healthy"]
+    pl.seed_everything(0, verbose=False)
+    trainer = build_trainer(scenario, [AmpWatch(verbose=False)], str(tmp_path), max_steps=12, plugins=None,
+                            precision="32-true")
+    trainer.fit(scenario.model(), scenario.dataloader())
+    code, out, _ = report(str(tmp_path), "--plot", str(tmp_path / "t.png"))
+    assert code == 0
+    assert "12 optimizer steps; no alarm: a healthy run." in out
+    assert "No diagnoses were made." in out
+    image = imread(tmp_path / "t.png")
+    assert image[..., :3].std() > 0.05
+    assert image.shape[0] < 700  # two panels (loss, learning rate): no loss-scale panel without a scaler
+
+
+def test_directory_with_several_runs_shows_the_newest_and_says_so(run_dir: Path, tmp_path: Path) -> None:
+    import os
+
+    source = run_dir / "lightning_logs" / "version_0" / "ampwatch"
+    older, newer = tmp_path / "version_0" / "ampwatch", tmp_path / "version_1" / "ampwatch"
+    shutil.copytree(source, older)
+    shutil.copytree(source, newer)
+    for f in older.iterdir():
+        os.utime(f, (1_000_000, 1_000_000))
+    code, out, _ = report(str(tmp_path))
+    assert code == 0
+    assert f"AmpWatch report: {newer}" in out
+    assert f"(1 other run(s) under {tmp_path}; showing the newest." in out
