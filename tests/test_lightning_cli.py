@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Thresholds
-from lightning_ampwatch.callback import DEFAULT_REMEDIES
+from lightning_ampwatch.remedies import DEFAULT_REMEDIES
 from lightning_ampwatch.scenarios import regression_data
 from lightning_ampwatch.timeline import read_timeline
 

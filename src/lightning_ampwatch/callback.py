@@ -27,6 +27,18 @@ from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigator
 from lightning_ampwatch.machine import AmpStateMachine, Observation, PrecisionMode, ScaleMirror, Thresholds
 from lightning_ampwatch.probes import MicroBatch, capture_rng, uses_rng
+from lightning_ampwatch.remedies import (
+    REMEDIES,
+    AppliedRemedy,
+    HoldLrOnSkip,
+    RemedyContext,
+    RemedyError,
+    RemedyPolicy,
+    attach_island,
+    bf16_fallback,
+    ladder_for,
+    parse_remediate,
+)
 from lightning_ampwatch.report import EventLog, print_diagnosis, write_text
 from lightning_ampwatch.signals import (
     DeferredRead,
@@ -43,8 +55,6 @@ from lightning_ampwatch.summary import RunStats, summary_lines
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
-REMEDY_NAMES = ("lower_init_scale", "slow_growth", "fp32_island", "bf16_fallback", "reduce_lr", "unscale_before_clip")
-DEFAULT_REMEDIES = tuple(r for r in REMEDY_NAMES if r != "reduce_lr")
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -115,7 +125,7 @@ class AmpWatch(Callback):
         log_dir: str | None = None,
     ) -> None:
         super().__init__()
-        self.remedies = _parse_remediate(remediate)
+        self.remedies = parse_remediate(remediate)
         if on_unrecoverable not in UNRECOVERABLE_MODES:
             raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
         for name, value in (("control_replay", control_replay), ("localize", localize),
@@ -150,6 +160,9 @@ class AmpWatch(Callback):
         self._last_tape: LossTape | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._guards = RecipeGuards()
+        self._policy = RemedyPolicy(self.remedies)
+        self.applied: list[AppliedRemedy] = []  # every remedy applied in this run, in order (also after resume)
+        self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
         self._disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -168,15 +181,12 @@ class AmpWatch(Callback):
 
     @_guarded
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loaded_state is not None:
+            # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
+            self._reapply_structural(trainer, pl_module, self._loaded_state.get("applied", ()))
         self.precision = info = resolve_precision(trainer.precision_plugin)
-        config: dict[str, Any] = {}
-        if info.scaler is not None:
-            config = scaler_config(info.scaler)
-            scale, tracker = read_scale(info.scaler)  # once, at start
-            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
-        else:
-            self._mirror = None
-        self.machine = AmpStateMachine(info.mode, self.thresholds, config)
+        self._mirror = None  # made in on_train_start, once Lightning has restored the scaler's own state
+        self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {})
         if self._loaded_state is not None:
             self._restore(self._loaded_state)
             self._loaded_state = None
@@ -186,15 +196,43 @@ class AmpWatch(Callback):
         self._steps.attach(trainer.optimizers)
         self._capture_rng = uses_rng(pl_module)  # replays must redraw the same dropout masks
         self._investigator = Investigator(
-            pl_module, trainer.precision_plugin.forward_context, pl_module.device, info.mode,
+            pl_module, lambda: trainer.precision_plugin.forward_context(), pl_module.device, info.mode,
             localize=self.localize, control=self.control_replay, automatic=pl_module.automatic_optimization,
         )
         self._skip_rate = RunningMean(window=4).to(pl_module.device)
         self._nonfinite_sum = SumMetric().to(pl_module.device)
         if info.note:
             self._say_once(info.note)
-        self._guards.attach(trainer, pl_module, info, lambda diagnosis: self._emit(trainer, diagnosis),
+        self._attach_guards(trainer, pl_module)
+        if "unscale_before_clip" in {r.name for r in self.applied}:
+            self._guards.rescale_clipping = True
+        if self.hold_lr_on_skip:
+            HoldLrOnSkip.install(pl_module, self._last_step_skipped, lambda: [
+                c.scheduler for c in trainer.lr_scheduler_configs if c.interval == "step"])
+
+    @_guarded
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
+        scaler = self.precision.scaler if self.precision is not None else None
+        if scaler is not None:
+            config = scaler_config(scaler)
+            scale, tracker = read_scale(scaler)
+            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
+            if self.machine is not None:
+                self.machine.reconfigure(scaler_config=config)
+
+    def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.precision is not None
+        self._guards.attach(trainer, pl_module, self.precision, lambda diagnosis: self._emit(trainer, diagnosis),
                             scale_reader=lambda: self._mirror.scale if self._mirror is not None else 1.0)
+
+    def _last_step_skipped(self) -> bool:
+        """Whether the optimizer step that just ran was skipped by the scaler (for ``hold_lr_on_skip``)."""
+        if not self._scaler_active:
+            return False
+        if self._steps.found_inf is not None:
+            return bool(self._steps.found_inf.item())  # fused optimizer: the user asked for this read
+        return not self._steps.taken
 
     @_guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -234,10 +272,14 @@ class AmpWatch(Callback):
             self._drain(trainer, force=True)
             self._log_metrics(trainer, pl_module)
             self._flush_timeline()
+        if self._due:
+            self._treat_due(trainer, pl_module)  # an optimizer-step boundary: safe to change the run
 
     @_guarded
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, force=True)
+        if self._due:
+            self._treat_due(trainer, pl_module)
         self._steps.detach()
         self._guards.detach()
         stats = self._run_stats()
@@ -251,10 +293,12 @@ class AmpWatch(Callback):
         # Lightning skips the teardown hook when fit raises; this is the one hook that still runs.
         self._steps.detach()
         self._guards.detach()
+        HoldLrOnSkip.uninstall(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._steps.detach()  # leave the optimizers as we found them
         self._guards.detach()  # ... and torch.nn.utils's clipping functions
+        HoldLrOnSkip.uninstall(pl_module)  # ... and the module's lr_scheduler_step
         try:
             if self.timeline is not None:
                 self.timeline.flush()  # a run that crashed keeps the steps that led up to it
@@ -381,6 +425,96 @@ class AmpWatch(Callback):
     # ------------------------------------------------------------------ results
 
     def _emit(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
+        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
+        if diagnosis.is_alarm and self.remedies and any(r in self.remedies for r in ladder_for(diagnosis)):
+            self._due.append(diagnosis)
+            return
+        self._publish(trainer, diagnosis)
+
+    def _treat_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Pick and apply a remedy for each waiting alarm, then publish it (with the remedy, or unrecoverable)."""
+        due, self._due = self._due, []
+        for diagnosis in due:
+            self._publish(trainer, self._remediate(trainer, pl_module, diagnosis))
+
+    def _remediate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, diagnosis: Diagnosis) -> Diagnosis:
+        choice = self._policy.choose(diagnosis)
+        if distributed.world_size() > 1 and not diagnosis.finding.is_recipe:
+            if not self._agreed_diagnoses:
+                self._say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
+                               "not remedy them under DDP; it reports them.")
+                return diagnosis
+            choice = trainer.strategy.broadcast(choice, src=0)  # decided once, on rank zero
+        failures: list[str] = []
+        ladder = ladder_for(diagnosis)
+        while choice is not None:
+            index, name = choice
+            try:
+                details = REMEDIES[name](self._remedy_context(trainer, pl_module), diagnosis)
+            except Exception as err:  # noqa: BLE001 - a remedy that cannot apply leaves the next rung
+                failures.append(f"{name}: {err}")
+                choice = next(((i, ladder[i]) for i in range(index + 1, len(ladder)) if ladder[i] in self.remedies),
+                              None)
+                continue
+            self._policy.record(diagnosis, index)
+            self._after_remedy(trainer, pl_module, name, diagnosis.step)
+            record = AppliedRemedy(name, diagnosis.step, diagnosis.finding.value, details)
+            self.applied.append(record)
+            if self.timeline is not None:
+                self.timeline.record_remedy(trainer.global_step, name)
+            evidence = {**diagnosis.evidence, "remedy_details": details}
+            if failures:
+                evidence["remedies_failed"] = failures
+            return replace(diagnosis, remedy=name, evidence=evidence)
+        if failures:
+            return replace(diagnosis, evidence={**diagnosis.evidence, "remedies_failed": failures})
+        return diagnosis
+
+    @property
+    def _agreed_diagnoses(self) -> bool:
+        """Under a scaler every rank sees the same skipped steps, so every rank reaches the same alarms."""
+        return self._scaler_active
+
+    def _remedy_context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RemedyContext:
+        return RemedyContext(trainer=trainer, module=pl_module,
+                             scaler=self.precision.scaler if self.precision is not None else None,
+                             device=pl_module.device,
+                             safe_scale=self.machine.max_safe_scale if self.machine is not None else None)
+
+    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, step: int) -> None:
+        """Bring AmpWatch's own view in line with what the remedy changed."""
+        assert self.machine is not None
+        self.machine.close_episode(trainer.global_step, f"remedy {name}")
+        if name == "unscale_before_clip":
+            self._guards.rescale_clipping = True
+        if name == "bf16_fallback":
+            self._switched_precision(trainer, pl_module)
+        elif name in ("lower_init_scale", "slow_growth") and self.precision is not None and self.precision.scaler:
+            config = scaler_config(self.precision.scaler)
+            scale, tracker = read_scale(self.precision.scaler)
+            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
+            self.machine.reconfigure(scaler_config=config)
+
+    def _switched_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.precision = resolve_precision(trainer.precision_plugin)
+        self._mirror = None
+        assert self.machine is not None
+        self.machine.reconfigure(mode=self.precision.mode, scaler_config={})
+        if self._investigator is not None:
+            self._investigator.mode = self.precision.mode
+        self._attach_guards(trainer, pl_module)
+
+    def _reapply_structural(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                            applied: Iterable[dict[str, Any]]) -> None:
+        """On resume: FP32 islands and the bf16 switch live outside the checkpoint, so put them back."""
+        for record in (AppliedRemedy.from_dict(a) for a in applied):
+            if record.name == "fp32_island" and record.details.get("module") is not None:
+                attach_island(pl_module, record.details["module"], pl_module.device.type)
+            elif record.name == "bf16_fallback" and getattr(trainer.precision_plugin, "precision", "") != "bf16-mixed":
+                ctx = RemedyContext(trainer=trainer, module=pl_module, scaler=None, device=pl_module.device)
+                bf16_fallback(ctx, Diagnosis(finding="GRADIENT_OVERFLOW", step=record.step))
+
+    def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         self.diagnoses.append(diagnosis)
         if trainer.is_global_zero:
             if self.event_log is not None:
@@ -458,6 +592,8 @@ class AmpWatch(Callback):
             "diagnoses": [d.to_dict() for d in self.diagnoses],
             "machine": None if self.machine is None else self.machine.state_dict(),
             "mirror": None if self._mirror is None else self._mirror.state_dict(),
+            "applied": [r.to_dict() for r in self.applied],
+            "policy": self._policy.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -468,12 +604,10 @@ class AmpWatch(Callback):
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.diagnoses = [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())]
+        self.applied = [AppliedRemedy.from_dict(a) for a in state.get("applied", ())]
+        self._policy.load_state_dict(state.get("policy", {}))
         if self.machine is not None and state.get("machine"):
             self.machine.load_state_dict(state["machine"])
-        mirror = state.get("mirror")
-        if self._mirror is not None and mirror:
-            # on_fit_start read the scaler before Lightning restored it: carry on from the checkpointed scale
-            self._mirror.reconcile(mirror["scale"], mirror.get("tracker"))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -499,20 +633,3 @@ class AmpWatch(Callback):
         if key not in self._said:
             self._said.add(key)
             rank_zero_info(f"AmpWatch: {message}")
-
-
-def _parse_remediate(remediate: Union[bool, Iterable[str]]) -> frozenset[str]:
-    if remediate is True:
-        return frozenset(DEFAULT_REMEDIES)
-    if remediate is False or remediate is None:
-        return frozenset()
-    if isinstance(remediate, str):
-        remediate = [remediate]
-    try:
-        names = list(remediate)
-    except TypeError:
-        raise ValueError(f"remediate={remediate!r} is not valid; use True, False or a list of {REMEDY_NAMES}") from None
-    bad = [n for n in names if n not in REMEDY_NAMES]
-    if bad:
-        raise ValueError(f"remediate has unknown remedy {bad[0]!r}; valid names are {REMEDY_NAMES}")
-    return frozenset(names)

@@ -371,6 +371,7 @@ class RecipeGuards:
         self._module: Any = None
         self._active = False
         self._warned: set[str] = set()
+        self.rescale_clipping = False  # the unscale_before_clip remedy: clip limits follow the loss scale
 
     @property
     def active(self) -> bool:
@@ -537,22 +538,44 @@ class RecipeGuards:
 
         @functools.wraps(original)
         def clip_guard(*args: Any, **kwargs: Any) -> Any:
-            if guards._active:
-                args, kwargs = _materialise_parameters(args, kwargs)
-                params = args[0] if args else kwargs.get("parameters", ())
-                limit = args[1] if len(args) > 1 else kwargs.get("max_norm", kwargs.get("clip_value"))
-                guards._guard(guards._check_clip, name, params, limit)
-            return original(*args, **kwargs)
+            if not guards._active:
+                return original(*args, **kwargs)
+            args, kwargs = _materialise_parameters(args, kwargs)
+            params = args[0] if args else kwargs.get("parameters", ())
+            limit = args[1] if len(args) > 1 else kwargs.get("max_norm", kwargs.get("clip_value"))
+            guards._guard(guards._check_clip, name, params, limit)
+            factor = guards._clip_factor(params) if guards.rescale_clipping else 1.0
+            if factor == 1.0:
+                return original(*args, **kwargs)
+            # Still-scaled gradients: clip at limit x scale, which clips exactly what the unscaled
+            # gradients would be clipped to, and report the norm in real units.
+            if len(args) > 1:
+                args = (args[0], float(args[1]) * factor) + tuple(args[2:])
+            else:
+                key = "max_norm" if "max_norm" in kwargs else "clip_value"
+                kwargs = {**kwargs, key: float(kwargs[key]) * factor}
+            result = original(*args, **kwargs)
+            return result / factor if isinstance(result, Tensor) else result
 
         clip_guard.__ampwatch_original__ = original  # type: ignore[attr-defined]
         return clip_guard
 
-    def _check_clip(self, name: str, params: Any, limit: Any) -> None:
-        owner = None
+    def _owner(self, params: Any) -> Any:
         for param in ([params] if isinstance(params, Tensor) else params):
             owner = self._param_owner.get(id(param))
             if owner is not None:
-                break
+                return owner
+        return None
+
+    def _clip_factor(self, params: Any) -> float:
+        """The loss scale when these gradients are still scaled (their optimizer not yet unscaled), else 1."""
+        owner = self._owner(params)
+        if owner is None or optimizer_stage(self._scaler, owner) != "READY":
+            return 1.0
+        return self._current_scale()
+
+    def _check_clip(self, name: str, params: Any, limit: Any) -> None:
+        owner = self._owner(params)
         if owner is None or optimizer_stage(self._scaler, owner) != "READY":
             return
         site, passed = user_call_site()

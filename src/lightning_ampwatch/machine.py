@@ -279,6 +279,23 @@ class AmpStateMachine:
         """Anomalous steps in a row so far (0 on a healthy step)."""
         return len(self._streak)
 
+    def close_episode(self, step: int, reason: str) -> None:
+        """A remedy was applied: the episode is over, so a recurrence is a new episode (and escalates)."""
+        if self.episode is not None:
+            self.closed_episodes.append({"finding": self.episode.finding.value, "onset": self.episode.onset,
+                                         "end": int(step), "reason": reason})
+            self.episode = None
+        self._streak = []
+        self._recent_skips.clear()
+        self._growth_skips.clear()
+
+    def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
+        """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
+        if mode is not None:
+            self.mode = PrecisionMode(mode)
+        if scaler_config is not None:
+            self.scaler_config = dict(scaler_config)
+
     def revise(self, finding: Finding) -> None:
         """The FP32 control renamed the open episode's finding (e.g. FORWARD_OVERFLOW -> FP32_UNSTABLE)."""
         if self.episode is not None:
@@ -515,5 +532,6 @@ def judge_control(finding: Finding, *, control_loss: float | None, control_grads
         return Finding.FP32_UNSTABLE, "control failed too: not an AMP fault"
     if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
         return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x the run's loss level: "
-                                       "the optimisation is diverging")
+                                       "the optimisation is diverging (or this batch is far outside the data "
+                                       "seen so far)")
     return finding, "control finite: an AMP fault"

@@ -191,25 +191,34 @@ def bf16_fallback(ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
 LR_FACTOR = 0.5
 
 
+def _lr_factor(diagnosis: Diagnosis) -> float:
+    """Back to the level before the rise that set the fault off, when the evidence says what it was; else half."""
+    before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after > 0 and 0 < before < after:
+        return min(max(before / after, 0.01), LR_FACTOR)
+    return LR_FACTOR
+
+
 def reduce_lr(ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
-    """Halve every learning rate, in the optimizers and in the schedulers' base values, so the schedule keeps the
-    lower level instead of undoing it on its next step."""
+    """Lower every learning rate, in the optimizers and in the schedulers' base values (so the schedule keeps the
+    lower level instead of undoing it on its next step): back to the level before the rise, at least halved."""
+    factor = _lr_factor(diagnosis)
     before, after = [], []
     for opt in ctx.trainer.optimizers:
         for group in opt.param_groups:
             before.append(float(group["lr"]))
-            group["lr"] = group["lr"] * LR_FACTOR
+            group["lr"] = group["lr"] * factor
             for key in ("initial_lr", "max_lr", "min_lr"):
                 if isinstance(group.get(key), (int, float)):
-                    group[key] = group[key] * LR_FACTOR
+                    group[key] = group[key] * factor
             after.append(float(group["lr"]))
     for config in getattr(ctx.trainer, "lr_scheduler_configs", []):
         sched = config.scheduler
         if hasattr(sched, "base_lrs"):
-            sched.base_lrs = [lr * LR_FACTOR for lr in sched.base_lrs]
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]
         if hasattr(sched, "_last_lr"):
-            sched._last_lr = [lr * LR_FACTOR for lr in sched._last_lr]
-    return {"lr_before": before, "lr_after": after, "factor": LR_FACTOR}
+            sched._last_lr = [lr * factor for lr in sched._last_lr]
+    return {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
 
 
 def unscale_before_clip(ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
@@ -302,3 +311,37 @@ def parse_remediate(remediate: Any) -> frozenset[str]:
     if bad:
         raise ValueError(f"remediate has unknown remedy {bad[0]!r}; valid names are {REMEDY_NAMES}")
     return frozenset(names)
+
+
+class HoldLrOnSkip:
+    """Stands in for ``LightningModule.lr_scheduler_step``: a step-interval scheduler does not advance when the
+    scaler skipped the optimizer step it follows (as accelerate and DeepSpeed do).
+
+    ``skipped`` answers whether the last optimizer step was skipped; it is the callback's host-side flag, so
+    holding costs no device read (fused optimizers excepted: their flag is read here, once per step).
+    A callable object, not a closure, so that the module still pickles while it is installed.
+    """
+
+    def __init__(self, original: Callable[[Any, Any], None], skipped: Callable[[], bool],
+                 step_schedulers: Callable[[], Sequence[Any]]) -> None:
+        self.original = original
+        self.skipped = skipped
+        self.step_schedulers = step_schedulers
+        self.held = 0
+
+    def __call__(self, scheduler: Any, metric: Any = None) -> None:
+        if any(s is scheduler for s in self.step_schedulers()) and self.skipped():
+            self.held += 1
+            return
+        self.original(scheduler, metric)
+
+    @staticmethod
+    def install(module: Any, skipped: Callable[[], bool], step_schedulers: Callable[[], Sequence[Any]]) -> "HoldLrOnSkip":
+        holder = HoldLrOnSkip(module.lr_scheduler_step, skipped, step_schedulers)
+        module.lr_scheduler_step = holder
+        return holder
+
+    @staticmethod
+    def uninstall(module: Any) -> None:
+        if isinstance(module.__dict__.get("lr_scheduler_step"), HoldLrOnSkip):
+            del module.__dict__["lr_scheduler_step"]

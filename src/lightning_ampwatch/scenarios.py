@@ -151,7 +151,7 @@ SCENARIOS: dict[str, Scenario] = {
             "A summed loss over 512 samples with targets in the thousands: the gradients exceed float16 even "
             "unscaled, so the scale collapses below 1 and most steps are thrown away.",
             "GRADIENT_OVERFLOW",
-            lambda: Regressor(lr=1e-6, reduction="sum"),
+            lambda: Regressor(lr=1e-3, reduction="sum", optimizer="adam"),
             lambda: regression_data(n=2048, y_scale=1000.0),
             max_steps=24,
             batch_size=512,
@@ -185,7 +185,7 @@ SCENARIOS: dict[str, Scenario] = {
             "input_range",
             "Features of magnitude ~1e5: fine in float32, past float16's 65504 as soon as autocast casts them.",
             "INPUT_RANGE",
-            lambda: Regressor(),
+            lambda: Regressor(lr=1e-3, optimizer="adam"),
             lambda: regression_data(x_scale=1e5),
             max_steps=8,
         ),

@@ -37,6 +37,11 @@ class Finding(str, Enum):
         return self is not Finding.NORMAL_SCALING
 
     @property
+    def is_recipe(self) -> bool:
+        """Found by the recipe guards (a line of code), not by the state machine (a pattern in the signals)."""
+        return self in _RECIPE
+
+    @property
     def is_amp_fault(self) -> bool:
         """False for the findings that the FP32 control clears AMP of (data, optimisation)."""
         return self not in (Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE, Finding.NORMAL_SCALING)
@@ -48,6 +53,9 @@ class Finding(str, Enum):
     def __str__(self) -> str:  # "GRADIENT_OVERFLOW", not "Finding.GRADIENT_OVERFLOW"
         return self.value
 
+
+_RECIPE = frozenset({"LOSS_OUTSIDE_AUTOCAST", "CLIP_BEFORE_UNSCALE", "STEP_OUTSIDE_SCALER", "MANUAL_PRESCALE",
+                     "FP16_PARAMETERS", "EPS_UNDERFLOW"})
 
 _SUMMARIES: dict[Finding, str] = {
     Finding.DATA_NONFINITE: "the batch itself contains NaN or inf values; this is a data problem, not AMP",
