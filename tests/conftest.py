@@ -58,13 +58,20 @@ def fp16_trainer(tmp_path: Any) -> Callable[..., pl.Trainer]:
 
 @pytest.fixture
 def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
-    """Every Observation the callback feeds its machine, in order (the machine still runs as usual)."""
+    """Every step the callback feeds its machine, in order, as Observations (the machine still runs as usual).
+    Clean steps on the fast path (``observe_clean``) are recorded as the Observation they stand for."""
     seen: list[Observation] = []
-    original = AmpStateMachine.observe
+    original, original_clean = AmpStateMachine.observe, AmpStateMachine.observe_clean
 
     def recording(self: AmpStateMachine, obs: Observation) -> Any:
         seen.append(obs)
         return original(self, obs)
 
+    def recording_clean(self: AmpStateMachine, step: int, scale: float | None, grew: bool,
+                        lrs: tuple[float, ...]) -> None:
+        seen.append(Observation(step=step, skipped=False, scale=scale, grew=grew, lrs=lrs))
+        original_clean(self, step, scale, grew, lrs)
+
     monkeypatch.setattr(AmpStateMachine, "observe", recording)
+    monkeypatch.setattr(AmpStateMachine, "observe_clean", recording_clean)
     return seen

@@ -479,3 +479,41 @@ def test_thresholds_name_the_field_and_value() -> None:
 def test_machine_rejects_unknown_precision_mode() -> None:
     with pytest.raises(ValueError):
         AmpStateMachine("fp8")
+
+
+@st.composite
+def _mixed_runs(draw: st.DrawFn) -> list[Observation]:
+    """Runs with everything in them: skip bursts, growths, LR changes, non-finite losses and bad batches."""
+    steps = draw(st.integers(min_value=20, max_value=160))
+    mirror = ScaleMirror(2.0**16, growth_interval=draw(st.sampled_from([3, 7, 2000])))
+    skip_p = draw(st.sampled_from([0.0, 0.02, 0.2, 0.6]))
+    out: list[Observation] = []
+    lr = 0.01
+    for step in range(steps):
+        if draw(st.floats(0, 1)) < 0.05:
+            lr *= draw(st.sampled_from([0.5, 2.0, 40.0]))
+        skipped = draw(st.floats(0, 1)) < skip_p
+        nonfinite = skipped and draw(st.floats(0, 1)) < 0.2
+        scale = mirror.scale
+        grew = mirror.update(skipped)
+        batch = BatchStats(nonfinite=draw(st.booleans()), absmax=1.0) if nonfinite else None
+        out.append(Observation(step=step, skipped=skipped, loss=float("nan") if nonfinite else (1.0 if skipped else None),
+                               loss_finite=(not nonfinite) if skipped else None, scale=scale, grew=grew, lrs=(lr,),
+                               batch=batch))
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(_mixed_runs())
+def test_the_clean_step_fast_path_changes_nothing(observations: list[Observation]) -> None:
+    """The callback feeds quiet clean steps to observe_clean instead of observe: same diagnoses, same state."""
+    slow, fast = AmpStateMachine("fp16", scaler_config=DEFAULT_SCALER), AmpStateMachine("fp16", scaler_config=DEFAULT_SCALER)
+    slow_out = replay(slow, observations)
+    fast_out: list[Diagnosis] = []
+    for obs in observations:
+        if fast.quiet and not obs.anomalous:
+            fast.observe_clean(obs.step, obs.scale, obs.grew, obs.lrs)
+        else:
+            fast_out.extend(fast.observe(obs))
+    assert fast_out == slow_out
+    assert fast.state_dict() == slow.state_dict()

@@ -78,18 +78,18 @@ def _guarded(hook: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@dataclass
 class _OpenStep:
-    """An optimizer step between ``on_before_optimizer_step`` and the point where its outcome is known."""
+    """An optimizer step between ``on_before_optimizer_step`` and the point where its outcome is known.
+    A slotted class rather than a dataclass: one is made every step."""
 
-    step: int
-    scale: float | None
-    lrs: tuple[float, ...]
-    tape: LossTape
-    batches: list[MicroBatch] = field(default_factory=list)
-    skipped: bool = False
-    found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read when it has landed
-    loss: DeferredRead | None = None  # no scaler: the loss, read when it has landed
+    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss")
+
+    def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
+                 batches: list[MicroBatch]) -> None:
+        self.step, self.scale, self.lrs, self.tape, self.batches = step, scale, lrs, tape, batches
+        self.skipped = False
+        self.found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read once landed
+        self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
 
 
 class AmpWatch(Callback):
@@ -163,6 +163,11 @@ class AmpWatch(Callback):
         self._policy = RemedyPolicy(self.remedies)
         self.applied: list[AppliedRemedy] = []  # every remedy applied in this run, in order (also after resume)
         self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
+        self._step_index = 0  # trainer.global_step at the step being opened
+        self._param_groups: list[dict[str, Any]] = []  # every optimizer's param groups, for the per-step LR read
+        self._log_every = 0  # trainer.log_every_n_steps
+        self._fast_path = False  # see _update_fast_path
+        self._world_size = 1
         self._disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -175,10 +180,6 @@ class AmpWatch(Callback):
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(remediate=sorted(self.remedies))
-
     @_guarded
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._loaded_state is not None:
@@ -186,6 +187,7 @@ class AmpWatch(Callback):
             self._reapply_structural(trainer, pl_module, self._loaded_state.get("applied", ()))
         self.precision = info = resolve_precision(trainer.precision_plugin)
         self._mirror = None  # made in on_train_start, once Lightning has restored the scaler's own state
+        self._fast_path = False
         self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {})
         if self._loaded_state is not None:
             self._restore(self._loaded_state)
@@ -213,6 +215,10 @@ class AmpWatch(Callback):
     @_guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
+        self._step_index = trainer.global_step
+        self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
+        self._log_every = max(int(trainer.log_every_n_steps), 0)
+        self._world_size = distributed.world_size()
         scaler = self.precision.scaler if self.precision is not None else None
         if scaler is not None:
             config = scaler_config(scaler)
@@ -220,6 +226,7 @@ class AmpWatch(Callback):
             self._mirror = ScaleMirror(scale, tracker=tracker, **config)
             if self.machine is not None:
                 self.machine.reconfigure(scaler_config=config)
+        self._update_fast_path()
 
     def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.precision is not None
@@ -234,46 +241,78 @@ class AmpWatch(Callback):
             return bool(self._steps.found_inf.item())  # fused optimizer: the user asked for this read
         return not self._steps.taken
 
-    @_guarded
+    # The four per-step hooks below catch their own failures inline rather than through ``_guarded``: on a
+    # healthy step they run a few dozen bytecodes, and an extra wrapper call would be a good part of that.
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if len(self._batches) >= 64:  # a run whose steps never come: keep memory bounded
-            del self._batches[:-32]
-        rng, cuda_rng = capture_rng(pl_module.device) if self._capture_rng else (None, None)
-        self._batches.append(MicroBatch(batch, batch_idx, rng, cuda_rng))
+        if self._disabled:
+            return
+        try:
+            batches = self._batches
+            if len(batches) >= 64:  # a run whose steps never come: keep memory bounded
+                del batches[:-32]
+            if self._capture_rng:
+                batches.append((batch, batch_idx, *capture_rng(pl_module.device)))
+            else:
+                batches.append((batch, batch_idx))  # a MicroBatch's fields; the tuple is made only if replayed
+        except Exception as err:  # noqa: BLE001
+            self._internal_failure("on_train_batch_start", err)
 
-    @_guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._tape.add(loss, self._mirror.scale if self._mirror is not None else 1.0)
-        self._guards.on_before_backward(loss)
+        if self._disabled:
+            return
+        try:
+            mirror = self._mirror
+            self._tape.append((loss, mirror.scale if mirror is not None else 1.0))  # a reference, no read
+            if self._guards.wants_loss:
+                self._guards.on_before_backward(loss)
+        except Exception as err:  # noqa: BLE001
+            self._internal_failure("on_before_backward", err)
 
-    @_guarded
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        if self._open is not None:  # manual optimization: a second step in the same batch
-            self._close_step(trainer, pl_module)
-        self._steps.reset()
-        self._open = _OpenStep(
-            step=trainer.global_step,
-            scale=self._mirror.scale if self._mirror is not None else None,
-            lrs=current_lrs(trainer.optimizers),
-            tape=self._tape,
-            batches=self._batches,
-        )
-        self._tape = LossTape()
-        self._batches = []
+        if self._disabled:
+            return
+        try:
+            if self._open is not None:  # manual optimization: a second step in the same batch
+                self._close_step(trainer, pl_module)
+            steps = self._steps
+            steps.taken = False
+            steps.found_inf = None
+            mirror = self._mirror
+            self._open = _OpenStep(self._step_index, mirror.scale if mirror is not None else None,
+                                   tuple([group["lr"] for group in self._param_groups]), self._tape, self._batches)
+            self._step_index += 1  # trainer.global_step kept locally: the property costs more than the watch
+            self._tape = LossTape()
+            self._batches = []
+        except Exception as err:  # noqa: BLE001
+            self._internal_failure("on_before_optimizer_step", err)
 
-    @_guarded
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._open is not None:
+        if self._disabled:
+            return
+        try:
+            if self._open is None:
+                return  # mid-accumulation: no optimizer step in this batch
             self._close_step(trainer, pl_module)
-        if self._should_log(trainer):
-            self._drain(trainer, force=True)
-            self._log_metrics(trainer, pl_module)
-            self._flush_timeline()
-        if self._due:
-            self._treat_due(trainer, pl_module)  # an optimizer-step boundary: safe to change the run
+            if self._log_every and self._step_index % self._log_every == 0:
+                self._at_log_step(trainer, pl_module)
+            if self._due:
+                self._treat_due(trainer, pl_module)  # an optimizer-step boundary: safe to change the run
+        except AmpWatchError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._internal_failure("on_train_batch_end", err)
+
+    def _at_log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once per ``log_every_n_steps`` optimizer steps: resolve what is in flight, read the scale, log, flush."""
+        self._step_index = trainer.global_step  # re-synchronise (cheap here, once per log interval)
+        self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]  # groups added since?
+        self._drain(trainer, force=True)
+        self._log_metrics(trainer, pl_module)
+        self._flush_timeline()
 
     @_guarded
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -317,6 +356,20 @@ class AmpWatch(Callback):
         assert opened is not None
         if not opened.tape:
             return  # backward never ran (training_step returned None): Lightning did not step
+        machine = self.machine
+        if self._fast and self._steps.taken and not self._pending and machine.quiet:  # type: ignore[union-attr]
+            # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
+            # progress. Host-side bookkeeping only; no Observation, no device read.
+            step, scale, lrs = opened.step, opened.scale, opened.lrs
+            machine.observe_clean(step, scale, self._mirror.update(False), lrs)  # type: ignore[union-attr]
+            self._last_tape = opened.tape
+            self._log_steps += 1
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.record_clean(step, scale, lrs)
+            if not self._loss_reads:
+                self._loss_reads.append(opened.tape.read())  # once per fit: a first loss level for the control
+            return
         if self._scaler_active:
             if self._steps.found_inf is not None:  # fused optimizer: called whether or not it skipped
                 opened.found_inf = DeferredRead(self._steps.found_inf)
@@ -326,11 +379,23 @@ class AmpWatch(Callback):
             # Without a scaler the loss is the only signal: copy it to the host without waiting.
             opened.loss = DeferredRead(opened.tape.total())
         self._pending.append(opened)
-        self._drain(trainer, force=False)
+        # Under DDP a skipped step is agreed across ranks by a collective, so every rank must resolve it at the
+        # same point: wait for an in-flight flag there rather than let ranks resolve it at different steps.
+        self._drain(trainer, force=self._world_size > 1)
 
     @property
     def _scaler_active(self) -> bool:
         return self.precision is not None and self.precision.scaler is not None
+
+    @property
+    def _fast(self) -> bool:
+        """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
+        and a host mirror of its scale."""
+        return self._fast_path
+
+    def _update_fast_path(self) -> None:
+        self._fast_path = bool(self._scaler_active and self._mirror is not None and self.machine is not None
+                               and not self._steps.fused)
 
     def _drain(self, trainer: pl.Trainer, force: bool) -> None:
         """Resolve queued steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
@@ -359,7 +424,7 @@ class AmpWatch(Callback):
         batch_stats = None
         fault_ranks = [distributed.rank()]
         if skipped or loss_finite is False:
-            batch_stats = inspect_batch([mb.batch for mb in opened.batches])
+            batch_stats = inspect_batch([mb[0] for mb in opened.batches])
             self._log_nonfinite += int(loss_finite is False)
             if skipped and distributed.world_size() > 1:
                 # every rank skipped this step together: agree on one view of it (the only collective we make)
@@ -498,6 +563,7 @@ class AmpWatch(Callback):
     def _switched_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.precision = resolve_precision(trainer.precision_plugin)
         self._mirror = None
+        self._update_fast_path()
         assert self.machine is not None
         self.machine.reconfigure(mode=self.precision.mode, scaler_config={})
         if self._investigator is not None:
@@ -558,31 +624,42 @@ class AmpWatch(Callback):
         for line in summary_lines(self.diagnoses, stats, log_dir):
             self._console.print(line, markup=False, highlight=False, soft_wrap=True)
 
-    def _should_log(self, trainer: pl.Trainer) -> bool:
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and hasattr(connector, "should_update_logs"):
-            return bool(connector.should_update_logs)
-        return trainer.log_every_n_steps > 0 and trainer.global_step % trainer.log_every_n_steps == 0
-
     def _log_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At Lightning's own log steps only: one scale read, then ``pl_module.log``."""
-        metrics: dict[str, float | Tensor] = {}
+        """At Lightning's own log steps only: one scale read (it keeps the host mirror honest), then the metrics
+        straight to the loggers through Lightning's logger connector, at the step Lightning logs at.
+
+        Not ``pl_module.log``: its bookkeeping costs milliseconds per call, more than all healthy steps between
+        two log steps together. The windowed skip rate and the cross-rank sum are torchmetrics, computed (and,
+        under DDP, synchronised) only when there is a logger to receive them.
+        """
         info = self.precision
+        scale = None
         if info is not None and info.scaler is not None and self._mirror is not None:
             scale, tracker = read_scale(info.scaler)
             self._mirror.reconcile(scale, tracker)
-            metrics["ampwatch/scale"] = scale
-        assert self.machine is not None and self._skip_rate is not None and self._nonfinite_sum is not None
-        if self._log_steps:
-            flags = torch.zeros(self._log_steps, device=pl_module.device)
-            flags[: self._log_skipped] = 1.0
-            self._skip_rate.update(flags)
-        self._nonfinite_sum.update(torch.tensor(float(self._log_nonfinite), device=pl_module.device))
+        steps, skipped, nonfinite = self._log_steps, self._log_skipped, self._log_nonfinite
         self._log_steps = self._log_skipped = self._log_nonfinite = 0
-        metrics["ampwatch/skipped_steps"] = float(self.machine.skipped_total)
-        metrics["ampwatch/nonfinite_losses"] = self._nonfinite_sum.compute()
-        metrics["ampwatch/skip_rate"] = self._skip_rate.compute()
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        if not trainer.loggers:
+            return
+        assert self.machine is not None and self._skip_rate is not None and self._nonfinite_sum is not None
+        if steps:
+            flags = torch.zeros(steps, device=pl_module.device)
+            flags[:skipped] = 1.0
+            self._skip_rate.update(flags)
+        self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=pl_module.device))
+        metrics: dict[str, float] = {
+            "ampwatch/skipped_steps": float(self.machine.skipped_total),
+            "ampwatch/nonfinite_losses": float(self._nonfinite_sum.compute()),
+            "ampwatch/skip_rate": float(self._skip_rate.compute()),
+        }
+        if scale is not None:
+            metrics["ampwatch/scale"] = scale
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and hasattr(connector, "log_metrics"):
+            connector.log_metrics(metrics)  # Lightning's own step for the x-axis, and trainer.logged_metrics
+        else:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -35,6 +35,13 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch.machine import PrecisionMode
+
+try:
+    from torch.amp.grad_scaler import OptState as _OptState
+
+    _UNSCALED: Any = _OptState.UNSCALED
+except ImportError:  # pragma: no cover - another torch: the slow path (optimizer_stage) still works
+    _UNSCALED = object()
 from lightning_ampwatch.signals import PrecisionInfo, read_scale
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding, advise
 
@@ -371,11 +378,17 @@ class RecipeGuards:
         self._module: Any = None
         self._active = False
         self._warned: set[str] = set()
+        self._scaler_states: dict[int, Any] | None = None  # the scaler's per-optimizer table, read by .get only
         self.rescale_clipping = False  # the unscale_before_clip remedy: clip limits follow the loss scale
 
     @property
     def active(self) -> bool:
         return self._active
+
+    @property
+    def wants_loss(self) -> bool:
+        """Whether ``on_before_backward`` has anything left to check (automatic optimization: the first loss only)."""
+        return self._check_loss and self._active and not (self._automatic and self._automatic_checked)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -407,6 +420,7 @@ class RecipeGuards:
             self._warn_once("scaler-state", "AmpWatch cannot read this GradScaler's per-optimizer state; the "
                             "clipping and stepping guards are off for this run.")
             return
+        self._scaler_states = self._scaler._per_optimizer_states
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -426,6 +440,7 @@ class RecipeGuards:
             # else someone wrapped on top of us since: leave theirs; ours passes straight through when inactive
         self._patched.clear()
         self._param_owner.clear()
+        self._scaler_states = None
         self._trainer = self._module = self._scaler = None
         self._report = self._scale_reader = None  # no closures over the trainer outlive the fit
 
@@ -503,8 +518,13 @@ class RecipeGuards:
     # ------------------------------------------------------------------ optimizer step (pre-hook)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Mapping[str, Any]) -> None:
-        if self._active:
-            self._guard(self._check_step, optimizer, kwargs)
+        if not self._active:
+            return
+        # The common case first, in as few operations as possible: scaler.step unscaled this optimizer.
+        state = self._scaler_states.get(id(optimizer)) if self._scaler_states is not None else None
+        if state is not None and state.get("stage") is _UNSCALED:
+            return
+        self._guard(self._check_step, optimizer, kwargs)
 
     def _check_step(self, optimizer: Any, kwargs: Mapping[str, Any]) -> None:
         if stepped_by_scaler(self._scaler, optimizer, kwargs):

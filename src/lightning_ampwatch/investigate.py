@@ -46,6 +46,7 @@ class Investigator:
         """
         if not (self.localize or self.control):
             return None
+        batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: dict[str, Any] | None = None
         if distributed.rank() in fault_ranks:
             try:

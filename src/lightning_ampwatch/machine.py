@@ -190,6 +190,7 @@ class AmpStateMachine:
         self._growth_skips: deque[int] = deque(maxlen=t.growth_repeats)
         self._lr_history: deque[_LrPoint] = deque(maxlen=t.window + t.lr_lookback + 2)
         self._lr_first: float | None = None
+        self._lr_last: float | None = None
         self._lr_peak = 0.0
         self._lr_peak_step = -1
         self._max_safe_scale: float | None = None
@@ -226,8 +227,31 @@ class AmpStateMachine:
 
         if obs.grew:
             self._growths.append(obs.step)
-        self._record_lr(obs)
+        self._record_lr(obs.step, obs.lrs)
         return out
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing in progress (no episode, no streak, no isolated skip awaiting its verdict): a clean step can
+        take :meth:`observe_clean`."""
+        return self.episode is None and not self._streak and self._isolated_since is None
+
+    def observe_clean(self, step: int, scale: float | None, grew: bool, lrs: tuple[float, ...]) -> None:
+        """The per-step fast path: what :meth:`observe` does for a clean step while :attr:`quiet`, without
+        building an Observation. Never produces a diagnosis (a quiet machine has nothing to conclude)."""
+        self.steps_seen += 1
+        skips = self._recent_skips
+        if skips:
+            while skips and skips[0] <= step - self.thresholds.window:
+                skips.popleft()
+        if scale is not None and (self._max_safe_scale is None or scale > self._max_safe_scale) \
+                and self.mode is PrecisionMode.FP16:
+            self._max_safe_scale = scale
+        self._streak_from_start = False
+        if grew:
+            self._growths.append(step)
+        if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != self._lr_last:
+            self._record_lr(step, lrs)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to carry on after a resume without re-announcing old episodes."""
@@ -269,6 +293,7 @@ class AmpStateMachine:
         self._lr_history = deque((_LrPoint(s, lr) for s, lr in state.get("lr_history", ())),
                                  maxlen=self._lr_history.maxlen)
         self._lr_first = state.get("lr_first")
+        self._lr_last = self._lr_history[-1].lr if self._lr_history else None
         self._lr_peak = float(state.get("lr_peak", 0.0))
         self._lr_peak_step = int(state.get("lr_peak_step", -1))
         self._max_safe_scale = state.get("max_safe_scale")
@@ -440,16 +465,20 @@ class AmpStateMachine:
 
     # ---------------------------------------------------------------- learning rate
 
-    def _record_lr(self, obs: Observation) -> None:
-        if not obs.lrs:
+    def _record_lr(self, step: int, lrs: tuple[float, ...]) -> None:
+        """Keep the LR's change points only: a constant LR costs nothing per step."""
+        if not lrs:
             return
-        lr = max(obs.lrs)
+        lr = max(lrs)
+        if lr == self._lr_last:
+            return
+        self._lr_last = lr
         if self._lr_first is None:
             self._lr_first = lr
         if lr > self._lr_peak:
             self._lr_peak = lr
-            self._lr_peak_step = obs.step
-        self._lr_history.append(_LrPoint(obs.step, lr))
+            self._lr_peak_step = step
+        self._lr_history.append(_LrPoint(step, lr))
 
     def _lr_event(self, onset: int) -> dict[str, Any] | None:
         """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase."""
@@ -462,7 +491,10 @@ class AmpStateMachine:
                 and len(climb) == 3 and climb[0] < climb[1] < climb[2]):
             return {"lr_event": "warmup_end", "lr_before": self._lr_first, "lr_after": self._lr_peak,
                     "lr_change_step": self._lr_peak_step}
-        window = [p for p in self._lr_history if onset - t.lr_lookback - 1 <= p.step < onset]
+        start = onset - t.lr_lookback - 1
+        in_force = [p for p in self._lr_history if p.step < start][-1:]  # the LR at the window's start
+        window = [_LrPoint(start, p.lr) for p in in_force]
+        window += [p for p in self._lr_history if start <= p.step < onset]
         best: tuple[float, _LrPoint, _LrPoint] | None = None
         lowest: _LrPoint | None = None
         for point in window:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,9 +24,9 @@ def uses_rng(module: nn.Module) -> bool:
     return any(isinstance(m, _STOCHASTIC) for m in module.modules())
 
 
-@dataclass
-class MicroBatch:
-    """What is needed to run ``training_step`` again exactly as it ran: the batch, its index and the RNG."""
+class MicroBatch(NamedTuple):
+    """What is needed to run ``training_step`` again exactly as it ran: the batch, its index and the RNG.
+    A tuple, since one is made for every batch."""
 
     batch: Any
     batch_idx: int

@@ -83,12 +83,16 @@ class StepTaken:
     def __init__(self) -> None:
         self.taken = False
         self.found_inf: Tensor | None = None
+        self.fused = False  # some optimizer unscales in its own kernel: its skips need the found_inf read
         self._handles: list[Any] = []
 
     def attach(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.detach()
+        self.fused = False
         for opt in optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._pre))
+            if getattr(opt, "_step_supports_amp_scaling", False):  # fused: only these need the pre-hook
+                self.fused = True
+                self._handles.append(opt.register_step_pre_hook(self._pre))
             self._handles.append(opt.register_step_post_hook(self._post))
 
     def detach(self) -> None:
@@ -109,32 +113,31 @@ class StepTaken:
         self.taken = True
 
 
-@dataclass
-class LossTape:
-    """The losses handed to backward since the last optimizer step, kept as device tensors (no read).
+class LossTape(list):  # type: ignore[type-arg]
+    """The losses handed to backward since the last optimizer step, kept as device tensors (no read): a list of
+    ``(loss, scale)`` pairs, a plain list subclass because one is filled every step.
 
     Under a scaler, Lightning hands the callback the *scaled* loss; the scale it was multiplied by is stored
     beside it so the read gives the user's loss. Several entries mean gradient accumulation or several manual
     backward calls: the step's loss is their sum (Lightning already divides by the accumulation count).
     """
 
-    entries: list[tuple[Tensor, float]] = field(default_factory=list)
+    __slots__ = ()
+
+    @property
+    def entries(self) -> "LossTape":
+        return self
 
     def add(self, loss: Tensor, scale: float) -> None:
-        self.entries.append((loss.detach(), scale))
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
-
-    def clear(self) -> None:
-        self.entries.clear()
+        self.append((loss, scale))
 
     def total(self) -> Tensor:
         """The step's (unscaled) loss as a device scalar; no read."""
-        if len(self.entries) == 1:
-            loss, scale = self.entries[0]
+        if len(self) == 1:
+            loss, scale = self[0]
+            loss = loss.detach()
             return loss.float().reshape(()) / scale if scale != 1.0 else loss.reshape(())
-        return torch.stack([loss.float().reshape(()) / scale for loss, scale in self.entries]).sum()
+        return torch.stack([loss.detach().float().reshape(()) / scale for loss, scale in self]).sum()
 
     def read(self) -> float:
         """The step's loss as a float: one device read."""

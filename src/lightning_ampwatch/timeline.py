@@ -35,7 +35,7 @@ class Timeline:
     """
 
     def __init__(self, path: str | os.PathLike[str] | None, *, precision: str | None = None,
-                 healthy_rows_per_level: int = 512, max_anomalous_rows: int = 100_000,
+                 healthy_rows_per_level: int = 16, max_anomalous_rows: int = 100_000,
                  max_buffered_rows: int = 4096, lr_change: float = 1.25) -> None:
         if healthy_rows_per_level < 1 or max_anomalous_rows < 1 or max_buffered_rows < 1 or lr_change <= 1:
             raise ValueError("Timeline limits must be positive and lr_change > 1, got "
@@ -54,6 +54,7 @@ class Timeline:
         self._taken_at_stride = 0
         self._buffer: list[dict[str, Any]] = []
         self._held: dict[str, Any] | None = None  # the latest healthy row not kept: kept if an anomaly follows
+        self._held_args: tuple[int, float | None, tuple[float, ...]] | None = None  # the same, not yet a row
         self._last_kept: dict[str, Any] | None = None
         self._last_lrs: tuple[float, ...] | None = None  # the LRs as last written (rows omit unchanged LRs)
         self._last_row: dict[str, Any] | None = None  # the latest step's row, until it is written
@@ -73,6 +74,8 @@ class Timeline:
         """One resolved optimizer step. ``scale`` is the scale the step ran with; ``loss`` only if already read."""
         if self.path is None:
             return
+        if self._held_args is not None:
+            self._materialize_held()
         if not self._started:
             self._start(step)
         self.steps_recorded += 1
@@ -109,8 +112,31 @@ class Timeline:
         if len(self._buffer) >= self.max_buffered_rows:
             self.flush()  # log steps that never come (huge log_every_n_steps): memory stays bounded
 
+    def record_clean(self, step: int, scale: float | None, lrs: tuple[float, ...]) -> None:
+        """A healthy step on the per-step fast path: when the row would not be kept, only its numbers are held
+        (a tuple, no row built) in case the next step is anomalous or a log step reads its loss."""
+        last = self._last_kept
+        if (self.path is None or last is None or self._previous_anomalous or step % self.stride == 0
+                or scale != last.get("scale") or lrs != last["lrs"]):
+            self.record_step(step, skipped=False, scale=scale, lrs=lrs)
+            return
+        self.steps_recorded += 1
+        self._held_args = (step, scale, lrs)
+        self._held = self._last_row = None
+        self._last_step = step
+
+    def _materialize_held(self) -> None:
+        step, scale, lrs = self._held_args  # type: ignore[misc]
+        self._held_args = None
+        row: dict[str, Any] = {"step": int(step), "lrs": tuple(lrs)}
+        if scale is not None:
+            row["scale"] = float(scale)
+        self._held = self._last_row = row
+
     def record_loss(self, loss: float) -> None:
         """The loss of the latest step, read at a log step: kept in the series (the row is kept too)."""
+        if self._held_args is not None:
+            self._materialize_held()
         row = self._last_row
         if self.path is None or row is None or "loss" in row:
             return
