@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
@@ -29,6 +29,17 @@ class DumpDiagnoses(Callback):
         path.write_text(json.dumps([d.to_dict() for d in self.watch.diagnoses]))
 
 
+class RowsByRank(pl.LightningDataModule):
+    """Rank r trains on rows r, r+2, r+4, ... in order (Lightning's own sampler would shuffle training data)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        super().__init__()
+        self.data = data
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=16, sampler=DistributedSampler(self.data, shuffle=False))
+
+
 def _fit_ddp(tmp_path: Path, nan_rows: tuple[int, ...], max_steps: int = 6) -> list[list[dict[str, Any]]]:
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=False)
@@ -36,15 +47,14 @@ def _fit_ddp(tmp_path: Path, nan_rows: tuple[int, ...], max_steps: int = 6) -> l
         accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=max_steps, plugins=[true_fp16_plugin()],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(tmp_path), callbacks=[watch, DumpDiagnoses(watch, str(tmp_path))],
+        use_distributed_sampler=False,
     )
-    # DistributedSampler without shuffling: rank r gets dataset rows r, r+2, r+4, ...
-    data = regression_data(n=256, nan_rows=nan_rows)
-    trainer.fit(Regressor(), DataLoader(data, batch_size=16))
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=nan_rows)))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_nan_on_rank_one_only_is_reported_the_same_on_both_ranks(tmp_path: Path) -> None:
-    # the DistributedSampler deals odd dataset rows to rank 1: row 67 is seen by rank 1 alone
+    # row 67 is rank 1's 34th row: its batch 2 (batch size 16), row 1 within it; rank 0 never sees it
     rank0, rank1 = _fit_ddp(tmp_path, nan_rows=(67,))
     assert rank0 == rank1, "both ranks must reach the same diagnoses"
     alarms = [d for d in rank0 if d["finding"] != Finding.NORMAL_SCALING.value]
@@ -52,7 +62,8 @@ def test_nan_on_rank_one_only_is_reported_the_same_on_both_ranks(tmp_path: Path)
     d = alarms[0]
     assert d["evidence"]["fault_ranks"] == [1]
     assert d["evidence"]["investigated_on_rank"] == 1
-    assert d["evidence"]["nonfinite_where"].startswith("rank 1: batch[0] rows [")
+    assert d["step"] == 2
+    assert d["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
     assert d["evidence"]["fp32_control_loss"] == "nan"
     # rank zero alone writes the event log, with the agreed diagnosis
     lines = (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()
