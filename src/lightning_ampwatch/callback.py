@@ -523,7 +523,7 @@ class AmpWatch(Callback):
                 continue
             self._policy.record(diagnosis, index)
             self._after_remedy(trainer, pl_module, name, diagnosis.step)
-            record = AppliedRemedy(name, diagnosis.step, diagnosis.finding.value, details)
+            record = AppliedRemedy(name, trainer.global_step, diagnosis.finding.value, details)  # when applied
             self.applied.append(record)
             if self.timeline is not None:
                 self.timeline.record_remedy(trainer.global_step, name)

@@ -40,7 +40,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.print(scenario.description)
     console.print(f"Precision: {scenario.precision} on the CPU, {scenario.max_steps} steps, logs in {root}\n")
     watch = AmpWatch(remediate=args.remediate)
-    run_scenario(args.scenario, root, watch)
+    steps = scenario.max_steps * 2 if args.remediate else scenario.max_steps  # room to show the recovery
+    run_scenario(args.scenario, root, watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
     console.print()
     if not watch.diagnoses:
@@ -48,9 +49,29 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     found = [d.finding.value for d in watch.diagnoses]
     verdict = "as expected" if scenario.expected in found else f"expected {scenario.expected}"
     console.print(f"Diagnoses: {', '.join(found) or 'none'} ({verdict}); {len(alarms)} alarm(s).")
+    if args.remediate:
+        _say_recovery(watch, console)
     if watch.event_log is not None:
         console.print(f"Event log: {watch.event_log.path}")
     return 0 if scenario.expected in found else 1
+
+
+def _say_recovery(watch: object, console: Console) -> None:
+    """After a ``--remediate`` demo: what was applied, and how the steps after the last remedy went."""
+    from lightning_ampwatch.timeline import TIMELINE_NAME, read_timeline
+
+    applied = getattr(watch, "applied", [])
+    if not applied:
+        console.print("No remedy was applied (none on this finding's ladder, or none needed).")
+        return
+    last = applied[-1]
+    data = read_timeline(watch.event_log.dir / TIMELINE_NAME)  # type: ignore[attr-defined]
+    end = data.of_kind("end")[-1]["step"] if data.of_kind("end") else (data.steps[-1] if data.steps else 0)
+    after = [(step, skipped) for step, skipped in zip(data.steps, data.skipped) if step >= last.step]
+    skipped_after = sum(1 for _, skipped in after if skipped)
+    names = ", ".join(f"{r.name} before step {r.step}" for r in applied)
+    console.print(f"Remedies applied: {names}. From step {last.step} to {end}: {skipped_after} step(s) skipped"
+                  f"{' - recovered' if skipped_after == 0 else ''}.")
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:

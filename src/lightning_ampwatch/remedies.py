@@ -35,7 +35,8 @@ class RemedyContext:
 
 @dataclass
 class AppliedRemedy:
-    """A remedy as it was applied: enough to show the user and to put it back after a resume."""
+    """A remedy as it was applied (``step``: the first optimizer step run with it in effect; the finding's onset
+    is the diagnosis's step): enough to show the user and to put it back after a resume."""
 
     name: str
     step: int

@@ -7,7 +7,7 @@ few Python operations per step and the file format has one owner. Rows are buffe
 Long runs stay small: every anomalous step is kept, and so are the steps around it, scale changes, big LR
 moves and the log steps whose loss was read; the healthy stretches in between are sampled at a stride that
 doubles each time ``healthy_rows_per_level`` rows have been taken at the current stride, so the file grows with
-the logarithm of the run length (about 6,000 healthy rows for a million steps at the default).
+the logarithm of the run length (a few hundred healthy rows for a million steps at the default).
 """
 
 from __future__ import annotations

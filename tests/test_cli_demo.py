@@ -1,0 +1,39 @@
+"""``ampwatch demo``: what a user sees when they run the README's first command, and its --remediate variant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_ampwatch.cli import main
+from lightning_ampwatch.scenarios import SCENARIOS
+
+
+def test_demo_list_names_every_scenario_and_its_finding(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name, scenario in SCENARIOS.items():
+        assert name in out and scenario.expected in out
+
+
+def test_demo_shows_the_diagnosis_and_writes_the_event_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "forward_overflow", "--root-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "AmpWatch: FORWARD_OVERFLOW at step 0 in attention" in out
+    assert "Diagnoses: FORWARD_OVERFLOW (as expected); 1 alarm(s)." in out
+    [line] = (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()
+    assert json.loads(line)["location"] == "attention"
+
+
+def test_demo_remediate_recovers_by_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "forward_overflow", "--remediate", "--root-dir", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "Applied: fp32_island" in out
+    assert "Remedies applied: fp32_island before step 1. From step 1 to 15: 0 step(s) skipped - recovered." in out
+
+
+def test_demo_rejects_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "no_such_thing"]) == 2
+    assert "Unknown scenario 'no_such_thing'" in capsys.readouterr().out
