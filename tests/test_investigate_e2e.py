@@ -178,3 +178,44 @@ def test_no_hooks_on_a_healthy_run_and_none_left_after_a_replay(tmp_path: Path,
     run_scenario("forward_overflow", str(tmp_path / "faulty"), AmpWatch(verbose=False))
     assert registered, "the faulty run should have armed the forward probes"
     assert all(not m._forward_hooks for m in model_holder["model"].modules())
+
+
+class _ManualAttention(Regressor):
+    """The forward_overflow model under manual optimization: training_step steps the optimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__(attention=True)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        opt.step()
+
+
+def test_manual_optimization_is_located_by_watching_the_next_step(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"training_step": 0}
+    original = _ManualAttention.training_step
+
+    def counting(self: Any, batch: Any, batch_idx: int) -> None:
+        calls["training_step"] += 1
+        original(self, batch, batch_idx)
+
+    monkeypatch.setattr(_ManualAttention, "training_step", counting)
+    pl.seed_everything(0, verbose=False)
+    model = _ManualAttention()
+    watch = AmpWatch(verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=4, plugins=[true_fp16_plugin()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), callbacks=[watch])
+    trainer.fit(model, DataLoader(regression_data(x_scale=10.0), batch_size=32))
+    d = _alarm(watch)
+    assert (d.finding, d.step, d.location) == (Finding.FORWARD_OVERFLOW, 0, "attention")
+    assert "manual optimization" in d.evidence["replay"]  # training_step was not run again ...
+    assert calls["training_step"] == 4  # ... exactly once per batch
+    assert d.evidence["live_first_nonfinite_module"] == "attention"
+    assert "next training step watched" in d.evidence["live_probe"]
+    assert all(not m._forward_hooks for m in model.modules())  # the probe's hooks are gone

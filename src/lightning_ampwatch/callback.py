@@ -26,7 +26,7 @@ from lightning_ampwatch import distributed
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigator
 from lightning_ampwatch.machine import AmpStateMachine, Observation, PrecisionMode, ScaleMirror, Thresholds
-from lightning_ampwatch.probes import MicroBatch, capture_rng, uses_rng
+from lightning_ampwatch.probes import ForwardProbe, MicroBatch, capture_rng, first_nonfinite_grad, uses_rng
 from lightning_ampwatch.remedies import (
     REMEDIES,
     AppliedRemedy,
@@ -52,10 +52,14 @@ from lightning_ampwatch.signals import (
     scaler_config,
 )
 from lightning_ampwatch.summary import RunStats, summary_lines
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
+#: Findings located by the first non-finite gradient (the others by the first non-finite forward output).
+BACKWARD_FINDINGS = frozenset({Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW})
+#: Alarms a live probe of the next step can locate when the step cannot be replayed.
+LIVE_PROBED = BACKWARD_FINDINGS | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -155,6 +159,9 @@ class AmpWatch(Callback):
         self._batches: list[MicroBatch] = []
         self._investigator: Investigator | None = None
         self._evidence: tuple[int, dict[str, Any] | None] | None = None  # (step, replay record) awaiting an alarm
+        self._awaiting_probe: list[Diagnosis] = []  # manual optimization: alarms waiting for the next step's probe
+        self._probe_next = False  # arm the forward probe at the next batch start
+        self._live_probe: ForwardProbe | None = None
         self._capture_rng = False
         self._loss_reads: deque[float] = deque(maxlen=8)  # recent healthy losses: the run's loss level
         self._last_tape: LossTape | None = None
@@ -252,6 +259,8 @@ class AmpWatch(Callback):
             batches = self._batches
             if len(batches) >= 64:  # a run whose steps never come: keep memory bounded
                 del batches[:-32]
+            if self._probe_next:
+                self._arm_live_probe(pl_module)
             if self._capture_rng:
                 batches.append((batch, batch_idx, *capture_rng(pl_module.device)))
             else:
@@ -277,6 +286,8 @@ class AmpWatch(Callback):
         try:
             if self._open is not None:  # manual optimization: a second step in the same batch
                 self._close_step(trainer, pl_module)
+            if self._live_probe is not None:
+                self._finish_live_probe(trainer, pl_module, with_grads=True)
             steps = self._steps
             steps.taken = False
             steps.found_inf = None
@@ -317,6 +328,8 @@ class AmpWatch(Callback):
     @_guarded
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drain(trainer, force=True)
+        if self._awaiting_probe or self._live_probe is not None:
+            self._finish_live_probe(trainer, pl_module, with_grads=False)  # the fit ended before the next step
         if self._due:
             self._treat_due(trainer, pl_module)
         self._steps.detach()
@@ -335,6 +348,9 @@ class AmpWatch(Callback):
         HoldLrOnSkip.uninstall(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._live_probe is not None:
+            self._live_probe.__exit__(None, None, None)
+            self._live_probe = None
         self._steps.detach()  # leave the optimizers as we found them
         self._guards.detach()  # ... and torch.nn.utils's clipping functions
         HoldLrOnSkip.uninstall(pl_module)  # ... and the module's lr_scheduler_step
@@ -449,7 +465,52 @@ class AmpWatch(Callback):
         for diagnosis in self.machine.observe(obs):
             if diagnosis.is_alarm and investigator is not None:
                 diagnosis = self._investigate(diagnosis, opened, batch_stats, fault_ranks, skipped)
+                if self._wants_live_probe(diagnosis):
+                    self._awaiting_probe.append(diagnosis)  # published after the next step, with its location
+                    self._probe_next = True
+                    continue
             self._emit(trainer, diagnosis)
+
+    def _wants_live_probe(self, diagnosis: Diagnosis) -> bool:
+        """Manual optimization cannot be replayed (training_step steps the optimizer itself), so the probes
+        watch the next real step instead; single process only (the ranks would have to agree on it)."""
+        return (self._investigator is not None and not self._investigator.automatic and self.localize
+                and diagnosis.location is None and diagnosis.finding in LIVE_PROBED and self._world_size == 1)
+
+    def _arm_live_probe(self, pl_module: pl.LightningModule) -> None:
+        self._probe_next = False
+        self._live_probe = ForwardProbe(pl_module)
+        self._live_probe.__enter__()
+
+    def _finish_live_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_grads: bool) -> None:
+        """The armed step's backward is done: read the forward probe and the gradients once, remove the hooks,
+        and publish the diagnoses that waited for them."""
+        probe, self._live_probe = self._live_probe, None
+        first_module: str | None = None
+        headroom: list[tuple[str, float]] = []
+        first_param: str | None = None
+        if probe is not None:
+            probe.__exit__(None, None, None)
+            first_module, headroom = probe.read()
+            if with_grads:
+                params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
+                if params:
+                    _, first_param = first_nonfinite_grad(params, [p.grad for _, p in params], probe)
+        waiting, self._awaiting_probe = self._awaiting_probe, []
+        for diagnosis in waiting:
+            ev = dict(diagnosis.evidence)
+            ev["live_probe"] = ("the next training step watched as it ran (manual optimization: no replay)"
+                                if (first_module or first_param) else
+                                "the next training step watched as it ran: the fault did not recur there")
+            if first_module:
+                ev["live_first_nonfinite_module"] = first_module
+            if first_param:
+                ev["live_first_nonfinite_param"] = first_param
+            if headroom:
+                ev["fp16_headroom_log2"] = dict(headroom)
+            location = (first_param or first_module) if diagnosis.finding in BACKWARD_FINDINGS \
+                else (first_module or first_param)
+            self._emit(trainer, replace(diagnosis, location=location, evidence=ev))
 
     def _investigate(self, diagnosis: Diagnosis, opened: _OpenStep, batch_stats: Any, fault_ranks: list[int],
                      skipped: bool) -> Diagnosis:

@@ -207,11 +207,11 @@ class Replayer:
             result.first_nonfinite_module = first
             result.nonfinite_outside_modules = first is None and result.loss_finite is False
         if grads is not None:
-            result.grads_finite, result.first_nonfinite_param = _first_bad_grad(params, grads, probe_ctx)
+            result.grads_finite, result.first_nonfinite_param = first_nonfinite_grad(params, grads, probe_ctx)
         return result
 
 
-def _first_bad_grad(params: list[tuple[str, Tensor]], grads: list[Tensor | None],
+def first_nonfinite_grad(params: list[tuple[str, Tensor]], grads: list[Tensor | None],
                     probe: ForwardProbe | None) -> tuple[bool, str | None]:
     """The first parameter, in backward order, whose gradient is non-finite (one device read for all)."""
     present = [(name, g) for (name, _), g in zip(params, grads) if g is not None]
