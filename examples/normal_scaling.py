@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Finding
-from lightning_ampwatch.scenarios import Regressor, regression_data
+from lightning_ampwatch.scenarios import Regressor, expect, regression_data
 
 
 def main() -> int:
@@ -40,18 +40,8 @@ def main() -> int:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(data, batch_size=32))
-    return verdict(watch, Finding.NORMAL_SCALING)
+    return expect(watch, Finding.NORMAL_SCALING)
 
-
-def verdict(watch: AmpWatch, expected: Finding) -> int:
-    """One line a person (or a test) can read: was the expected finding made?"""
-    found = [d for d in watch.diagnoses if d.finding is expected]
-    if not found:
-        seen = ", ".join(d.finding.value for d in watch.diagnoses) or "nothing"
-        print(f"FAILED: expected {expected.value}, AmpWatch diagnosed {seen}.")
-        return 1
-    print(f"Diagnosed {expected.value} at step {found[0].step}. Event log: {watch.event_log.path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.scenarios import expect
 
 
 class HalfModel(pl.LightningModule):
@@ -56,13 +57,7 @@ def main() -> int:
         trainer.fit(HalfModel(), DataLoader(data, batch_size=32))
     except ValueError as err:  # GradScaler: "Attempting to unscale FP16 gradients."
         print(f"The run failed as expected: {err}")
-    found = [d for d in watch.diagnoses if d.finding is Finding.FP16_PARAMETERS]
-    if not found or found[0].location != "net.0.weight":
-        seen = ", ".join(f"{d.finding.value} in {d.location}" for d in watch.diagnoses) or "nothing"
-        print(f"FAILED: expected FP16_PARAMETERS in net.0.weight, AmpWatch diagnosed {seen}.")
-        return 1
-    print(f"Diagnosed FP16_PARAMETERS at fit start, first float16 parameter {found[0].location}.")
-    return 0
+    return expect(watch, Finding.FP16_PARAMETERS, location="net.0.weight")
 
 
 if __name__ == "__main__":

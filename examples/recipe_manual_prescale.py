@@ -10,7 +10,6 @@ Dividing the loss by the number of accumulation steps is the one factor that is 
 AmpWatch should name it MANUAL_PRESCALE at the manual_backward line. The script exits 1 if it does not.
 """
 
-import os
 import sys
 import tempfile
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.scenarios import expect
 
 
 class HandScaledLoss(pl.LightningModule):
@@ -59,28 +59,9 @@ def main() -> int:
         enable_model_summary=False,
     )
     trainer.fit(HandScaledLoss(), DataLoader(data, batch_size=32))
-    return verdict(watch, Finding.MANUAL_PRESCALE, line_of("# the mistake"))
+    return expect(watch, Finding.MANUAL_PRESCALE, script=__file__, marker="# the mistake")
 
 
-def line_of(marker: str) -> int:
-    """The line of this script that makes the mistake: AmpWatch should name exactly that one."""
-    with open(__file__, encoding="utf-8") as fh:
-        return next(i for i, text in enumerate(fh, 1) if text.rstrip().endswith(marker))
-
-
-def verdict(watch: AmpWatch, expected: Finding, line: int) -> int:
-    """One line a person (or a test) can read: was the expected finding made, at the right line?"""
-    found = [d for d in watch.diagnoses if d.finding is expected]
-    if not found:
-        seen = ", ".join(d.finding.value for d in watch.diagnoses) or "nothing"
-        print(f"FAILED: expected {expected.value}, AmpWatch diagnosed {seen}.")
-        return 1
-    path, _, at = str(found[0].location).rpartition(":")
-    if not (os.path.exists(path) and os.path.samefile(path, __file__) and at == str(line)):
-        print(f"FAILED: {expected.value} was placed at {found[0].location}, not at line {line} of this script.")
-        return 1
-    print(f"Diagnosed {expected.value} at {found[0].location}. Event log: {watch.event_log.path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -250,3 +250,30 @@ def run_scenario(name: str, root_dir: str, watch: Any = None, seed: int = 0, **t
     trainer = build_trainer(scenario, [watch], root_dir, **trainer_overrides)
     trainer.fit(model, scenario.dataloader())
     return watch
+
+
+def expect(watch: Any, expected: Any, *, script: str | None = None, marker: str | None = None,
+           location: str | None = None) -> int:
+    """The examples' last line: was ``expected`` diagnosed (at the line of ``script`` that ends with ``marker``,
+    or at ``location``)? Prints one line a person or a test can read; returns the exit status."""
+    import os
+
+    found = [d for d in watch.diagnoses if d.finding is expected]
+    if not found:
+        seen = ", ".join(d.finding.value for d in watch.diagnoses) or "nothing"
+        print(f"FAILED: expected {expected.value}, AmpWatch diagnosed {seen}.")
+        return 1
+    where = found[0].location
+    if script is not None and marker is not None:
+        with open(script, encoding="utf-8") as fh:
+            line = next(i for i, text in enumerate(fh, 1) if text.rstrip().endswith(marker))
+        path, _, at = str(where).rpartition(":")
+        if not (os.path.exists(path) and os.path.samefile(path, script) and at == str(line)):
+            print(f"FAILED: {expected.value} was placed at {where}, not at line {line} of {script}.")
+            return 1
+    elif location is not None and where != location:
+        print(f"FAILED: {expected.value} was placed at {where}, not at {location}.")
+        return 1
+    at_text = f"at {where}" if (script or location) else f"at step {found[0].step}"
+    print(f"Diagnosed {expected.value} {at_text}. Event log: {watch.event_log.path}")
+    return 0
