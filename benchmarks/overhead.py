@@ -266,7 +266,7 @@ class BlockToggle(pl.Callback):
                  for i, on in enumerate(self.on) if (i + 1) * self.block < len(self.stamps)]
         out = []
         for i in range(skip_blocks - skip_blocks % 2, len(times) - 1, 2):
-            (t1, on1), (t2, on2) = times[i], times[i + 1]
+            (t1, on1), (t2, _) = times[i], times[i + 1]
             watched, bare = (t1, t2) if on1 else (t2, t1)
             out.append(watched / bare)
         return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch, AmpWatchError, Finding

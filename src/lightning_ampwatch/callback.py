@@ -11,7 +11,7 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Literal, TypeVar, Union
 
 import lightning.pytorch as pl
@@ -25,14 +25,13 @@ from torchmetrics.aggregation import RunningMean, SumMetric
 from lightning_ampwatch import distributed
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigator
-from lightning_ampwatch.machine import AmpStateMachine, Observation, PrecisionMode, ScaleMirror, Thresholds
+from lightning_ampwatch.machine import AmpStateMachine, Observation, ScaleMirror, Thresholds
 from lightning_ampwatch.probes import ForwardProbe, MicroBatch, capture_rng, first_nonfinite_grad, uses_rng
 from lightning_ampwatch.remedies import (
     REMEDIES,
     AppliedRemedy,
     HoldLrOnSkip,
     RemedyContext,
-    RemedyError,
     RemedyPolicy,
     attach_island,
     bf16_fallback,
@@ -172,6 +171,7 @@ class AmpWatch(Callback):
         self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
         self._step_index = 0  # trainer.global_step at the step being opened
         self._param_groups: list[dict[str, Any]] = []  # every optimizer's param groups, for the per-step LR read
+        self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._log_every = 0  # trainer.log_every_n_steps
         self._fast_path = False  # see _update_fast_path
         self._world_size = 1
@@ -224,6 +224,7 @@ class AmpWatch(Callback):
         """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
         self._step_index = trainer.global_step
         self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
+        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
         self._log_every = max(int(trainer.log_every_n_steps), 0)
         self._world_size = distributed.world_size()
         scaler = self.precision.scaler if self.precision is not None else None
@@ -292,8 +293,10 @@ class AmpWatch(Callback):
             steps.taken = False
             steps.found_inf = None
             mirror = self._mirror
-            self._open = _OpenStep(self._step_index, mirror.scale if mirror is not None else None,
-                                   tuple([group["lr"] for group in self._param_groups]), self._tape, self._batches)
+            lrs = tuple([group["lr"] for group in self._param_groups]) if self._float_lrs \
+                else current_lrs(trainer.optimizers)  # a tensor LR (capturable optimizers): never read on a device
+            self._open = _OpenStep(self._step_index, mirror.scale if mirror is not None else None, lrs, self._tape,
+                                   self._batches)
             self._step_index += 1  # trainer.global_step kept locally: the property costs more than the watch
             self._tape = LossTape()
             self._batches = []
@@ -321,6 +324,7 @@ class AmpWatch(Callback):
         """Once per ``log_every_n_steps`` optimizer steps: resolve what is in flight, read the scale, log, flush."""
         self._step_index = trainer.global_step  # re-synchronise (cheap here, once per log interval)
         self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]  # groups added since?
+        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
         self._drain(trainer, force=True)
         self._log_metrics(trainer, pl_module)
         self._flush_timeline()
