@@ -152,7 +152,8 @@ class AmpWatch(Callback):
         self.timeline: Timeline | None = None  # rank zero's per-step series for `ampwatch report --plot`
         self._mirror: ScaleMirror | None = None
         self._steps = StepTaken()
-        self._open: _OpenStep | None = None
+        self._stepped = False  # an optimizer step ran in this batch and is not taken in yet
+        self._lrs: tuple[float, ...] = ()  # the LRs the next step will run with
         self._pending: deque[_OpenStep] = deque()
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
@@ -160,6 +161,7 @@ class AmpWatch(Callback):
         self._evidence: tuple[int, dict[str, Any] | None] | None = None  # (step, replay record) awaiting an alarm
         self._awaiting_probe: list[Diagnosis] = []  # manual optimization: alarms waiting for the next step's probe
         self._probe_next = False  # arm the forward probe at the next batch start
+        self._batch_rng: tuple[Tensor, Tensor | None] | None = None  # RNG state at this batch's start (dropout)
         self._live_probe: ForwardProbe | None = None
         self._capture_rng = False
         self._loss_reads: deque[float] = deque(maxlen=8)  # recent healthy losses: the run's loss level
@@ -225,6 +227,7 @@ class AmpWatch(Callback):
         self._step_index = trainer.global_step
         self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
         self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
+        self._lrs = current_lrs(trainer.optimizers)
         self._log_every = max(int(trainer.log_every_n_steps), 0)
         self._world_size = distributed.world_size()
         scaler = self.precision.scaler if self.precision is not None else None
@@ -254,18 +257,15 @@ class AmpWatch(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._disabled:
+        """Only a model that draws random numbers needs anything here (the RNG state, for an exact replay); every
+        other batch is kept from ``on_train_batch_end``, which receives it too."""
+        if self._disabled or not (self._capture_rng or self._probe_next):
             return
         try:
-            batches = self._batches
-            if len(batches) >= 64:  # a run whose steps never come: keep memory bounded
-                del batches[:-32]
             if self._probe_next:
                 self._arm_live_probe(pl_module)
             if self._capture_rng:
-                batches.append((batch, batch_idx, *capture_rng(pl_module.device)))
-            else:
-                batches.append((batch, batch_idx))  # a MicroBatch's fields; the tuple is made only if replayed
+                self._batch_rng = capture_rng(pl_module.device)
         except Exception as err:  # noqa: BLE001
             self._internal_failure("on_train_batch_start", err)
 
@@ -274,7 +274,7 @@ class AmpWatch(Callback):
             return
         try:
             mirror = self._mirror
-            self._tape.append((loss, mirror.scale if mirror is not None else 1.0))  # a reference, no read
+            self._tape.append((loss.detach(), mirror.scale if mirror is not None else 1.0))  # no read
             if self._guards.wants_loss:
                 self._guards.on_before_backward(loss)
         except Exception as err:  # noqa: BLE001
@@ -285,21 +285,11 @@ class AmpWatch(Callback):
         if self._disabled:
             return
         try:
-            if self._open is not None:  # manual optimization: a second step in the same batch
+            if self._stepped:  # manual optimization: a second step in the same batch
                 self._close_step(trainer, pl_module)
+            self._stepped = True  # the step itself is read when it is over, in on_train_batch_end
             if self._live_probe is not None:
                 self._finish_live_probe(trainer, pl_module, with_grads=True)
-            steps = self._steps
-            steps.taken = False
-            steps.found_inf = None
-            mirror = self._mirror
-            lrs = tuple([group["lr"] for group in self._param_groups]) if self._float_lrs \
-                else current_lrs(trainer.optimizers)  # a tensor LR (capturable optimizers): never read on a device
-            self._open = _OpenStep(self._step_index, mirror.scale if mirror is not None else None, lrs, self._tape,
-                                   self._batches)
-            self._step_index += 1  # trainer.global_step kept locally: the property costs more than the watch
-            self._tape = LossTape()
-            self._batches = []
         except Exception as err:  # noqa: BLE001
             self._internal_failure("on_before_optimizer_step", err)
 
@@ -308,7 +298,12 @@ class AmpWatch(Callback):
         if self._disabled:
             return
         try:
-            if self._open is None:
+            # The batch joins its step's batches (kept by reference, read only if the step turns out faulty).
+            batches = self._batches
+            if len(batches) >= 64:  # a run whose steps never come: keep memory bounded
+                del batches[:-32]
+            batches.append((batch, batch_idx) if self._batch_rng is None else (batch, batch_idx, *self._batch_rng))
+            if not self._stepped:
                 return  # mid-accumulation: no optimizer step in this batch
             self._close_step(trainer, pl_module)
             if self._log_every and self._step_index % self._log_every == 0:
@@ -350,6 +345,11 @@ class AmpWatch(Callback):
         self._steps.detach()
         self._guards.detach()
         HoldLrOnSkip.uninstall(pl_module)
+        if self.timeline is not None:
+            try:
+                self.timeline.close()  # the steps that led up to the crash are the interesting ones
+            except OSError as err:
+                self._internal_failure("on_exception", err)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._live_probe is not None:
@@ -360,10 +360,10 @@ class AmpWatch(Callback):
         HoldLrOnSkip.uninstall(pl_module)  # ... and the module's lr_scheduler_step
         try:
             if self.timeline is not None:
-                self.timeline.flush()  # a run that crashed keeps the steps that led up to it
+                self.timeline.close()  # a run that crashed keeps the steps that led up to it
         except OSError as err:
             self._internal_failure("teardown", err)
-        self._open = None
+        self._stepped = False
         self._pending.clear()
         self._batches = []
         self._tape = LossTape()
@@ -371,30 +371,40 @@ class AmpWatch(Callback):
     # ------------------------------------------------------------------ the per-step path
 
     def _close_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The scaler has updated: queue the step, then resolve every queued step whose outcome is known."""
-        opened, self._open = self._open, None
-        assert opened is not None
-        if not opened.tape:
+        """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in."""
+        self._stepped = False
+        tape, batches = self._tape, self._batches
+        self._tape, self._batches = LossTape(), []
+        step = self._step_index
+        self._step_index = step + 1  # trainer.global_step kept locally: the property costs more than the watch
+        lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...
+        self._lrs = tuple([g["lr"] for g in self._param_groups]) if self._float_lrs \
+            else current_lrs(trainer.optimizers)  # ... and the next step's (a tensor LR is never read on a device)
+        steps, mirror = self._steps, self._mirror
+        taken, found_inf = steps.taken, steps.found_inf
+        steps.taken, steps.found_inf = False, None
+        if not tape:
             return  # backward never ran (training_step returned None): Lightning did not step
+        scale = mirror.scale if mirror is not None else None
         machine = self.machine
-        if self._fast and self._steps.taken and not self._pending and machine.quiet:  # type: ignore[union-attr]
+        if self._fast_path and taken and not self._pending and machine.quiet:  # type: ignore[union-attr]
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read.
-            step, scale, lrs = opened.step, opened.scale, opened.lrs
-            machine.observe_clean(step, scale, self._mirror.update(False), lrs)  # type: ignore[union-attr]
-            self._last_tape = opened.tape
+            machine.observe_clean(step, scale, mirror.update(False), lrs)  # type: ignore[union-attr]
+            self._last_tape = tape
             self._log_steps += 1
             timeline = self.timeline
             if timeline is not None:
                 timeline.record_clean(step, scale, lrs)
             if not self._loss_reads:
-                self._loss_reads.append(opened.tape.read())  # once per fit: a first loss level for the control
+                self._loss_reads.append(tape.read())  # once per fit: a first loss level for the control
             return
+        opened = _OpenStep(step, scale, lrs, tape, batches)
         if self._scaler_active:
-            if self._steps.found_inf is not None:  # fused optimizer: called whether or not it skipped
-                opened.found_inf = DeferredRead(self._steps.found_inf)
+            if found_inf is not None:  # fused optimizer: called whether or not it skipped
+                opened.found_inf = DeferredRead(found_inf)
             else:
-                opened.skipped = not self._steps.taken
+                opened.skipped = not taken
         else:
             # Without a scaler the loss is the only signal: copy it to the host without waiting.
             opened.loss = DeferredRead(opened.tape.total())
@@ -407,13 +417,9 @@ class AmpWatch(Callback):
     def _scaler_active(self) -> bool:
         return self.precision is not None and self.precision.scaler is not None
 
-    @property
-    def _fast(self) -> bool:
+    def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
         and a host mirror of its scale."""
-        return self._fast_path
-
-    def _update_fast_path(self) -> None:
         self._fast_path = bool(self._scaler_active and self._mirror is not None and self.machine is not None
                                and not self._steps.fused)
 
@@ -764,7 +770,7 @@ class AmpWatch(Callback):
             self._failures.add(key)
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
-        self._open = None  # never carry a half-built step into the next one
+        self._stepped = False  # never carry a half-built step into the next one
         if len(self._failures) >= 5:
             self._disabled = True
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",

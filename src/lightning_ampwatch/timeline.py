@@ -62,6 +62,7 @@ class Timeline:
         self._previous_anomalous = False
         self._started = False
         self._thinning_noted = False
+        self._file: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -182,7 +183,8 @@ class Timeline:
         """Append the buffered rows. ``read_last_loss`` (called at most once, only here) samples the loss."""
         if self.path is None:
             return
-        if read_last_loss is not None and self._last_row is not None and "loss" not in self._last_row:
+        if read_last_loss is not None and (self._held_args is not None or (
+                self._last_row is not None and "loss" not in self._last_row)):
             self.record_loss(read_last_loss())
         if not self._buffer:
             return
@@ -190,9 +192,23 @@ class Timeline:
         self._buffer.clear()
         if self._last_row is not None and self._last_row is not self._held:
             self._last_row = None  # written: a loss read later could not reach the file
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
+        if self._file is None:  # opened once per fit and kept: an open per log step costs more than the rows
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write("\n".join(lines) + "\n")
+        self._file.flush()  # on disk at every log step, so a crash keeps what led up to it
+
+    def close(self) -> None:
+        """Write what is buffered and let the file go (fit end, teardown). Recording may go on and reopen it."""
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"] = None
+        return state
 
     # ------------------------------------------------------------------ internals
 
