@@ -412,6 +412,10 @@ class _HookTimer:
                 for name in ("_pre", "_post"):
                     if step_hooks is not None and hasattr(step_hooks, name):
                         setattr(step_hooks, name, self._wrap(f"optimizer step {name}", getattr(step_hooks, name)))
+                guards = getattr(cb, "_guards", None)  # internal: the recipe guard's optimizer step pre-hook
+                if guards is not None and hasattr(guards, "_before_optimizer_step"):
+                    guards._before_optimizer_step = self._wrap("recipe guard step pre-hook",
+                                                               guards._before_optimizer_step)
 
 
 def _quiet() -> None:

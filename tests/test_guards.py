@@ -444,6 +444,8 @@ def test_guards_add_constant_host_work_and_no_tensor_reads_per_step(tmp_path: An
     assert all(n == int(n) for n in per_step.values()), per_step  # exactly the same work every step
     for heavy in ("user_call_site", "analyze_loss", "returned_at", "_current_scale", "_emit"):
         assert per_step.get(heavy, 0) == 0, heavy  # stack walks, graph walks and scale reads: never per step
+    for slow in ("_check_step", "stepped_by_scaler"):
+        assert per_step.get(slow, 0) == 0, slow  # a step through scaler.step takes the pre-hook's fast exit
     added_c = {name for name in long_c if long_c[name] != short_c[name]}
     assert not {name for name in added_c if "Tensor" in name}, added_c  # no tensor method on the step path
 

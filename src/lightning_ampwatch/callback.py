@@ -378,8 +378,13 @@ class AmpWatch(Callback):
         step = self._step_index
         self._step_index = step + 1  # trainer.global_step kept locally: the property costs more than the watch
         lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...
-        self._lrs = tuple([g["lr"] for g in self._param_groups]) if self._float_lrs \
-            else current_lrs(trainer.optimizers)  # ... and the next step's (a tensor LR is never read on a device)
+        groups = self._param_groups
+        if not self._float_lrs:  # ... and the next step's (a tensor LR is never read on a device)
+            self._lrs = current_lrs(trainer.optimizers)
+        elif len(groups) == 1:
+            self._lrs = (groups[0]["lr"],)
+        else:
+            self._lrs = tuple([g["lr"] for g in groups])
         steps, mirror = self._steps, self._mirror
         taken, found_inf = steps.taken, steps.found_inf
         steps.taken, steps.found_inf = False, None

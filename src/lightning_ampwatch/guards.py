@@ -377,18 +377,19 @@ class RecipeGuards:
         self._patched: list[tuple[ModuleType, str, Callable[..., Any], Callable[..., Any]]] = []
         self._module: Any = None
         self._active = False
+        self._check_loss = False
+        self.wants_loss = False
         self._warned: set[str] = set()
-        self._scaler_states: dict[int, Any] | None = None  # the scaler's per-optimizer table, read by .get only
         self.rescale_clipping = False  # the unscale_before_clip remedy: clip limits follow the loss scale
 
     @property
     def active(self) -> bool:
         return self._active
 
-    @property
-    def wants_loss(self) -> bool:
-        """Whether ``on_before_backward`` has anything left to check (automatic optimization: the first loss only)."""
-        return self._check_loss and self._active and not (self._automatic and self._automatic_checked)
+    def _update_wants_loss(self) -> None:
+        """``wants_loss``: whether ``on_before_backward`` has anything left to check (automatic optimization: the
+        first loss only). A plain attribute, since the callback asks on every backward."""
+        self.wants_loss = self._check_loss and self._active and not (self._automatic and self._automatic_checked)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -409,6 +410,7 @@ class RecipeGuards:
         self._scaler = precision_info.scaler if mode is PrecisionMode.FP16 else None
         self._scale_reader = scale_reader
         self._check_loss = mode is PrecisionMode.FP16
+        self._update_wants_loss()
 
         if mode is PrecisionMode.FP16:
             self._check_parameters(pl_module)
@@ -420,7 +422,6 @@ class RecipeGuards:
             self._warn_once("scaler-state", "AmpWatch cannot read this GradScaler's per-optimizer state; the "
                             "clipping and stepping guards are off for this run.")
             return
-        self._scaler_states = self._scaler._per_optimizer_states
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -431,6 +432,7 @@ class RecipeGuards:
     def detach(self) -> None:
         """Remove the step hooks and put the clipping functions back exactly as found. Idempotent."""
         self._active = False
+        self.wants_loss = False
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
@@ -440,7 +442,6 @@ class RecipeGuards:
             # else someone wrapped on top of us since: leave theirs; ours passes straight through when inactive
         self._patched.clear()
         self._param_owner.clear()
-        self._scaler_states = None
         self._trainer = self._module = self._scaler = None
         self._report = self._scale_reader = None  # no closures over the trainer outlive the fit
 
@@ -482,6 +483,7 @@ class RecipeGuards:
             if self._automatic_checked:
                 return
             self._automatic_checked = True
+            self._update_wants_loss()
             site = returned_at(getattr(self._module, "training_step", None))
         else:
             site, _ = user_call_site()
@@ -520,8 +522,10 @@ class RecipeGuards:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Mapping[str, Any]) -> None:
         if not self._active:
             return
-        # The common case first, in as few operations as possible: scaler.step unscaled this optimizer.
-        state = self._scaler_states.get(id(optimizer)) if self._scaler_states is not None else None
+        # The common case first, in as few operations as possible: scaler.step unscaled this optimizer. (The
+        # scaler replaces its per-optimizer table at every update, so it is looked up afresh each time.)
+        states = getattr(self._scaler, "_per_optimizer_states", None)
+        state = states.get(id(optimizer)) if states is not None else None
         if state is not None and state.get("stage") is _UNSCALED:
             return
         self._guard(self._check_step, optimizer, kwargs)
