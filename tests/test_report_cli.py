@@ -167,3 +167,17 @@ def test_directory_with_several_runs_shows_the_newest_and_says_so(run_dir: Path,
     assert code == 0
     assert f"AmpWatch report: {newer}" in out
     assert f"(1 other run(s) under {tmp_path}; showing the newest." in out
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """matplotlib is the [plot] extra: the plain install of the README's demo command does not have it."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... now raises ImportError
+    assert main(["report", str(run_dir), "--plot", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert "drawing needs matplotlib" in err and "lightning-ampwatch[plot]" in err
+    assert not (tmp_path / "t.png").exists()

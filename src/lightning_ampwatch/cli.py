@@ -100,6 +100,10 @@ def _report(args: argparse.Namespace, console: Console) -> int:
         try:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             render(out)
+        except ImportError as err:  # matplotlib is the [plot] extra, not a dependency of the callback
+            errors.print(f"ampwatch report: drawing needs matplotlib ({err}); install it with "
+                         "pip install 'lightning-ampwatch[plot]' (or pip install matplotlib)", markup=False)
+            return 2
         except (OSError, ValueError) as err:
             errors.print(f"ampwatch report: cannot write {out}: {err}", markup=False)
             return 2
