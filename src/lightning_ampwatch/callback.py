@@ -24,19 +24,17 @@ from torchmetrics.aggregation import RunningMean, SumMetric
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.investigate import Investigator
+from lightning_ampwatch.investigate import LIVE_PROBED, Investigator, located_live
 from lightning_ampwatch.machine import AmpStateMachine, Observation, ScaleMirror, Thresholds
-from lightning_ampwatch.probes import ForwardProbe, MicroBatch, capture_rng, first_nonfinite_grad, uses_rng
+from lightning_ampwatch.probes import LiveProbe, MicroBatch, capture_rng, uses_rng
 from lightning_ampwatch.remedies import (
-    REMEDIES,
     AppliedRemedy,
     HoldLrOnSkip,
     RemedyContext,
     RemedyPolicy,
-    attach_island,
-    bf16_fallback,
     ladder_for,
     parse_remediate,
+    reapply_structural,
 )
 from lightning_ampwatch.report import EventLog, print_diagnosis, write_text
 from lightning_ampwatch.signals import (
@@ -51,14 +49,10 @@ from lightning_ampwatch.signals import (
     scaler_config,
 )
 from lightning_ampwatch.summary import RunStats, summary_lines
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
-#: Findings located by the first non-finite gradient (the others by the first non-finite forward output).
-BACKWARD_FINDINGS = frozenset({Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW})
-#: Alarms a live probe of the next step can locate when the step cannot be replayed.
-LIVE_PROBED = BACKWARD_FINDINGS | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,7 +156,7 @@ class AmpWatch(Callback):
         self._awaiting_probe: list[Diagnosis] = []  # manual optimization: alarms waiting for the next step's probe
         self._probe_next = False  # arm the forward probe at the next batch start
         self._batch_rng: tuple[Tensor, Tensor | None] | None = None  # RNG state at this batch's start (dropout)
-        self._live_probe: ForwardProbe | None = None
+        self._live_probe: LiveProbe | None = None
         self._capture_rng = False
         self._loss_reads: deque[float] = deque(maxlen=8)  # recent healthy losses: the run's loss level
         self._last_tape: LossTape | None = None
@@ -193,7 +187,8 @@ class AmpWatch(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._loaded_state is not None:
             # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
-            self._reapply_structural(trainer, pl_module, self._loaded_state.get("applied", ()))
+            reapply_structural(RemedyContext(trainer=trainer, module=pl_module, scaler=None, device=pl_module.device),
+                               [AppliedRemedy.from_dict(a) for a in self._loaded_state.get("applied", ())])
         self.precision = info = resolve_precision(trainer.precision_plugin)
         self._mirror = None  # made in on_train_start, once Lightning has restored the scaler's own state
         self._fast_path = False
@@ -353,7 +348,7 @@ class AmpWatch(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._live_probe is not None:
-            self._live_probe.__exit__(None, None, None)
+            self._live_probe.close()
             self._live_probe = None
         self._steps.detach()  # leave the optimizers as we found them
         self._guards.detach()  # ... and torch.nn.utils's clipping functions
@@ -494,38 +489,15 @@ class AmpWatch(Callback):
 
     def _arm_live_probe(self, pl_module: pl.LightningModule) -> None:
         self._probe_next = False
-        self._live_probe = ForwardProbe(pl_module)
-        self._live_probe.__enter__()
+        self._live_probe = LiveProbe(pl_module)
 
     def _finish_live_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_grads: bool) -> None:
-        """The armed step's backward is done: read the forward probe and the gradients once, remove the hooks,
-        and publish the diagnoses that waited for them."""
+        """The armed step's backward is done: publish the diagnoses that waited for its probe."""
         probe, self._live_probe = self._live_probe, None
-        first_module: str | None = None
-        headroom: list[tuple[str, float]] = []
-        first_param: str | None = None
-        if probe is not None:
-            probe.__exit__(None, None, None)
-            first_module, headroom = probe.read()
-            if with_grads:
-                params = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
-                if params:
-                    _, first_param = first_nonfinite_grad(params, [p.grad for _, p in params], probe)
+        seen = probe.finish(with_grads) if probe is not None else (None, None, [])
         waiting, self._awaiting_probe = self._awaiting_probe, []
         for diagnosis in waiting:
-            ev = dict(diagnosis.evidence)
-            ev["live_probe"] = ("the next training step watched as it ran (manual optimization: no replay)"
-                                if (first_module or first_param) else
-                                "the next training step watched as it ran: the fault did not recur there")
-            if first_module:
-                ev["live_first_nonfinite_module"] = first_module
-            if first_param:
-                ev["live_first_nonfinite_param"] = first_param
-            if headroom:
-                ev["fp16_headroom_log2"] = dict(headroom)
-            location = (first_param or first_module) if diagnosis.finding in BACKWARD_FINDINGS \
-                else (first_module or first_param)
-            self._emit(trainer, replace(diagnosis, location=location, evidence=ev))
+            self._emit(trainer, located_live(diagnosis, *seen))
 
     def _investigate(self, diagnosis: Diagnosis, opened: _OpenStep, batch_stats: Any, fault_ranks: list[int],
                      skipped: bool) -> Diagnosis:
@@ -586,29 +558,16 @@ class AmpWatch(Callback):
                                "not remedy them under DDP; it reports them.")
                 return diagnosis
             choice = trainer.strategy.broadcast(choice, src=0)  # decided once, on rank zero
-        failures: list[str] = []
-        ladder = ladder_for(diagnosis)
-        while choice is not None:
-            index, name = choice
-            try:
-                details = REMEDIES[name](self._remedy_context(trainer, pl_module), diagnosis)
-            except Exception as err:  # noqa: BLE001 - a remedy that cannot apply leaves the next rung
-                failures.append(f"{name}: {err}")
-                choice = next(((i, ladder[i]) for i in range(index + 1, len(ladder)) if ladder[i] in self.remedies),
-                              None)
-                continue
-            self._policy.record(diagnosis, index)
-            self._after_remedy(trainer, pl_module, name, diagnosis.step)
-            record = AppliedRemedy(name, trainer.global_step, diagnosis.finding.value, details)  # when applied
-            self.applied.append(record)
+        ctx = RemedyContext(trainer=trainer, module=pl_module,
+                            scaler=self.precision.scaler if self.precision is not None else None,
+                            device=pl_module.device,
+                            safe_scale=self.machine.max_safe_scale if self.machine is not None else None)
+        diagnosis, applied = self._policy.apply(ctx, diagnosis, choice, step=trainer.global_step)
+        if applied is not None:
+            self._after_remedy(trainer, pl_module, applied.name)
+            self.applied.append(applied)
             if self.timeline is not None:
-                self.timeline.record_remedy(trainer.global_step, name)
-            evidence = {**diagnosis.evidence, "remedy_details": details}
-            if failures:
-                evidence["remedies_failed"] = failures
-            return replace(diagnosis, remedy=name, evidence=evidence)
-        if failures:
-            return replace(diagnosis, evidence={**diagnosis.evidence, "remedies_failed": failures})
+                self.timeline.record_remedy(applied.step, applied.name)
         return diagnosis
 
     @property
@@ -616,13 +575,7 @@ class AmpWatch(Callback):
         """Under a scaler every rank sees the same skipped steps, so every rank reaches the same alarms."""
         return self._scaler_active
 
-    def _remedy_context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RemedyContext:
-        return RemedyContext(trainer=trainer, module=pl_module,
-                             scaler=self.precision.scaler if self.precision is not None else None,
-                             device=pl_module.device,
-                             safe_scale=self.machine.max_safe_scale if self.machine is not None else None)
-
-    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, step: int) -> None:
+    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
         """Bring AmpWatch's own view in line with what the remedy changed."""
         assert self.machine is not None
         self.machine.close_episode(trainer.global_step, f"remedy {name}")
@@ -645,16 +598,6 @@ class AmpWatch(Callback):
         if self._investigator is not None:
             self._investigator.mode = self.precision.mode
         self._attach_guards(trainer, pl_module)
-
-    def _reapply_structural(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                            applied: Iterable[dict[str, Any]]) -> None:
-        """On resume: FP32 islands and the bf16 switch live outside the checkpoint, so put them back."""
-        for record in (AppliedRemedy.from_dict(a) for a in applied):
-            if record.name == "fp32_island" and record.details.get("module") is not None:
-                attach_island(pl_module, record.details["module"], pl_module.device.type)
-            elif record.name == "bf16_fallback" and getattr(trainer.precision_plugin, "precision", "") != "bf16-mixed":
-                ctx = RemedyContext(trainer=trainer, module=pl_module, scaler=None, device=pl_module.device)
-                bf16_fallback(ctx, Diagnosis(finding="GRADIENT_OVERFLOW", step=record.step))
 
     def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         self.diagnoses.append(diagnosis)

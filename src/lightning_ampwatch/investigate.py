@@ -6,6 +6,7 @@ Bounded by construction: it runs once per new alarm, and the machine raises an a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +20,8 @@ from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 _FORWARD = {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE}
 _BACKWARD = {Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW}
 _INVESTIGATED = _FORWARD | _BACKWARD | {Finding.LR_SCHEDULE}
+#: Alarms a live probe of the next step can locate when the faulty step cannot be replayed.
+LIVE_PROBED = _BACKWARD | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
 
 
 class InvestigationError(RuntimeError):
@@ -141,3 +144,22 @@ def _weights_finite(module: torch.nn.Module) -> bool:
     if not params:
         return True
     return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+
+def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: str | None,
+                 headroom: list[tuple[str, float]]) -> Diagnosis:
+    """A diagnosis that waited for a :class:`~lightning_ampwatch.probes.LiveProbe`, with what the probe saw."""
+    ev = dict(diagnosis.evidence)
+    ev["live_probe"] = ("the next training step watched as it ran (manual optimization: no replay)"
+                        if (first_module or first_param) else
+                        "the next training step watched as it ran: the fault did not recur there")
+    if first_module:
+        ev["live_first_nonfinite_module"] = first_module
+    if first_param:
+        ev["live_first_nonfinite_param"] = first_param
+    if headroom:
+        ev["fp16_headroom_log2"] = dict(headroom)
+    backward = diagnosis.finding in _BACKWARD
+    location = (first_param or first_module) if backward else (first_module or first_param)
+    return replace(diagnosis, location=location, evidence=ev)
+

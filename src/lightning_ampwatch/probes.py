@@ -230,3 +230,34 @@ def first_nonfinite_grad(params: list[tuple[str, Tensor]], grads: list[Tensor | 
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         return (-rank.get(owner, -1), [n for n, _ in params].index(name))
     return False, min(bad, key=backward_key)
+
+
+class LiveProbe:
+    """Probes on the next real training step, for when the faulty one cannot be replayed (manual optimization:
+    ``training_step`` steps the optimizer itself). Armed before the step's forward, read once after its backward,
+    and removed then."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._forward: ForwardProbe | None = ForwardProbe(module).__enter__()
+
+    def finish(self, with_grads: bool) -> tuple[str | None, str | None, list[tuple[str, float]]]:
+        """(first non-finite module, first non-finite gradient's parameter, float16 headroom); hooks removed."""
+        probe, self._forward = self._forward, None
+        if probe is None:
+            return None, None, []
+        probe.__exit__(None, None, None)
+        first_module, headroom = probe.read()
+        first_param = None
+        if with_grads:
+            params = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
+            if params:
+                _, first_param = first_nonfinite_grad(params, [p.grad for _, p in params], probe)
+        return first_module, first_param, headroom
+
+    def close(self) -> None:
+        """Remove the hooks without reading (the fit ended)."""
+        if self._forward is not None:
+            self._forward.__exit__(None, None, None)
+            self._forward = None
+

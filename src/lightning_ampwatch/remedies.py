@@ -9,7 +9,7 @@ unrecoverable and ``on_unrecoverable`` decides.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -289,6 +289,31 @@ class RemedyPolicy:
     def record(self, diagnosis: Diagnosis, index: int) -> None:
         self.rungs[diagnosis.finding.value] = (index, diagnosis.step)
 
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis, choice: tuple[int, str] | None,
+              step: int) -> tuple[Diagnosis, AppliedRemedy | None]:
+        """Apply ``choice``, or the next allowed rung above it when it cannot apply here; the diagnosis comes back
+        with the remedy's name and details (and the rungs that failed), and the record of what was applied."""
+        ladder = ladder_for(diagnosis)
+        failures: list[str] = []
+        while choice is not None:
+            index, name = choice
+            try:
+                details = REMEDIES[name](ctx, diagnosis)
+            except Exception as err:  # noqa: BLE001 - a remedy that cannot apply leaves the next rung
+                failures.append(f"{name}: {err}")
+                choice = next(((i, ladder[i]) for i in range(index + 1, len(ladder)) if ladder[i] in self.allowed),
+                              None)
+                continue
+            self.record(diagnosis, index)
+            evidence = {**diagnosis.evidence, "remedy_details": details}
+            if failures:
+                evidence["remedies_failed"] = failures
+            applied = AppliedRemedy(name, step, diagnosis.finding.value, details)
+            return replace(diagnosis, remedy=name, evidence=evidence), applied
+        if failures:
+            return replace(diagnosis, evidence={**diagnosis.evidence, "remedies_failed": failures}), None
+        return diagnosis, None
+
     def state_dict(self) -> dict[str, Any]:
         return {"rungs": {k: list(v) for k, v in self.rungs.items()}}
 
@@ -346,3 +371,16 @@ class HoldLrOnSkip:
     def uninstall(module: Any) -> None:
         if isinstance(module.__dict__.get("lr_scheduler_step"), HoldLrOnSkip):
             del module.__dict__["lr_scheduler_step"]
+
+
+def reapply_structural(ctx: RemedyContext, applied: Sequence[AppliedRemedy]) -> None:
+    """On resume: what a checkpoint cannot carry, put back before the first step. FP32 islands are forward hooks
+    (a checkpoint holds weights) and the bf16 switch is a precision plugin (the Trainer is built anew). The other
+    remedies live in state Lightning restores itself: the scaler's, the optimizers' and the schedulers'."""
+    for record in applied:
+        if record.name == "fp32_island" and record.details.get("module") is not None:
+            attach_island(ctx.module, record.details["module"], ctx.device.type)
+        elif record.name == "bf16_fallback" and \
+                getattr(ctx.trainer.precision_plugin, "precision", "") != "bf16-mixed":
+            bf16_fallback(ctx, Diagnosis(finding=Finding.GRADIENT_OVERFLOW, step=record.step))
+
