@@ -135,3 +135,13 @@ def test_help_lists_the_arguments_with_their_docs(capsys: pytest.CaptureFixture[
     assert "--trainer.callbacks.remediate" in text and "every remedy except ``reduce_lr``" in text
     assert "--trainer.callbacks.on_unrecoverable {warn,stop,raise}" in text
     assert "--trainer.callbacks.thresholds" in text
+
+
+def test_command_line_takes_a_single_remedy_name(tmp_path: Path) -> None:
+    cli = LightningCLI(SummedLossRegressor, run=False, save_config_callback=None, args=[
+        "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=lightning_ampwatch.AmpWatch",
+        "--trainer.callbacks.remediate=lower_init_scale",
+    ])
+    (watch,) = watches(cli)
+    assert watch.remedies == {"lower_init_scale"}

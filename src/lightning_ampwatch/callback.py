@@ -97,9 +97,9 @@ class AmpWatch(Callback):
     classifies the episode into the AMP failure taxonomy and reports it once.
 
     Args:
-        remediate: ``False`` (diagnose only), ``True`` (every remedy except ``reduce_lr``) or an iterable of remedy
-            names: ``lower_init_scale``, ``slow_growth``, ``fp32_island``, ``bf16_fallback``, ``reduce_lr``,
-            ``unscale_before_clip``.
+        remediate: ``False`` (diagnose only), ``True`` (every remedy except ``reduce_lr``), or one remedy name or
+            an iterable of them: ``lower_init_scale``, ``slow_growth``, ``fp32_island``, ``bf16_fallback``,
+            ``reduce_lr``, ``unscale_before_clip``.
         on_unrecoverable: what to do about an alarm no allowed remedy fixes: ``"warn"`` (report and go on),
             ``"stop"`` (set ``trainer.should_stop`` for a clean end) or ``"raise"`` (:class:`AmpWatchError`).
         control_replay: replay the offending batch without autocast (the FP32 control) on the first alarm.
@@ -112,7 +112,7 @@ class AmpWatch(Callback):
 
     def __init__(
         self,
-        remediate: Union[bool, Iterable[str]] = False,
+        remediate: Union[bool, str, Iterable[str]] = False,
         on_unrecoverable: Literal["warn", "stop", "raise"] = "warn",
         control_replay: bool = True,
         localize: bool = True,
