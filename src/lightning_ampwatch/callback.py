@@ -76,8 +76,8 @@ def _guarded(hook: F) -> F:
 
 
 class _OpenStep:
-    """An optimizer step between ``on_before_optimizer_step`` and the point where its outcome is known.
-    A slotted class rather than a dataclass: one is made every step."""
+    """An optimizer step whose outcome needs more than the fast path: a skip, a flag or a loss still in flight,
+    or an episode in progress. Queued until it can be resolved in order."""
 
     __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss")
 
