@@ -170,6 +170,8 @@ class AmpWatch(Callback):
         self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._log_every = 0  # trainer.log_every_n_steps
         self._fast_path = False  # see _update_fast_path
+        self._host_loss = False  # see _update_fast_path
+        self._device_type = "cpu"
         self._world_size = 1
         self._disabled = False
         self._failures: set[str] = set()
@@ -220,6 +222,7 @@ class AmpWatch(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
         self._step_index = trainer.global_step
+        self._device_type = pl_module.device.type
         self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
         self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
         self._lrs = current_lrs(trainer.optimizers)
@@ -399,6 +402,18 @@ class AmpWatch(Callback):
             if not self._loss_reads:
                 self._loss_reads.append(tape.read())  # once per fit: a first loss level for the control
             return
+        if self._host_loss and not self._pending and machine.quiet:  # type: ignore[union-attr]
+            # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
+            # takes the fast path too. On an accelerator the loss goes the deferred way below.
+            loss = tape.read()
+            if math.isfinite(loss):
+                machine.observe_clean(step, None, False, lrs)  # type: ignore[union-attr]
+                self._last_tape = tape
+                self._log_steps += 1
+                self._loss_reads.append(loss)
+                if self.timeline is not None:
+                    self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
+                return
         opened = _OpenStep(step, scale, lrs, tape, batches)
         if self._scaler_active:
             if found_inf is not None:  # fused optimizer: called whether or not it skipped
@@ -419,7 +434,8 @@ class AmpWatch(Callback):
 
     def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
-        and a host mirror of its scale."""
+        and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
+        self._host_loss = bool(not self._scaler_active and self.machine is not None and self._device_type == "cpu")
         self._fast_path = bool(self._scaler_active and self._mirror is not None and self.machine is not None
                                and not self._steps.fused)
 
