@@ -223,19 +223,28 @@ class AmpWatch(Callback):
         """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
         self._step_index = trainer.global_step
         self._device_type = pl_module.device.type
-        self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
-        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
+        self._read_param_groups(trainer)
         self._lrs = current_lrs(trainer.optimizers)
         self._log_every = max(int(trainer.log_every_n_steps), 0)
         self._world_size = distributed.world_size()
-        scaler = self.precision.scaler if self.precision is not None else None
-        if scaler is not None:
-            config = scaler_config(scaler)
-            scale, tracker = read_scale(scaler)
-            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
-            if self.machine is not None:
-                self.machine.reconfigure(scaler_config=config)
+        self._mirror_scaler()
         self._update_fast_path()
+
+    def _mirror_scaler(self) -> None:
+        """Read the scaler once (scale, tracker, growth settings) into the host mirror and the machine."""
+        scaler = self.precision.scaler if self.precision is not None else None
+        if scaler is None:
+            return
+        config = scaler_config(scaler)
+        scale, tracker = read_scale(scaler)
+        self._mirror = ScaleMirror(scale, tracker=tracker, **config)
+        if self.machine is not None:
+            self.machine.reconfigure(scaler_config=config)
+
+    def _read_param_groups(self, trainer: pl.Trainer) -> None:
+        """The param groups whose LRs are read every step, and whether they are all plain numbers."""
+        self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]
+        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
 
     def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.precision is not None
@@ -316,8 +325,7 @@ class AmpWatch(Callback):
     def _at_log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once per ``log_every_n_steps`` optimizer steps: resolve what is in flight, read the scale, log, flush."""
         self._step_index = trainer.global_step  # re-synchronise (cheap here, once per log interval)
-        self._param_groups = [g for opt in trainer.optimizers for g in opt.param_groups]  # groups added since?
-        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
+        self._read_param_groups(trainer)  # groups added since?
         self._drain(trainer, force=True)
         self._log_metrics(trainer, pl_module)
         self._flush_timeline()
@@ -457,7 +465,7 @@ class AmpWatch(Callback):
         if skipped and loss is None:
             # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
             loss = opened.tape.read()
-        if not self._loss_reads and not skipped:
+        if loss is None and not skipped and not self._loss_reads:
             self._loss_reads.append(opened.tape.read())  # once per fit: a first loss level for the control
         loss_finite = None if loss is None else math.isfinite(loss)
         self._last_tape = opened.tape
@@ -468,7 +476,7 @@ class AmpWatch(Callback):
         if skipped or loss_finite is False:
             batch_stats = inspect_batch([mb[0] for mb in opened.batches])
             self._log_nonfinite += int(loss_finite is False)
-            if skipped and distributed.world_size() > 1:
+            if skipped and self._world_size > 1:
                 # every rank skipped this step together: agree on one view of it (the only collective we make)
                 records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
                 loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
@@ -568,8 +576,10 @@ class AmpWatch(Callback):
 
     def _remediate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, diagnosis: Diagnosis) -> Diagnosis:
         choice = self._policy.choose(diagnosis)
-        if distributed.world_size() > 1 and not diagnosis.finding.is_recipe:
-            if not self._agreed_diagnoses:
+        if self._world_size > 1 and not diagnosis.finding.is_recipe:
+            # Under a scaler every rank skips the same steps, so every rank reaches the same alarms; without one
+            # the ranks see anomalies at different steps and no single decision can be agreed on.
+            if not self._scaler_active:
                 self._say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
                                "not remedy them under DDP; it reports them.")
                 return diagnosis
@@ -586,11 +596,6 @@ class AmpWatch(Callback):
                 self.timeline.record_remedy(applied.step, applied.name)
         return diagnosis
 
-    @property
-    def _agreed_diagnoses(self) -> bool:
-        """Under a scaler every rank sees the same skipped steps, so every rank reaches the same alarms."""
-        return self._scaler_active
-
     def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
         """Bring AmpWatch's own view in line with what the remedy changed."""
         assert self.machine is not None
@@ -599,11 +604,8 @@ class AmpWatch(Callback):
             self._guards.rescale_clipping = True
         if name == "bf16_fallback":
             self._switched_precision(trainer, pl_module)
-        elif name in ("lower_init_scale", "slow_growth") and self.precision is not None and self.precision.scaler:
-            config = scaler_config(self.precision.scaler)
-            scale, tracker = read_scale(self.precision.scaler)
-            self._mirror = ScaleMirror(scale, tracker=tracker, **config)
-            self.machine.reconfigure(scaler_config=config)
+        elif name in ("lower_init_scale", "slow_growth"):
+            self._mirror_scaler()
 
     def _switched_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.precision = resolve_precision(trainer.precision_plugin)
@@ -703,7 +705,6 @@ class AmpWatch(Callback):
             "version": 1,
             "diagnoses": [d.to_dict() for d in self.diagnoses],
             "machine": None if self.machine is None else self.machine.state_dict(),
-            "mirror": None if self._mirror is None else self._mirror.state_dict(),
             "applied": [r.to_dict() for r in self.applied],
             "policy": self._policy.state_dict(),
         }

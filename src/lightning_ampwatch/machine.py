@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
-
-FP16_MAX = 65504.0
 
 
 class PrecisionMode(str, Enum):
@@ -529,12 +527,6 @@ def replay(machine: AmpStateMachine, observations: Iterable[Observation]) -> lis
     for obs in observations:
         out.extend(machine.observe(obs))
     return out
-
-
-def with_location(diagnosis: Diagnosis, location: str | None, **evidence: Any) -> Diagnosis:
-    """A copy of ``diagnosis`` that names where it happened, with extra evidence merged in."""
-    merged = {**diagnosis.evidence, **evidence}
-    return replace(diagnosis, location=location, evidence=merged, advice=advise(diagnosis.finding, merged))
 
 
 #: Findings that blame reduced precision, and so are put to the FP32 control.

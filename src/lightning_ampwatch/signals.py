@@ -100,10 +100,6 @@ class StepTaken:
             handle.remove()
         self._handles.clear()
 
-    def reset(self) -> None:
-        self.taken = False
-        self.found_inf = None
-
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         found_inf = getattr(optimizer, "found_inf", None)
         if isinstance(found_inf, Tensor):
@@ -123,10 +119,6 @@ class LossTape(list):  # type: ignore[type-arg]
     """
 
     __slots__ = ()
-
-    @property
-    def entries(self) -> "LossTape":
-        return self
 
     def add(self, loss: Tensor, scale: float) -> None:
         self.append((loss, scale))

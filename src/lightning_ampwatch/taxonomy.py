@@ -42,11 +42,6 @@ class Finding(str, Enum):
         return self in _RECIPE
 
     @property
-    def is_amp_fault(self) -> bool:
-        """False for the findings that the FP32 control clears AMP of (data, optimisation)."""
-        return self not in (Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE, Finding.NORMAL_SCALING)
-
-    @property
     def summary(self) -> str:
         return _SUMMARIES[self]
 
