@@ -6,14 +6,14 @@ Bounded by construction: it runs once per new alarm, and the machine raises an a
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import torch
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, judge_control
-from lightning_ampwatch.probes import MicroBatch, Replayer, ReplayResult
+from lightning_ampwatch.probes import LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.
@@ -22,6 +22,20 @@ _BACKWARD = {Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW}
 _INVESTIGATED = _FORWARD | _BACKWARD | {Finding.LR_SCHEDULE}
 #: Alarms a live probe of the next step can locate when the faulty step cannot be replayed.
 LIVE_PROBED = _BACKWARD | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
+
+
+@dataclass
+class ReplayRecord:
+    """What the replay of a faulty step found, agreed across ranks: evidence for the diagnosis, where the fault
+    sits, and the FP32 control's numbers for the verdict."""
+
+    evidence: dict[str, Any] = field(default_factory=dict)
+    module: str | None = None  # the first module whose output went non-finite from finite inputs
+    param: str | None = None  # the first parameter whose gradient went non-finite, in backward order
+    control_loss: float | None = None
+    control_grads_finite: bool | None = None
+    loss_level: float | None = None  # the investigating rank's usual loss
+    error: str | None = None  # the replay failed on this rank
 
 
 class InvestigationError(RuntimeError):
@@ -41,44 +55,47 @@ class Investigator:
         self.automatic = automatic
 
     def collect(self, batches: Sequence[MicroBatch], *, scale: float | None, fault_ranks: Sequence[int],
-                weights_stepped: bool, loss_level: float | None) -> dict[str, Any] | None:
-        """Replay on the rank(s) at fault and agree on one record; every rank must call this together.
+                weights_stepped: bool, loss_level: float | None, agree: bool) -> ReplayRecord | None:
+        """Replay on the rank(s) at fault; with ``agree`` every rank must call this together and all get one record.
 
+        ``agree`` holds only where the ranks meet the anomaly at the same step (under a GradScaler every rank skips
+        the same steps). Without it each rank replays alone and no collective is made: a rank waiting in a
+        collective the others never enter would hang the run.
         ``loss_level`` is this rank's usual loss; the record carries the investigating rank's, so that every rank
         judges the control against the same number.
         """
         if not (self.localize or self.control):
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
-        local: dict[str, Any] | None = None
-        if distributed.rank() in fault_ranks:
+        local: ReplayRecord | None = None
+        if not agree or distributed.rank() in fault_ranks:
             try:
                 local = self._local(batches, scale, weights_stepped)
-                local["loss_level"] = loss_level
+                local.loss_level = loss_level
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
-                local = {"error": f"{type(err).__name__}: {err}"}
-        results = distributed.gather(local)
-        failed = [(r, res["error"]) for r, res in enumerate(results) if res is not None and "error" in res]
+                local = ReplayRecord(error=f"{type(err).__name__}: {err}")
+        results = distributed.gather(local) if agree else [local]
+        failed = [(r, res.error) for r, res in enumerate(results) if res is not None and res.error]
         if failed:
             raise InvestigationError(f"the replay failed on rank {failed[0][0]}: {failed[0][1]}")
         for r, res in enumerate(results):
             if res is not None:
-                if distributed.world_size() > 1:
-                    res["evidence"].update(fault_ranks=list(fault_ranks), investigated_on_rank=r)
+                if agree and distributed.world_size() > 1:
+                    res.evidence.update(fault_ranks=list(fault_ranks), investigated_on_rank=r)
                 return res
         return None
 
-    def apply(self, diagnosis: Diagnosis, record: dict[str, Any] | None, *,
+    def apply(self, diagnosis: Diagnosis, record: ReplayRecord | None, *,
               batch: BatchStats | None) -> tuple[Diagnosis, Finding | None]:
         """The diagnosis with location and control evidence; and the new finding if the control renamed it."""
         if record is None or diagnosis.finding not in _INVESTIGATED:
             return diagnosis, None
-        loss_level = record.get("loss_level")
+        loss_level = record.loss_level
         ev = dict(diagnosis.evidence)
-        ev.update(record["evidence"])
+        ev.update(record.evidence)
         finding, reason = judge_control(
-            diagnosis.finding, control_loss=record.get("control_loss"),
-            control_grads_finite=record.get("control_grads_finite"),
+            diagnosis.finding, control_loss=record.control_loss,
+            control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
         )
         ev["control_verdict"] = reason
@@ -89,17 +106,17 @@ class Investigator:
         if finding is Finding.DATA_NONFINITE:
             location = diagnosis.location  # the data, not a module: where is in evidence["nonfinite_where"]
         else:
-            location = record["param"] if finding in _BACKWARD else record["module"]
-            location = location or record["module"] or record["param"] or diagnosis.location
+            location = record.param if finding in _BACKWARD else record.module
+            location = location or record.module or record.param or diagnosis.location
         renamed = finding if finding is not diagnosis.finding else None
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
                             advice=advise(finding, ev), remedy=diagnosis.remedy)
         return refined, renamed
 
-    def _local(self, batches: Sequence[MicroBatch], scale: float | None, weights_stepped: bool) -> dict[str, Any]:
+    def _local(self, batches: Sequence[MicroBatch], scale: float | None, weights_stepped: bool) -> ReplayRecord:
         """Both probes at once (the finding may not be known yet): forward outputs, and gradients at ``scale``."""
-        ev: dict[str, Any] = {"batch_idx": [mb.batch_idx for mb in batches]}
-        out: dict[str, Any] = {"evidence": ev, "module": None, "param": None}
+        out = ReplayRecord(evidence={"batch_idx": [mb.batch_idx for mb in batches]})
+        ev = out.evidence
         if not self.automatic:
             ev["replay"] = ("not run: manual optimization (replaying training_step would step the optimizer); "
                             "the step's own measurements stand")
@@ -114,17 +131,17 @@ class Investigator:
             use_autocast = self.mode is not PrecisionMode.FP32
             amp = self.replayer.run(batches, use_autocast=use_autocast, grad_scale=probe_scale, probe=True)
             ev.update(_replay_evidence(amp, "replay"))
-            out["module"] = amp.first_nonfinite_module
+            out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
-                out["module"] = f"{type(self.module).__name__}.training_step"
-            out["param"] = amp.first_nonfinite_param
+                out.module = f"{type(self.module).__name__}.training_step"
+            out.param = amp.first_nonfinite_param
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
         if self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
             ev.update(_replay_evidence(ctl, "fp32_control"))
-            out["control_loss"] = ctl.loss if ctl.loss is not None else None
-            out["control_grads_finite"] = ctl.grads_finite
+            out.control_loss = ctl.loss
+            out.control_grads_finite = ctl.grads_finite
         return out
 
 
@@ -163,3 +180,114 @@ def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: st
     location = (first_param or first_module) if backward else (first_module or first_param)
     return replace(diagnosis, location=location, evidence=ev)
 
+
+
+class Investigations:
+    """When to look, and what waits for a look.
+
+    A start-up streak is replayed at the skip that makes it alarm-length, while the weights are still those of the
+    faulty steps (the alarm itself is only decided when the streak ends, after the optimizer moved); any other new
+    alarm is replayed at once. Manual optimization cannot be replayed (``training_step`` steps the optimizer
+    itself), so live probes watch the next real step and the alarm waits for it.
+    """
+
+    def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, startup_streak: int,
+                 world_size: int, capture_rng: bool, loss_level: Callable[[], float | None],
+                 on_failure: Callable[[str, Exception], None]) -> None:
+        self.investigator = investigator
+        self.machine = machine
+        self.window = window
+        self.startup_streak = startup_streak
+        self.world_size = world_size
+        self.capture_rng = capture_rng  # the model draws random numbers: replays must redraw the same ones
+        self.batch_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # RNG at this batch's start
+        self.loss_level = loss_level
+        self.on_failure = on_failure
+        self._evidence: tuple[int, ReplayRecord | None] | None = None  # (step, record) awaiting an alarm
+        self._awaiting_probe: list[Diagnosis] = []
+        self._probe_next = False
+        self._live_probe: LiveProbe | None = None
+
+    @property
+    def wants_batch_start(self) -> bool:
+        return self.capture_rng or self._probe_next
+
+    def batch_start(self, module: Any, device: torch.device) -> None:
+        if self._probe_next:
+            self._probe_next = False
+            self._live_probe = LiveProbe(module)
+        if self.capture_rng:
+            self.batch_rng = capture_rng(device)
+
+    def micro_batch(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+        """What a replay needs of this batch (a plain tuple: one is made every batch)."""
+        rng = self.batch_rng
+        return (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)
+
+    def before_observe(self, step: Any, scaler_active: bool) -> None:
+        """Before the machine sees ``step``: drop stale evidence, and replay now if this skip makes an alarm due."""
+        opened = step.opened
+        if self._evidence is not None and self._evidence[0] < opened.step - self.window:
+            self._evidence = None  # a suspicion that never became an alarm
+        machine = self.machine
+        if self.investigator is not None and step.obs.skipped and machine.episode is None \
+                and self._evidence is None and machine.streak == self.startup_streak - 1:
+            self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=scaler_active))
+
+    def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool) -> Diagnosis | None:
+        """Localise and run the FP32 control for a new alarm (at most once per episode); the control may rename
+        the finding. ``None``: the alarm waits for the next step's live probe (see :meth:`optimizer_step`)."""
+        if self.investigator is None:
+            return diagnosis
+        skipped = step.obs.skipped
+        if self._evidence is not None:
+            record = self._evidence[1]
+        elif skipped or not scaler_active:
+            record = self._collect(step, weights_stepped=not skipped, agree=scaler_active)
+        else:
+            record = None  # decided on a clean step with nothing replayed while the fault was fresh
+        self._evidence = None
+        if self.investigator is None:  # the replay failed just now: the plain diagnosis still goes out
+            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"})
+        refined, renamed = self.investigator.apply(diagnosis, record, batch=step.obs.batch)
+        if renamed is not None:
+            self.machine.revise(renamed)
+        if (not self.investigator.automatic and self.investigator.localize and refined.location is None
+                and refined.finding in LIVE_PROBED and self.world_size == 1):
+            self._awaiting_probe.append(refined)  # published after the next step, with its location
+            self._probe_next = True
+            return None
+        return refined
+
+    def _collect(self, step: Any, weights_stepped: bool, agree: bool) -> ReplayRecord | None:
+        """Replay the step; a failure switches replays off for the rest of the run, on every rank alike."""
+        investigator = self.investigator
+        if investigator is None:
+            return None
+        try:
+            return investigator.collect(step.opened.batches, scale=step.opened.scale, fault_ranks=step.fault_ranks,
+                                        weights_stepped=weights_stepped, loss_level=self.loss_level(),
+                                        agree=agree)
+        except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
+            self.investigator = None
+            self.on_failure("the replay of the faulty batch", err)
+            return None
+
+    def optimizer_step(self, with_grads: bool) -> list[Diagnosis]:
+        """The armed step's backward is done (or the fit ended): the diagnoses that waited for its probe."""
+        probe, self._live_probe = self._live_probe, None
+        if probe is None and not self._awaiting_probe:
+            return []
+        seen = probe.finish(with_grads) if probe is not None else (None, None, [])
+        waiting, self._awaiting_probe = self._awaiting_probe, []
+        return [located_live(diagnosis, *seen) for diagnosis in waiting]
+
+    @property
+    def probing(self) -> bool:
+        return self._live_probe is not None
+
+    def close(self) -> None:
+        """Remove any armed hook without reading it (teardown)."""
+        if self._live_probe is not None:
+            self._live_probe.close()
+            self._live_probe = None

@@ -1,0 +1,351 @@
+"""The step ledger: every optimizer step taken in, in order, at no added host-device read on a healthy step.
+
+The callback's hooks tell the ledger what happened (a loss went to backward, a batch ended, an optimizer stepped);
+the ledger decides what a step costs to watch. A healthy step under a GradScaler takes the fast path: a few
+host-side updates (the scale mirror, the machine's counters, the timeline's held row). Any other step is opened,
+resolved once its deferred reads have landed, and handed back as a :class:`ResolvedStep` for the machine.
+
+Step losses are kept as device tensors and read together, in one read, at a log step, on an anomaly, or when the
+ring is full: the loss level stays current without a read per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_ampwatch import distributed
+from lightning_ampwatch.machine import AmpStateMachine, Observation, ScaleMirror
+from lightning_ampwatch.probes import MicroBatch
+from lightning_ampwatch.signals import (
+    DeferredRead,
+    LossTape,
+    PrecisionInfo,
+    StepTaken,
+    current_lrs,
+    inspect_batch,
+    read_scale,
+    scaler_config,
+)
+from lightning_ampwatch.timeline import Timeline
+
+#: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
+#: batches, trimmed to ``BATCHES_KEPT_AFTER_TRIM``: enough for any accumulation a real run uses.
+BATCHES_KEPT_MAX = 64
+BATCHES_KEPT_AFTER_TRIM = 32
+#: Step losses held unread; the ring is read when it holds this many (or ``log_every_n_steps``, if larger).
+LOSS_RING_STEPS = 64
+LOSS_RING_MAX_STEPS = 1024
+
+
+class OpenStep:
+    """An optimizer step whose outcome needs more than the fast path: a skip, a flag or a loss still in flight,
+    or an episode in progress. Queued until it can be resolved in order."""
+
+    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss")
+
+    def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
+                 batches: list[MicroBatch]) -> None:
+        self.step, self.scale, self.lrs, self.tape, self.batches = step, scale, lrs, tape, batches
+        self.skipped = False
+        self.found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read once landed
+        self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
+
+
+@dataclass
+class ResolvedStep:
+    """A step the machine must see in full: its observation, what it ran on, and the ranks at fault."""
+
+    obs: Observation
+    opened: OpenStep
+    fault_ranks: list[int]
+
+
+class LossRing:
+    """The losses of recent steps, as ``(step, tape)`` pairs of unread device tensors; read all at once."""
+
+    def __init__(self, capacity: int = LOSS_RING_STEPS) -> None:
+        self.capacity = capacity
+        self.entries: list[tuple[int, LossTape]] = []
+
+    def append(self, step: int, tape: LossTape) -> None:
+        self.entries.append((step, tape))
+
+    @property
+    def full(self) -> bool:
+        return len(self.entries) >= self.capacity
+
+    def tensors(self) -> list[Tensor]:
+        """Every held loss as a float32 scalar, in order (no read): for a packed read with other values."""
+        return [loss.detach().float().reshape(()) for _, tape in self.entries for loss, _ in tape]
+
+    def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
+        """The per-step (unscaled) losses from the values of :meth:`tensors`, and the ring emptied."""
+        out: list[tuple[int, float]] = []
+        i = 0
+        for step, tape in self.entries:
+            total = 0.0
+            for _, scale in tape:
+                total += values[i] / scale
+                i += 1
+            out.append((step, total))
+        self.entries = []
+        return out
+
+
+class StepLedger:
+    """Takes each optimizer step in and yields an observation for every step that is not plainly healthy."""
+
+    def __init__(self, machine: AmpStateMachine, precision: PrecisionInfo, timeline: Timeline | None,
+                 device_type: str = "cpu", world_size: int = 1) -> None:
+        self.machine = machine
+        self.precision = precision
+        self.timeline = timeline
+        self.device_type = device_type
+        self.world_size = world_size
+        self.mirror: ScaleMirror | None = None  # made in start(), once Lightning has restored the scaler
+        self.taken = StepTaken()
+        self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
+        self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
+        self.losses = LossRing()
+        self.recent_losses: deque[float] = deque(maxlen=8)  # healthy losses read lately: the run's loss level
+        self.last_loss: float | None = None
+        self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
+        self._tape = LossTape()
+        self._batches: list[MicroBatch] = []
+        self._pending: deque[OpenStep] = deque()
+        self._lrs: tuple[float, ...] = ()  # the LRs the next step will run with
+        self._param_groups: list[dict[str, Any]] = []
+        self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
+        self._fast_path = False
+        self._host_loss = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def start(self, trainer: Any, log_every: int) -> None:
+        """At train start: the optimizers' hooks, the LRs, and one read of the scaler (restored by now)."""
+        self.step_index = trainer.global_step
+        self.taken.attach(trainer.optimizers)
+        self.read_param_groups(trainer.optimizers)
+        self._lrs = current_lrs(trainer.optimizers)
+        self.losses.capacity = min(max(LOSS_RING_STEPS, log_every), LOSS_RING_MAX_STEPS)
+        self.mirror_scaler()
+
+    def stop(self) -> None:
+        """Leave the optimizers as they were found, and drop every reference to batches and losses."""
+        self.taken.detach()
+        self.stepped = False
+        self._pending.clear()
+        self._batches = []
+        self._tape = LossTape()
+        self.losses.entries = []
+
+    @property
+    def scaler_active(self) -> bool:
+        return self.precision.scaler is not None
+
+    def mirror_scaler(self) -> None:
+        """Read the scaler once (scale, tracker, growth settings) into the host mirror and the machine."""
+        scaler = self.precision.scaler
+        if scaler is not None:
+            config = scaler_config(scaler)
+            scale, tracker = read_scale(scaler)
+            self.mirror = ScaleMirror(scale, tracker=tracker, **config)
+            self.machine.reconfigure(scaler_config=config)
+        else:
+            self.mirror = None
+        self._update_fast_path()
+
+    def switch_precision(self, precision: PrecisionInfo) -> None:
+        """The precision plugin changed under the run (bf16 fallback): a new scaler, or none."""
+        self.precision = precision
+        self.machine.reconfigure(mode=precision.mode, scaler_config={})
+        self.mirror_scaler()
+
+    def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The param groups whose LRs are read every step, and whether they are all plain numbers."""
+        self._param_groups = [g for opt in optimizers for g in opt.param_groups]
+        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
+
+    def _update_fast_path(self) -> None:
+        """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
+        and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
+        self._host_loss = not self.scaler_active and self.device_type == "cpu"
+        self._fast_path = self.scaler_active and self.mirror is not None and not self.taken.fused
+
+    # ------------------------------------------------------------------ what the hooks report
+
+    def backward(self, loss: Tensor) -> None:
+        mirror = self.mirror
+        self._tape.append((loss.detach(), mirror.scale if mirror is not None else 1.0))  # no read
+
+    def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
+        """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
+        batches = self._batches
+        if len(batches) >= BATCHES_KEPT_MAX:
+            del batches[:-BATCHES_KEPT_AFTER_TRIM]
+        batches.append(micro_batch)  # type: ignore[arg-type]
+
+    def last_step_skipped(self) -> bool:
+        """Whether the optimizer step that just ran was skipped by the scaler (for ``hold_lr_on_skip``)."""
+        if not self.scaler_active:
+            return False
+        if self.taken.found_inf is not None:
+            return bool(self.taken.found_inf.item())  # fused optimizer: the user asked for this read
+        return not self.taken.taken
+
+    # ------------------------------------------------------------------ the per-step path
+
+    def close(self, trainer: Any) -> list[ResolvedStep]:
+        """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in."""
+        self.stepped = False
+        tape, batches = self._tape, self._batches
+        self._tape, self._batches = LossTape(), []
+        step = self.step_index
+        self.step_index = step + 1
+        lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...
+        groups = self._param_groups
+        if not self._float_lrs:  # ... and the next step's (a tensor LR is never read on a device)
+            self._lrs = current_lrs(trainer.optimizers)
+        elif len(groups) == 1:
+            self._lrs = (groups[0]["lr"],)
+        else:
+            self._lrs = tuple([g["lr"] for g in groups])
+        taken_hook = self.taken
+        taken, found_inf = taken_hook.taken, taken_hook.found_inf
+        taken_hook.taken, taken_hook.found_inf = False, None
+        if not tape:
+            return []  # backward never ran (training_step returned None): Lightning did not step
+        mirror = self.mirror
+        scale = mirror.scale if mirror is not None else None
+        machine = self.machine
+        if self._fast_path and taken and not self._pending and machine.quiet:
+            # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
+            # progress. Host-side bookkeeping only; no Observation, no device read.
+            machine.observe_clean(step, scale, mirror.update(False), lrs)  # type: ignore[union-attr]
+            self.log_steps += 1
+            losses = self.losses
+            losses.append(step, tape)
+            if losses.full:
+                self.read_losses()
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.record_clean(step, scale, lrs)
+            return []
+        if self._host_loss and not self._pending and machine.quiet:
+            # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
+            # takes the fast path too. On an accelerator the loss goes the deferred way below.
+            loss = tape.read()
+            if math.isfinite(loss):
+                machine.observe_clean(step, None, False, lrs)
+                self.log_steps += 1
+                self._note_loss(loss)
+                if self.timeline is not None:
+                    self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
+                return []
+        opened = OpenStep(step, scale, lrs, tape, batches)
+        if self.scaler_active:
+            if found_inf is not None:  # fused optimizer: called whether or not it skipped
+                opened.found_inf = DeferredRead(found_inf)
+            else:
+                opened.skipped = not taken
+        else:
+            # Without a scaler the loss is the only signal: copy it to the host without waiting.
+            opened.loss = DeferredRead(opened.tape.total())
+        self._pending.append(opened)
+        # Under DDP a skipped step is agreed across ranks by a collective, so every rank must resolve it at the
+        # same point: wait for an in-flight flag there rather than let ranks resolve it at different steps.
+        return self.drain(force=self.world_size > 1)
+
+    def drain(self, force: bool) -> list[ResolvedStep]:
+        """Resolve queued steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
+        out: list[ResolvedStep] = []
+        pending = self._pending
+        while pending:
+            head = pending[0]
+            deferred = head.found_inf or head.loss
+            if deferred is not None and not force and not deferred.ready():
+                break
+            pending.popleft()
+            out.append(self._resolve(head))
+        return out
+
+    def _resolve(self, opened: OpenStep) -> ResolvedStep:
+        skipped = bool(opened.found_inf.value()) if opened.found_inf is not None else opened.skipped
+        grew = self.mirror.update(skipped) if self.mirror is not None else False
+        loss: float | None = opened.loss.value() if opened.loss is not None else None
+        if skipped and loss is None:
+            # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
+            loss = opened.tape.read()
+        loss_finite = None if loss is None else math.isfinite(loss)
+        self.log_steps += 1
+        self.log_skipped += int(skipped)
+        batch_stats = None
+        fault_ranks = [distributed.rank()]
+        if skipped or loss_finite is False:
+            self.read_losses()  # the level before the fault, current to the step before it
+            batch_stats = inspect_batch([mb[0] for mb in opened.batches])
+            self.log_nonfinite += int(loss_finite is False)
+            if skipped and self.world_size > 1:
+                # every rank skipped this step together: agree on one view of it (the only collective we make)
+                records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
+                loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
+        elif loss is not None:
+            self._note_loss(loss)
+        else:
+            self.losses.append(opened.step, opened.tape)
+        obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
+                          scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
+        if self.timeline is not None:
+            self.timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
+                                      loss_finite=obs.loss_finite, lrs=obs.lrs)
+        return ResolvedStep(obs, opened, fault_ranks)
+
+    # ------------------------------------------------------------------ reads
+
+    def _note_loss(self, loss: float) -> None:
+        self.last_loss = loss
+        if math.isfinite(loss):
+            self.recent_losses.append(loss)
+
+    def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
+        """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values."""
+        tensors = [t.detach().float().reshape(()) for t in extra] + self.losses.tensors()
+        if not tensors:
+            return []
+        values = torch.stack(tensors).cpu().tolist()
+        for _, loss in self.losses.settle(values[len(extra):]):
+            self._note_loss(loss)
+        return values[:len(extra)]
+
+    def at_log_step(self, trainer: Any) -> tuple[list[ResolvedStep], float | None]:
+        """Once per ``log_every_n_steps``: resolve what is in flight, then one packed read of the scaler's scale and
+        growth tracker and the held losses. Returns the resolved steps and the real scale (None without a scaler)."""
+        self.step_index = trainer.global_step  # re-synchronise (cheap here, once per log interval)
+        self.read_param_groups(trainer.optimizers)  # groups added since?
+        resolved = self.drain(force=True)
+        scaler = self.precision.scaler
+        scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
+        if scale_t is None:
+            self.read_losses()
+            return resolved, (self.mirror.scale if self.mirror is not None else None)
+        scale, tracker = self.read_losses([scale_t, scaler._growth_tracker])
+        if self.mirror is not None:
+            self.mirror.reconcile(scale, int(tracker))
+        return resolved, scale
+
+    def take_log_counts(self) -> tuple[int, int, int]:
+        """(steps, skipped, non-finite losses) since the last call: one log interval's counts."""
+        counts = (self.log_steps, self.log_skipped, self.log_nonfinite)
+        self.log_steps = self.log_skipped = self.log_nonfinite = 0
+        return counts
+
+    def loss_level(self) -> float | None:
+        """The run's usual loss: the smallest of the last few healthy losses read."""
+        finite = [x for x in self.recent_losses if math.isfinite(x)]
+        return min(finite) if finite else None
