@@ -68,3 +68,32 @@ def test_nan_on_rank_one_only_is_reported_the_same_on_both_ranks(tmp_path: Path)
     # rank zero alone writes the event log, with the agreed diagnosis
     lines = (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()
     assert [json.loads(line)["finding"] for line in lines] == [d["finding"] for d in rank0]
+
+
+def _fit_ddp_without_scaler(precision: str, out_dir: str) -> None:
+    """Run in a child process (the parent enforces the time limit): 2 ranks, no GradScaler, NaN on rank 1 only."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=6, precision=precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out_dir, callbacks=[watch, DumpDiagnoses(watch, out_dir)], use_distributed_sampler=False,
+    )
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_without_a_scaler_a_nan_on_one_rank_does_not_hang_the_run(tmp_path: Path, precision: str) -> None:
+    # Without a scaler the ranks meet the NaN at different steps; a collective entered by one rank alone would
+    # wait for ever. The child process must finish well inside the limit (alone it takes a few seconds).
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_ddp; "
+            f"test_ddp._fit_ddp_without_scaler({precision!r}, {str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    # rank 1 read the NaN in its own batch; rank 0 met it one step later, through the averaged gradients
+    assert rank1 and rank1[0]["finding"] == Finding.DATA_NONFINITE.value and rank1[0]["step"] == 2
+    assert rank0 and rank0[0]["step"] >= 2

@@ -181,12 +181,12 @@ class AmpWatch(Callback):
         loaded, self._loaded_state = self._loaded_state, None
         self._reset()
         info = resolve_precision(trainer.precision_plugin)
-        self.machine = machine = AmpStateMachine(info.mode, self.thresholds,
-                                                 scaler_config(info.scaler) if info.scaler else {})
+        self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {})
         if loaded is not None:
             self._restore(loaded, trainer, pl_module)
             info = resolve_precision(trainer.precision_plugin)  # a restored bf16 fallback swapped the plugin
-            machine.reconfigure(mode=info.mode)
+            self.machine.reconfigure(mode=info.mode)
+        machine = self.machine
         self.reporters = reporters = Reporters(self.log_dir or trainer.log_dir or trainer.default_root_dir,
                                                is_global_zero=trainer.is_global_zero, verbose=self.verbose,
                                                precision=info.mode.value, device=pl_module.device)
