@@ -97,3 +97,16 @@ def test_without_a_scaler_a_nan_on_one_rank_does_not_hang_the_run(tmp_path: Path
     # rank 1 read the NaN in its own batch; rank 0 met it one step later, through the averaged gradients
     assert rank1 and rank1[0]["finding"] == Finding.DATA_NONFINITE.value and rank1[0]["step"] == 2
     assert rank0 and rank0[0]["step"] >= 2
+
+
+def test_ddp_spawn_brings_the_diagnoses_back_to_the_main_process(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, plugins=[true_fp16_plugin()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch], use_distributed_sampler=False,
+    )
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+    assert [d.finding for d in watch.diagnoses] == [Finding.DATA_NONFINITE]
+    assert watch.diagnoses[0].evidence["fault_ranks"] == [1]

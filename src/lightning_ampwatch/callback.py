@@ -142,6 +142,7 @@ class AmpWatch(Callback):
         self.reporters: Reporters | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._reset()
+        _bring_results_home()
 
     def _reset(self) -> None:
         """Per-fit state: a second ``fit`` with the same instance starts afresh (unless it resumes a checkpoint)."""
@@ -158,6 +159,10 @@ class AmpWatch(Callback):
         self._world_size = 1
         self._disabled = False
         self._failures: set[str] = set()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _bring_results_home()  # a ddp_spawn worker unpickles the callback: its launcher must send results home
 
     @property
     def state_key(self) -> str:
@@ -515,6 +520,40 @@ class AmpWatch(Callback):
     def _say_once(self, message: str, key: str | None = None) -> None:
         if self.reporters is not None:
             self.reporters.say(message, key=key)
+
+
+def _bring_results_home() -> None:
+    """Under ``ddp_spawn`` the fit runs in worker processes and the user's AmpWatch in the main process never sees
+    a hook. Lightning sends results home through its launcher's ``get_extra_results`` and
+    ``update_main_process_results``; AmpWatch's diagnoses and remedies ride along there (installed once)."""
+    try:
+        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    except ImportError:  # pragma: no cover - another Lightning: the worker's event log still has everything
+        return
+    if getattr(_MultiProcessingLauncher, "_ampwatch_results", False):
+        return
+    send, receive = _MultiProcessingLauncher.get_extra_results, _MultiProcessingLauncher.update_main_process_results
+
+    @functools.wraps(send)
+    def get_extra_results(self: Any, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = send(self, trainer)
+        extra["ampwatch"] = {cb.state_key: {"diagnoses": [d.to_dict() for d in cb.diagnoses],
+                                            "applied": [a.to_dict() for a in cb.applied]}
+                             for cb in trainer.callbacks if isinstance(cb, AmpWatch)}
+        return extra
+
+    @functools.wraps(receive)
+    def update_main_process_results(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        receive(self, trainer, extra)
+        results = extra.get("ampwatch", {})
+        for cb in trainer.callbacks:
+            if isinstance(cb, AmpWatch) and cb.state_key in results:
+                cb.diagnoses = [Diagnosis.from_dict(d) for d in results[cb.state_key]["diagnoses"]]
+                cb.applied = [AppliedRemedy.from_dict(a) for a in results[cb.state_key]["applied"]]
+
+    _MultiProcessingLauncher.get_extra_results = get_extra_results  # type: ignore[method-assign]
+    _MultiProcessingLauncher.update_main_process_results = update_main_process_results  # type: ignore[method-assign]
+    _MultiProcessingLauncher._ampwatch_results = True  # type: ignore[attr-defined]
 
 
 class _StepSchedulers:
