@@ -66,7 +66,7 @@ class ReplayResult:
 
 class ForwardProbe:
     """Forward hooks on every named module, recording on the device whether each output is finite, its largest
-    magnitude and whether its inputs were finite. Read once, when the probe closes."""
+    magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
