@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.probes import MicroBatch, Replayer
 from lightning_ampwatch.scenarios import SCENARIOS, Regressor, regression_data, run_scenario, true_fp16_plugin
 
 
@@ -106,6 +107,32 @@ def test_gradient_overflow_is_located_at_the_first_nonfinite_gradient(tmp_path: 
     assert d.location == "hot.weight"
     assert d.evidence["replay_grads_finite"] is False
     assert d.evidence["fp32_control_grads_finite"] is True
+    # at the run's loss scale the gradients overflow, unscaled (the same graph, scale 1) they are finite
+    assert d.evidence["replay_unscaled_grads_finite"] is True
+    assert 0 < d.evidence["replay_grad_absmax"] < 65504
+    assert "fp32_control_unscaled_grads_finite" not in d.evidence  # the control ran at scale 1: nothing to add
+    assert math.isfinite(d.evidence["fp32_control_grad_absmax"])
+
+
+def test_a_forward_overflow_replay_finds_the_gradients_non_finite_unscaled_too(tmp_path: Path) -> None:
+    alarm = _alarm(run_scenario("forward_overflow", str(tmp_path), AmpWatch(verbose=False)))
+    assert alarm.evidence["replay_unscaled_grads_finite"] is False  # no loss scale can help a forward overflow
+
+
+def test_the_largest_unscaled_gradient_gives_a_loss_scale_that_does_not_overflow() -> None:
+    pl.seed_everything(0, verbose=False)
+    model = _HotLayer()
+    x, y = regression_data()[:32]
+    replayer = Replayer(model, lambda: torch.autocast("cpu", dtype=torch.float16), torch.device("cpu"))
+    batch = [MicroBatch((x, y), 0)]
+    high = replayer.run(batch, use_autocast=True, grad_scale=65536.0, probe=True)
+    assert high.grads_finite is False and high.unscaled_grads_finite is True
+    assert high.first_nonfinite_param == "hot.weight"
+    safe = 2.0 ** math.floor(math.log2(65504 / high.grad_absmax)) / 2  # one power of two of margin
+    at_safe = replayer.run(batch, use_autocast=True, grad_scale=safe, probe=False)
+    assert at_safe.grads_finite is True
+    assert at_safe.grad_absmax == pytest.approx(high.grad_absmax, rel=1e-6)  # the same unscaled gradients
+    assert all(p.grad is None for p in model.parameters())  # gradients were taken, never accumulated
 
 
 class _Stochastic(pl.LightningModule):

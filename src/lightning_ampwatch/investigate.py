@@ -149,6 +149,10 @@ def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:
     ev: dict[str, Any] = {f"{prefix}_loss": result.loss}
     if result.grads_finite is not None:
         ev[f"{prefix}_grads_finite"] = result.grads_finite
+    if result.unscaled_grads_finite is not None and result.grad_scale != 1.0:  # at scale 1 it is grads_finite
+        ev[f"{prefix}_unscaled_grads_finite"] = result.unscaled_grads_finite
+    if result.grad_absmax is not None:
+        ev[f"{prefix}_grad_absmax"] = result.grad_absmax
     if result.first_nonfinite_module:
         ev[f"{prefix}_first_nonfinite_module"] = result.first_nonfinite_module
     if result.first_nonfinite_param:
@@ -176,9 +180,13 @@ def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: st
         ev["live_first_nonfinite_param"] = first_param
     if headroom:
         ev["fp16_headroom_log2"] = dict(headroom)
-    backward = diagnosis.finding in _BACKWARD
-    location = (first_param or first_module) if backward else (first_module or first_param)
-    return replace(diagnosis, location=location, evidence=ev)
+    if diagnosis.finding in _BACKWARD:
+        location = first_param or first_module
+    elif diagnosis.finding in _FORWARD:
+        location = first_module  # a forward fault is where a module's output went non-finite, never a parameter
+    else:
+        location = first_module or first_param
+    return replace(diagnosis, location=location or diagnosis.location, evidence=ev)
 
 
 

@@ -1,8 +1,8 @@
 """Localisation and the FP32 control: replay the batch that faulted, with hooks attached only for the replay.
 
 Nothing here runs on a healthy step. A replay leaves no trace: parameters, ``.grad``, optimizer state, buffers
-(BatchNorm statistics), the RNG state and ``self.log`` are exactly as they were, because gradients are taken with
-``torch.autograd.grad`` (never accumulated), buffers and RNG are restored, and logging is silenced while it runs.
+(BatchNorm statistics), torchmetrics states, the RNG state and ``self.log`` are exactly as they were, because
+gradients are taken with ``torch.autograd.grad`` (never accumulated) and :func:`no_trace` puts the rest back.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 FP16_MAX = 65504.0
 _STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.RReLU)
@@ -50,6 +51,12 @@ class ReplayResult:
     headroom: list[tuple[str, float]] = field(default_factory=list)
     first_nonfinite_param: str | None = None
     grads_finite: bool | None = None
+    #: the loss scale the gradients were taken at (``grads_finite`` is at this scale)
+    grad_scale: float | None = None
+    #: whether the same graph's gradients are finite at scale 1; the same as ``grads_finite`` when ``grad_scale`` is 1
+    unscaled_grads_finite: bool | None = None
+    #: the largest finite |gradient| at scale 1 over all parameters (a safe scale is about 65504 / this)
+    grad_absmax: float | None = None
     error: str | None = None
 
     @property
@@ -59,7 +66,7 @@ class ReplayResult:
 
 class ForwardProbe:
     """Forward hooks on every named module, recording on the device whether each output is finite, its largest
-    magnitude and whether its inputs were finite. Read once, when the probe closes."""
+    magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
@@ -71,7 +78,7 @@ class ForwardProbe:
 
     def __enter__(self) -> "ForwardProbe":
         for module in self._names:
-            self._handles.append(module.register_forward_hook(self._hook))
+            self._handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -79,11 +86,11 @@ class ForwardProbe:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         outs = [t for t in _tensors(output) if t.is_floating_point()]
         if not outs:
             return
-        ins = [t for t in _tensors(inputs) if t.is_floating_point()]
+        ins = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]  # keyword tensors are inputs too
         with torch.no_grad():
             out_finite = torch.stack([torch.isfinite(t).all() for t in outs]).all()
             out_absmax = torch.stack([_finite_absmax(t) for t in outs]).max()
@@ -139,8 +146,16 @@ def _loss_of(output: Any) -> Tensor | None:
 
 @contextlib.contextmanager
 def no_trace(module: nn.Module) -> Iterator[None]:
-    """Everything a replay could change, put back as it was: buffers, RNG, ``log``, train/eval modes."""
+    """Run a block that calls the module's own code (``training_step``, a forward) and leave no trace of it.
+
+    Put back on exit, exceptions included: every buffer's values (BatchNorm statistics); every torchmetrics
+    ``Metric`` child's states, update count and cached results; each submodule's train/eval mode; the CPU and CUDA
+    RNG states. ``log`` and ``log_dict`` do nothing inside. Not put back: parameters, their ``.grad`` and the
+    optimizer state; the block must leave those alone (take gradients with ``torch.autograd.grad``) or restore them
+    itself.
+    """
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics = [(m, _metric_snapshot(m)) for m in module.modules() if isinstance(m, Metric)]
     modes = [(m, m.training) for m in module.modules()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -155,11 +170,32 @@ def no_trace(module: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
+        for metric, snapshot in metrics:
+            _metric_restore(metric, snapshot)
         for m, training in modes:
             m.training = training
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+_METRIC_CACHES = ("_update_count", "_computed", "_forward_cache")
+
+
+def _metric_snapshot(metric: Metric) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """A metric's states (tensors cloned, since ``update`` adds to them in place; lists copied, since it appends)
+    and its caches, which ``update`` replaces rather than changes."""
+    states = {name: value.detach().clone() if isinstance(value, Tensor) else list(value)
+              for name, value in metric.metric_state.items()}
+    return states, tuple(getattr(metric, name) for name in _METRIC_CACHES)
+
+
+def _metric_restore(metric: Metric, snapshot: tuple[dict[str, Any], tuple[Any, ...]]) -> None:
+    states, caches = snapshot
+    for name, value in states.items():
+        setattr(metric, name, value)
+    for name, value in zip(_METRIC_CACHES, caches):
+        setattr(metric, name, value)
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -176,10 +212,14 @@ class Replayer:
 
     def run(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float | None,
             probe: bool) -> ReplayResult:
+        """Replay; with ``grad_scale``, take the gradients at that loss scale and, from the same graph, at scale 1."""
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        tensors = [p for _, p in params]
+        unscaled_pass = grad_scale is not None and grad_scale != 1.0
         total: Tensor | None = None
-        grads: list[Tensor | None] | None = None
+        scaled: list[Tensor | None] | None = None
+        unscaled: list[Tensor | None] | None = None
         probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
         with no_trace(self.module), (probe_ctx or contextlib.nullcontext()):
             for mb in micro_batches:
@@ -195,64 +235,104 @@ class Replayer:
                 loss = loss.float() / len(micro_batches)
                 total = loss if total is None else total + loss.detach()
                 if grad_scale is not None and loss.requires_grad:
-                    step_grads = torch.autograd.grad(loss * grad_scale, [p for _, p in params], allow_unused=True)
-                    if grads is None:
-                        grads = list(step_grads)
-                    else:
-                        grads = [g if a is None else (a if g is None else a + g) for a, g in zip(grads, step_grads)]
+                    step = torch.autograd.grad(loss * grad_scale, tensors, allow_unused=True,
+                                               retain_graph=unscaled_pass)
+                    scaled = _accumulate(scaled, step)
+                    if unscaled_pass:
+                        unscaled = _accumulate(unscaled, torch.autograd.grad(loss, tensors, allow_unused=True))
         if total is not None:
             result.loss = float(total.detach().cpu())
         if probe_ctx is not None:
             first, result.headroom = probe_ctx.read()
             result.first_nonfinite_module = first
             result.nonfinite_outside_modules = first is None and result.loss_finite is False
-        if grads is not None:
-            result.grads_finite, result.first_nonfinite_param = first_nonfinite_grad(params, grads, probe_ctx)
+        if scaled is not None:
+            present = [(name, s, u) for (name, _), s, u in zip(params, scaled, unscaled or scaled) if s is not None]
+            result.grad_scale = grad_scale
+            result.grads_finite, result.unscaled_grads_finite = True, True
+            if present:
+                values = torch.stack([torch.stack([torch.isfinite(s).all().float(), torch.isfinite(u).all().float(),
+                                                   _finite_absmax(u)]) for _, s, u in present]).cpu().tolist()
+                bad = [name for (name, _, _), (ok, _, _) in zip(present, values) if not ok]
+                result.grads_finite = not bad
+                result.unscaled_grads_finite = all(ok for _, ok, _ in values)
+                result.grad_absmax = max(absmax for _, _, absmax in values)
+                result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
         return result
 
 
-def first_nonfinite_grad(params: list[tuple[str, Tensor]], grads: list[Tensor | None],
-                    probe: ForwardProbe | None) -> tuple[bool, str | None]:
-    """The first parameter, in backward order, whose gradient is non-finite (one device read for all)."""
-    present = [(name, g) for (name, _), g in zip(params, grads) if g is not None]
-    if not present:
-        return True, None
-    flags = torch.stack([torch.isfinite(g).all() for _, g in present]).cpu().tolist()
-    bad = [name for (name, _), ok in zip(present, flags) if not ok]
+def _accumulate(total: list[Tensor | None] | None, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Gradients summed over micro-batches; ``None`` (a parameter the loss does not use) counts as zero."""
+    if total is None:
+        return list(grads)
+    return [g if a is None else (a if g is None else a + g) for a, g in zip(total, grads)]
+
+
+def _first_in_backward(bad: list[str], names: list[str], probe: ForwardProbe | None) -> str | None:
+    """Of the parameters whose gradient is non-finite, the one backward reached first: backward runs the modules
+    in reverse order of their forward (as the probe saw it), and a module's parameters in registration order."""
     if not bad:
-        return True, None
-    # backward runs modules in reverse order of their forward execution
+        return None
     rank: dict[str, int] = {}
     if probe is not None:
         for i, module_name in enumerate(probe.order):
             rank.setdefault(module_name, i)
+    position = {name: i for i, name in enumerate(names)}
+
     def backward_key(name: str) -> tuple[int, int]:
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        return (-rank.get(owner, -1), [n for n, _ in params].index(name))
-    return False, min(bad, key=backward_key)
+        return (-rank.get(owner, -1), position[name])
+
+    return min(bad, key=backward_key)
 
 
 class LiveProbe:
     """Probes on the next real training step, for when the faulty one cannot be replayed (manual optimization:
-    ``training_step`` steps the optimizer itself). Armed before the step's forward, read once after its backward,
-    and removed then."""
+    ``training_step`` steps the optimizers itself). Armed before the step's forward; each optimizer's gradients
+    are noted at its step (:meth:`optimizer_step`); everything is read once and the hooks removed in
+    :meth:`finish`, after the whole ``training_step``, so that a forward run after the first optimizer step (the
+    second network of a GAN) is watched too."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._params = {p: n for n, p in module.named_parameters()}
+        self._grads: list[tuple[list[str], Tensor]] = []  # per optimizer step: names, finite flags (on device)
         self._forward: ForwardProbe | None = ForwardProbe(module).__enter__()
 
-    def finish(self, with_grads: bool) -> tuple[str | None, str | None, list[tuple[str, float]]]:
-        """(first non-finite module, first non-finite gradient's parameter, float16 headroom); hooks removed."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note the gradients ``optimizer`` is about to apply: its own parameters only, since another optimizer's
+        may still hold an earlier step's gradients (not zeroed yet). Kept on the device until :meth:`finish`."""
+        self._note([(self._params[p], p.grad) for group in optimizer.param_groups for p in group["params"]
+                    if p.grad is not None and p in self._params])
+
+    def _note(self, named_grads: list[tuple[str, Tensor]]) -> None:
+        if self._forward is not None and named_grads:
+            flags = torch.stack([torch.isfinite(g).all() for _, g in named_grads])
+            self._grads.append(([n for n, _ in named_grads], flags))
+
+    def finish(self, with_grads: bool = False) -> tuple[str | None, str | None, list[tuple[str, float]]]:
+        """(first non-finite module, first non-finite gradient's parameter, float16 headroom); hooks removed.
+
+        ``with_grads`` also notes every gradient held now, for a caller that finishes at an optimizer step without
+        having called :meth:`optimizer_step`."""
+        if with_grads:
+            self._note([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None])
         probe, self._forward = self._forward, None
         if probe is None:
             return None, None, []
         probe.__exit__(None, None, None)
         first_module, headroom = probe.read()
+        noted, self._grads = self._grads, []
         first_param = None
-        if with_grads:
-            params = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
-            if params:
-                _, first_param = first_nonfinite_grad(params, [p.grad for _, p in params], probe)
+        if noted:
+            flags = torch.cat([f for _, f in noted]).cpu().tolist()  # one read for every step's gradients
+            names = list(self._params.values())
+            for step_names, _ in noted:  # the earliest optimizer step with a non-finite gradient
+                step_flags, flags = flags[:len(step_names)], flags[len(step_names):]
+                bad = [n for n, ok in zip(step_names, step_flags) if not ok]
+                if bad:
+                    first_param = _first_in_backward(bad, names, probe)
+                    break
         return first_module, first_param, headroom
 
     def close(self) -> None:
@@ -260,4 +340,4 @@ class LiveProbe:
         if self._forward is not None:
             self._forward.__exit__(None, None, None)
             self._forward = None
-
+        self._grads = []
