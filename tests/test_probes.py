@@ -234,8 +234,6 @@ def test_a_gan_forward_overflow_is_never_placed_at_a_parameter(tmp_path: Path) -
     assert alarm.location is None or alarm.location in dict(model.named_modules())
 
 
-@pytest.mark.xfail(strict=True, reason="needs callback.py to call LiveProbe.optimizer_step at every optimizer step "
-                                       "and LiveProbe.finish at on_train_batch_end (h-probes report)")
 def test_a_gan_forward_overflow_is_located_at_a_module(tmp_path: Path) -> None:
     model = _Gan()
     watch = AmpWatch(verbose=False)

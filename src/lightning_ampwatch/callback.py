@@ -266,10 +266,7 @@ class AmpWatch(Callback):
                 self._take(trainer, ledger.close(trainer))
             ledger.stepped = True  # the step itself is read when it is over, in on_train_batch_end
             if self._investigations is not None and self._investigations.probing:
-                for diagnosis in self._investigations.optimizer_step(with_grads=True):
-                    self._emit(trainer, diagnosis)
-        except AmpWatchError:
-            raise
+                self._investigations.optimizer_step(optimizer)
         except Exception as err:  # noqa: BLE001
             self._internal_failure("on_before_optimizer_step", err)
 
@@ -280,8 +277,12 @@ class AmpWatch(Callback):
         if self._disabled or ledger is None:
             return
         try:
-            ledger.keep_batch(self._investigations.micro_batch(batch, batch_idx)  # type: ignore[union-attr]
-                              if self._investigations is not None else (batch, batch_idx))
+            investigations = self._investigations
+            ledger.keep_batch(investigations.micro_batch(batch, batch_idx) if investigations is not None
+                              else (batch, batch_idx))
+            if investigations is not None and investigations.probing:
+                for diagnosis in investigations.finish_probe():  # the armed training_step is over
+                    self._emit(trainer, diagnosis)
             if not ledger.stepped:
                 return  # mid-accumulation: no optimizer step in this batch
             resolved = ledger.close(trainer)
@@ -317,7 +318,7 @@ class AmpWatch(Callback):
             self._take(trainer, self._ledger.drain(force=True))
             self._ledger.read_losses()
         if self._investigations is not None:
-            for diagnosis in self._investigations.optimizer_step(with_grads=False):  # the fit ended first
+            for diagnosis in self._investigations.finish_probe():  # the fit ended before the armed step
                 self._emit(trainer, diagnosis)
         if self._due:
             self._treat_due(trainer, pl_module)

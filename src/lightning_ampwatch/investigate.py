@@ -281,12 +281,17 @@ class Investigations:
             self.on_failure("the replay of the faulty batch", err)
             return None
 
-    def optimizer_step(self, with_grads: bool) -> list[Diagnosis]:
-        """The armed step's backward is done (or the fit ended): the diagnoses that waited for its probe."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer of the armed step is about to step: the live probe notes that optimizer's gradients."""
+        if self._live_probe is not None:
+            self._live_probe.optimizer_step(optimizer)
+
+    def finish_probe(self) -> list[Diagnosis]:
+        """The armed step's ``training_step`` is over (or the fit ended): the diagnoses that waited for its probe."""
         probe, self._live_probe = self._live_probe, None
         if probe is None and not self._awaiting_probe:
             return []
-        seen = probe.finish(with_grads) if probe is not None else (None, None, [])
+        seen = probe.finish() if probe is not None else (None, None, [])
         waiting, self._awaiting_probe = self._awaiting_probe, []
         return [located_live(diagnosis, *seen) for diagnosis in waiting]
 

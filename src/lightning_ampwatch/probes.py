@@ -310,13 +310,8 @@ class LiveProbe:
             flags = torch.stack([torch.isfinite(g).all() for _, g in named_grads])
             self._grads.append(([n for n, _ in named_grads], flags))
 
-    def finish(self, with_grads: bool = False) -> tuple[str | None, str | None, list[tuple[str, float]]]:
-        """(first non-finite module, first non-finite gradient's parameter, float16 headroom); hooks removed.
-
-        ``with_grads`` also notes every gradient held now, for a caller that finishes at an optimizer step without
-        having called :meth:`optimizer_step`."""
-        if with_grads:
-            self._note([(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None])
+    def finish(self) -> tuple[str | None, str | None, list[tuple[str, float]]]:
+        """(first non-finite module, first non-finite gradient's parameter, float16 headroom); hooks removed."""
         probe, self._forward = self._forward, None
         if probe is None:
             return None, None, []
