@@ -3,6 +3,7 @@ at the run's precision (real float16 autocast and a real GradScaler on the CPU),
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Callable
 
@@ -284,3 +285,91 @@ def test_accumulation_replays_the_live_losses(tmp_path: Any, precision: str) -> 
         assert fp32.losses == amp.losses  # a float32 run's own precision is FP32
     else:
         assert fp32.losses != amp.losses and all(math.isfinite(v) for v in fp32.losses)
+
+
+def test_the_budget_counts_snapshots_and_batches(tmp_path: Any) -> None:
+    def ring_after_fit(budget: int) -> SnapshotRing:
+        pl.seed_everything(0, verbose=False)
+        ring = SnapshotRing(budget, every=4)
+        fit(tmp_path, Regressor(), regression_data(), [Driver(ring)], "fp16", max_steps=9)
+        return ring
+
+    roomy = ring_after_fit(BIG)
+    snapshot = roomy.bytes_per_snapshot
+    params = sum(p.numel() for p in Regressor().parameters())
+    assert snapshot == params * 4 + 8  # float32 weights (plain SGD keeps no state) and the scaler's two numbers
+    batch = 32 * 16 * 4 + 32 * 4  # one step's batch: x (32 x 16) and y (32), float32
+    need = snapshot + 4 * batch
+
+    tiny = ring_after_fit(1000)
+    assert not tiny.enabled and tiny.newest_before(9) is None and tiny.batches(0, 9) == []
+    assert f"need {need} bytes" in tiny.reason and "budget of 1000 bytes" in tiny.reason
+
+    no_room_for_batches = ring_after_fit(need - 1)  # the snapshot alone would fit
+    assert snapshot < need - 1 and not no_room_for_batches.enabled
+    assert f"{4 * batch} bytes" in no_room_for_batches.reason and f"at least {need} bytes" in no_room_for_batches.reason
+
+    just = ring_after_fit(need)  # one snapshot and its batches, not two snapshots
+    assert just.enabled and just.reason is None and just.held_bytes <= need
+    assert just.newest_before(9).step == 8 and just.newest_before(8) is None
+    assert [s for s, _ in roomy.batches(0, 9)] == [5, 6, 7, 8]  # keep=2: back to the older snapshot, step 4
+    assert roomy.newest_before(8).step == 4
+
+
+def test_manual_optimization_says_the_control_is_not_available(tmp_path: Any) -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    pl.seed_everything(0, verbose=False)
+    driver = Driver(SnapshotRing(BIG, every=2))
+    fit(tmp_path, Manual(), regression_data(), [driver], "32-true", max_steps=3)
+    assert not driver.ring.enabled and "manual optimization" in driver.ring.reason
+    assert driver.ring.reason == driver.state.unavailable
+    with pytest.raises(ValueError, match="manual optimization"):
+        replay_trajectory(driver.state, Snapshot.take(driver.state, 0), [(1, [])], precision="fp32")
+
+
+def _result(precision: str, losses: list[float], skipped: list[bool] | None = None) -> TrajectoryResult:
+    return TrajectoryResult(precision=precision, from_step=9, steps=list(range(10, 10 + len(losses))),
+                            losses=losses, skipped=skipped or [False] * len(losses), params_finite=True)
+
+
+@pytest.mark.parametrize("fp32, amp, level, kind", [
+    ([0.5, 0.4], [0.5, math.nan], 0.6, TrajectoryKind.AMP_CONFIRMED),
+    ([0.5, 0.4], None, 0.6, TrajectoryKind.AMP_CONFIRMED),  # no amp replay: FP32 alone decides
+    ([0.5, 5.9], [0.5, 0.4], 0.6, TrajectoryKind.NOT_REPRODUCED),  # under 10x the level
+    ([0.5, 6.1], [0.5, math.inf], 0.6, TrajectoryKind.FP32_DIVERGES),
+    ([0.5, math.inf], [0.5, math.nan], 0.6, TrajectoryKind.FP32_NONFINITE),
+    ([0.5, 1e9], [0.5, 0.4], None, TrajectoryKind.NOT_REPRODUCED),  # no level: finiteness only
+])
+def test_verdict_rules(fp32: list[float], amp: list[float] | None, level: float | None,
+                       kind: TrajectoryKind) -> None:
+    verdict = judge_trajectory(_result("fp32", fp32), amp and _result("amp", amp), level, 10.0)
+    assert verdict.kind is kind, verdict.reason
+    assert verdict.evidence["window"] == [10, 11] and verdict.evidence["loss_level"] == level
+    assert ("amp_losses" in verdict.evidence) is (amp is not None)
+    json.dumps(verdict.evidence, allow_nan=False)
+
+
+def test_a_skip_alone_reproduces_the_fault() -> None:
+    verdict = judge_trajectory(_result("fp32", [0.5, 0.4]), _result("amp", [0.5, 0.4], [False, True]), 0.6, 10.0)
+    assert verdict.kind is TrajectoryKind.AMP_CONFIRMED and "step 11" in verdict.reason
+
+
+def test_bad_settings_name_the_value_and_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"divergence_ratio=0\.5: expected a number above 1"):
+        judge_trajectory(_result("fp32", [0.5]), None, 0.6, 0.5)
+    with pytest.raises(ValueError, match=r"every=0: expected a whole number of at least 1"):
+        SnapshotRing(BIG, every=0)
+    with pytest.raises(ValueError, match=r"budget_bytes=-1: expected a positive number of bytes"):
+        SnapshotRing(-1)
