@@ -66,8 +66,8 @@ class TrainState:
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
-        elif any(p.is_floating_point() and p.dtype != torch.float32 for p in pl_module.parameters()):
-            unavailable = ("the trajectory control is not available: the weights themselves are not float32 "
+        elif any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters()):
+            unavailable = ("the trajectory control is not available: the weights themselves are half precision "
                            "(a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
         algorithm = trainer.gradient_clip_algorithm
         return cls(
@@ -134,7 +134,11 @@ class Snapshot:
         """Copy the live state to the host. On an accelerator the copies go into pinned buffers without a sync
         (``slot``, when its layout matches, is reused rather than allocated). ``step`` is the optimizer step it
         is taken after (-1 for the live state a replay puts back, which is no step's)."""
-        live, parts = _gather(state, grads)
+        return cls._copied(state, step, *_gather(state, grads), slot)
+
+    @classmethod
+    def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
+                slot: list[Tensor] | None) -> "Snapshot":
         pinned = state.device.type == "cuda"
         if slot is None or [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]:
             slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
@@ -245,6 +249,11 @@ def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any
     return live, parts
 
 
+def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
+    """``MicroBatch`` records, from them or from the plain tuples the callback keeps."""
+    return [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in micro_batches]
+
+
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
@@ -286,7 +295,7 @@ class SnapshotRing:
         Call it before ``after_step`` for the same step."""
         if not self.enabled:
             return
-        batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in micro_batches]
+        batches = _as_micro_batches(micro_batches)
         nbytes = sum(t.nbytes for mb in batches for t in _tensors(mb.batch))
         self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
         if not self._snapshots:
@@ -305,7 +314,8 @@ class SnapshotRing:
         if state.unavailable is not None:
             self._turn_off(state.unavailable)
             return
-        self.bytes_per_snapshot = _snapshot_bytes(state)
+        live, parts = _gather(state, grads=False)
+        self.bytes_per_snapshot = sum(t.nbytes for t in live)
         if not self._fits():
             self._turn_off()
             return
@@ -313,7 +323,7 @@ class SnapshotRing:
         while self._snapshots and (len(self._snapshots) >= self.keep
                                    or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
             spare = self._drop_oldest().host
-        self._snapshots.append(Snapshot.take(state, step, slot=spare))
+        self._snapshots.append(Snapshot._copied(state, step, live, parts, spare))
         self._prune()
 
     def newest_before(self, step: int) -> Snapshot | None:
@@ -350,10 +360,6 @@ class SnapshotRing:
         self._snapshots.clear()
         self._batches.clear()
 
-
-def _snapshot_bytes(state: TrainState) -> int:
-    """What one snapshot of ``state`` holds on the host (params, buffers, optimizer and scaler state)."""
-    return sum(t.nbytes for t in _gather(state, grads=False)[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,8 +422,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         with no_trace(state.module), _without_step_hooks(state.optimizers):
             snapshot.restore(state)
             for _, micro_batches in steps:
-                loss, skip = _replay_step(state, [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb)
-                                                  for mb in micro_batches], scaler, amp)
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
                 skipped.append(skip)
             finite = torch.stack([torch.isfinite(p).all() for p in state.module.parameters()]).all()
