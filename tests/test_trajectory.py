@@ -373,3 +373,30 @@ def test_bad_settings_name_the_value_and_the_valid_ones() -> None:
         SnapshotRing(BIG, every=0)
     with pytest.raises(ValueError, match=r"budget_bytes=-1: expected a positive number of bytes"):
         SnapshotRing(-1)
+
+
+def test_a_replay_that_fails_midway_still_puts_the_live_state_back(tmp_path: Any) -> None:
+    checked = []
+
+    def at_step(driver: Driver, step: int) -> None:
+        if step != 6:
+            return
+        state = driver.state
+        before = [t.clone() for t in state.module.state_dict().values()]
+        grads = [p.grad.clone() for p in state.module.parameters()]
+        moments = [t.clone() for s in state.optimizers[0].state.values() for t in s.values()]
+        snapshot = driver.ring.newest_before(step)
+        (first, good), (second, bad) = driver.ring.batches(snapshot.step + 1, snapshot.step + 2)
+        x, y = bad[0].batch
+        with pytest.raises(RuntimeError):  # the second step's batch has the wrong width
+            replay_trajectory(state, snapshot, [(first, good), (second, [MicroBatch((x[:, :3], y), 0)])],
+                              precision="amp")
+        assert all(torch.equal(a, b) for a, b in zip(state.module.state_dict().values(), before))
+        assert all(torch.equal(p.grad, g) for p, g in zip(state.module.parameters(), grads))
+        assert all(torch.equal(a, b) for a, b in zip(
+            (t for s in state.optimizers[0].state.values() for t in s.values()), moments))
+        checked.append(step)
+
+    pl.seed_everything(0, verbose=False)
+    fit(tmp_path, Busy(), regression_data(), [Driver(SnapshotRing(BIG, every=3), at_step)], "fp16", max_steps=7)
+    assert checked == [6]

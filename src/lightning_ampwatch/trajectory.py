@@ -361,7 +361,6 @@ class SnapshotRing:
         self._batches.clear()
 
 
-
 # --------------------------------------------------------------------------------------------
 # The replay: the window's steps again from a snapshot, then the live state back exactly
 # --------------------------------------------------------------------------------------------
