@@ -180,7 +180,7 @@ def test_replay_leaves_the_run_bit_identical(tmp_path: Any, precision: str) -> N
         if step in (7, 11):
             params = list(driver.state.module.parameters())
             grads = [p.grad.clone() for p in params]
-            snapshot = driver.ring._snapshots[0]
+            snapshot = driver.ring.snapshots[0]
             # a window that ends before this step, so that the replay's last state is not the live one
             results.extend(driver.replay(snapshot, step - 1, p) for p in ("fp32", "amp"))
             assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
@@ -234,7 +234,7 @@ def test_too_high_lr_is_not_blamed_on_amp(tmp_path: Any) -> None:
     def at_onset(driver: Driver, step: int) -> None:
         if verdicts or math.isfinite(driver.losses[step]):
             return
-        snapshot = driver.ring._snapshots[0]  # the oldest held: the longest window
+        snapshot = driver.ring.snapshots[0]  # the oldest held: the longest window
         fp32 = driver.replay(snapshot, step, "fp32")
         amp = driver.replay(snapshot, step, "amp")
         verdicts.append((step, judge_trajectory(fp32, amp, level_before(driver, step), 10.0)))
@@ -271,7 +271,7 @@ def test_accumulation_replays_the_live_losses(tmp_path: Any, precision: str) -> 
 
     def at_end(driver: Driver, step: int) -> None:
         if step == 9:
-            replayed.extend(driver.replay(driver.ring._snapshots[0], step, p) for p in ("amp", "fp32"))
+            replayed.extend(driver.replay(driver.ring.snapshots[0], step, p) for p in ("amp", "fp32"))
 
     pl.seed_everything(0, verbose=False)
     driver = Driver(SnapshotRing(BIG, every=3, keep=3), at_end)

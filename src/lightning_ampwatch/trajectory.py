@@ -287,6 +287,11 @@ class SnapshotRing:
         self._step_batch_bytes = 0  # the most one step's batches have held
 
     @property
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        """The snapshots held, oldest first (the oldest gives the longest window)."""
+        return tuple(self._snapshots)
+
+    @property
     def held_bytes(self) -> int:
         return sum(s.nbytes for s in self._snapshots) + sum(n for _, n in self._batches.values())
 
@@ -510,6 +515,8 @@ def _without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator
 
 
 class TrajectoryKind(str, Enum):
+    """What the trajectory control concluded."""
+
     AMP_CONFIRMED = "amp_confirmed"  # FP32 training over the window is fine; the fault is reduced precision's
     FP32_DIVERGES = "fp32_diverges"  # FP32 training climbs far above the level before the onset
     FP32_NONFINITE = "fp32_nonfinite"  # FP32 training goes non-finite too
@@ -518,6 +525,8 @@ class TrajectoryKind(str, Enum):
 
 @dataclass(frozen=True)
 class TrajectoryVerdict:
+    """The trajectory control's conclusion, why in a sentence, and the numbers it rests on."""
+
     kind: TrajectoryKind
     reason: str  # plain words, for the diagnosis
     evidence: dict[str, Any]  # JSON-ready: non-finite losses are strings
@@ -536,18 +545,18 @@ def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_
     start = f"from the snapshot after step {fp32.from_step}"
     evidence: dict[str, Any] = {
         "window": [fp32.steps[0], fp32.steps[-1]], "snapshot_step": fp32.from_step,
-        "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": loss_level,
+        "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": _json_float(loss_level),
         "divergence_ratio": divergence_ratio,
     }
     if amp is not None:
-        evidence[f"{amp.precision}_losses"] = [_json_float(v) for v in amp.losses]
-        evidence[f"{amp.precision}_skipped"] = amp.skipped
+        evidence["amp_losses"] = [_json_float(v) for v in amp.losses]
+        evidence["amp_skipped"] = amp.skipped
     finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
     peak = max(finite, default=None)
     bad = fp32.first_nonfinite
     if bad is not None:
         return TrajectoryVerdict(TrajectoryKind.FP32_NONFINITE, (
-            f"FP32 training {start} goes non-finite at step {bad}: the fault is not reduced precision's"), evidence)
+            f"FP32 training {start} goes non-finite too, at step {bad}: not an AMP fault"), evidence)
     has_level = loss_level is not None and loss_level > 0 and math.isfinite(loss_level)
     if has_level and peak is not None and peak > divergence_ratio * loss_level:
         at = fp32.steps[fp32.losses.index(peak)]
@@ -562,9 +571,11 @@ def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_
         return TrajectoryVerdict(TrajectoryKind.NOT_REPRODUCED, (
             f"{fp32_words}, and replayed at the run's own precision the same steps stay finite with no skipped "
             "step: the fault did not reproduce, so it is not blamed on AMP"), evidence)
-    amp_words = (f"; at the run's own precision the fault comes back at step "
-                 f"{amp.first_nonfinite if amp.first_nonfinite is not None else amp.steps[amp.skipped.index(True)]}"
-                 if amp is not None else "; the run's own precision was not replayed")
+    if amp is None:
+        amp_words = "; the run's own precision was not replayed"
+    else:
+        again = amp.first_nonfinite if amp.first_nonfinite is not None else amp.steps[amp.skipped.index(True)]
+        amp_words = f"; at the run's own precision the fault comes back at step {again}"
     return TrajectoryVerdict(TrajectoryKind.AMP_CONFIRMED, f"{fp32_words}{amp_words}: an AMP fault", evidence)
 
 
