@@ -1,0 +1,583 @@
+"""The FP32 control as a run, not one batch: a budgeted ring of host snapshots and a trajectory replay.
+
+One batch replayed in FP32 with the current weights cannot tell float16 from a diverging optimisation: once a
+too-high LR has inflated the weights, FP32 computes that batch fine while FP32 *training* diverges as well. So the
+control restores a snapshot from before the onset and re-runs those optimizer steps in FP32; a second replay at
+the run's own precision tells whether the fault reproduces at all. Both run in place on the live module and then
+put the live state back exactly, so the run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_ampwatch.probes import MicroBatch, _loss_of, _tensors, no_trace
+
+PRECISIONS = ("fp32", "amp")
+BUDGET_FRACTION = 0.1  # the default budget: a tenth of the host's RAM ...
+BUDGET_CAP = 8 * 2**30  # ... but never more than 8 GiB
+BUDGET_UNKNOWN_RAM = 2**30  # where the host's RAM cannot be read
+
+
+def default_budget_bytes() -> int:
+    """A tenth of the host's total RAM, capped at 8 GiB (1 GiB where the RAM cannot be read)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return BUDGET_UNKNOWN_RAM
+    return int(min(total * BUDGET_FRACTION, BUDGET_CAP))
+
+
+# --------------------------------------------------------------------------------------------
+# What drives an optimizer step outside Lightning's loop
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """The pieces of a fit that a replay drives step by step, exactly as Lightning's automatic optimization does."""
+
+    module: Any  # the LightningModule: its training_step(batch, batch_idx) and lr_scheduler_step
+    optimizers: list[torch.optim.Optimizer]
+    scaler: Any = None  # the run's GradScaler, or None (bf16, fp32)
+    schedulers: list[tuple[Any, int]] = field(default_factory=list)  # step-interval (scheduler, frequency)
+    clip_val: float | None = None
+    clip_algorithm: str = "norm"
+    accumulate: int = 1  # Lightning divides each micro-batch's loss by accumulate_grad_batches
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    forward_context: Callable[[], Any] = contextlib.nullcontext  # the precision plugin's: the amp replay's autocast
+    unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, pl_module: Any) -> "TrainState":
+        """Read from a fitting Trainer (call it once optimizers exist: ``on_train_start`` or later)."""
+        plugin = trainer.precision_plugin
+        unavailable = None
+        if not pl_module.automatic_optimization:
+            unavailable = ("the trajectory control is not available under manual optimization: training_step "
+                           "steps the optimizers itself, so its steps cannot be re-run one by one")
+        elif any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters()):
+            unavailable = ("the trajectory control is not available: the weights themselves are half precision "
+                           "(a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        algorithm = trainer.gradient_clip_algorithm
+        return cls(
+            module=pl_module,
+            optimizers=list(trainer.optimizers),
+            scaler=getattr(plugin, "scaler", None),
+            schedulers=[(c.scheduler, c.frequency) for c in trainer.lr_scheduler_configs
+                        if c.interval == "step" and not c.reduce_on_plateau],
+            clip_val=trainer.gradient_clip_val,
+            clip_algorithm=str(getattr(algorithm, "value", algorithm) or "norm"),
+            accumulate=trainer.accumulate_grad_batches,
+            device=pl_module.device,
+            forward_context=plugin.forward_context,
+            unavailable=unavailable,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshots: host copies of everything an optimizer step changes
+# --------------------------------------------------------------------------------------------
+
+
+class _At(NamedTuple):
+    """Where a tensor went in a snapshot's flat list of host copies, and the device it is restored to."""
+
+    index: int
+    device: torch.device
+
+
+@dataclass
+class _ScalerState:
+    scale: _At | float  # a host copy of the live scale tensor, or the initial scale of a scaler not yet used
+    tracker: _At | int
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+@dataclass
+class Snapshot:
+    """Module parameters and buffers, every optimizer's state, the scaler's and the step schedulers' state and the
+    RNG, taken after optimizer step ``step``. Tensors are host copies; the loops' counters are not included
+    (``global_step`` stays monotonic)."""
+
+    step: int
+    host: list[Tensor]  # every tensor, flat; a ring slot reused by the next snapshot of the same layout
+    params: list[_At]
+    buffers: list[_At]
+    grads: list[_At | None] | None  # only in the live state a replay puts back
+    optimizers: list[tuple[list[dict[str, Any] | None], list[dict[str, Any]]]]  # per-param state, param groups
+    schedulers: list[dict[str, Any]]
+    scaler: _ScalerState | None
+    rng: Tensor
+    cuda_rng: Tensor | None
+    pinned: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.host)
+
+    @classmethod
+    def take(cls, state: TrainState, step: int, *, slot: list[Tensor] | None = None,
+             grads: bool = False) -> "Snapshot":
+        """Copy the live state to the host. On an accelerator the copies go into pinned buffers without a sync
+        (``slot``, when its layout matches, is reused rather than allocated). ``step`` is the optimizer step it
+        is taken after (-1 for the live state a replay puts back, which is no step's)."""
+        return cls._copied(state, step, *_gather(state, grads), slot)
+
+    @classmethod
+    def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
+                slot: list[Tensor] | None) -> "Snapshot":
+        pinned = state.device.type == "cuda"
+        if slot is None or [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]:
+            slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
+        for dst, src in zip(slot, live):
+            dst.copy_(src, non_blocking=pinned)
+        return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
+                   cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned)
+
+    def restore(self, state: TrainState) -> None:
+        """Put this state into the live objects, in place where the layout allows (no second model)."""
+        module = state.module
+        params = list(module.parameters())
+        with torch.no_grad():
+            for live, saved in zip(params, self.params):
+                live.copy_(self.host[saved.index], non_blocking=self.pinned)
+            for live, saved in zip(module.buffers(), self.buffers):
+                live.copy_(self.host[saved.index], non_blocking=self.pinned)
+            if self.grads is not None:
+                for p, saved in zip(params, self.grads):
+                    p.grad = None if saved is None else self._value(saved, p.grad)
+            for opt, (per_param, groups) in zip(state.optimizers, self.optimizers):
+                for p, saved_state in zip(_params_of(opt), per_param):
+                    if saved_state is None:
+                        opt.state.pop(p, None)
+                        continue
+                    current = opt.state[p]
+                    restored = {k: self._value(v, current.get(k)) for k, v in saved_state.items()}
+                    current.clear()
+                    current.update(restored)
+                for group, saved_group in zip(opt.param_groups, groups):
+                    for key in [k for k in group if k != "params" and k not in saved_group]:
+                        del group[key]
+                    for key, value in saved_group.items():
+                        group[key] = self._value(value, group.get(key))
+            if self.scaler is not None and state.scaler is not None:
+                self._restore_scaler(state.scaler)
+        for (scheduler, _), saved_sched in zip(state.schedulers, self.schedulers):
+            scheduler.load_state_dict(copy.deepcopy(saved_sched))
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, state.device)
+
+    def _value(self, saved: Any, current: Any) -> Any:
+        """A saved value made live again: copied into ``current`` when it is a tensor of the same layout."""
+        if not isinstance(saved, _At):
+            return copy.deepcopy(saved)
+        host = self.host[saved.index]
+        if isinstance(current, Tensor) and current.shape == host.shape and current.dtype == host.dtype \
+                and current.device == saved.device:
+            return current.copy_(host, non_blocking=self.pinned)
+        return host.to(saved.device, copy=True)
+
+    def _restore_scaler(self, scaler: Any) -> None:
+        saved = self.scaler
+        assert saved is not None
+        if isinstance(saved.scale, _At) and getattr(scaler, "_scale", None) is not None:
+            scaler._scale.copy_(self.host[saved.scale.index], non_blocking=self.pinned)
+            scaler._growth_tracker.copy_(self.host[saved.tracker.index], non_blocking=self.pinned)
+        else:
+            scaler.load_state_dict(self.scaler_state_dict())
+
+    def scaler_state_dict(self) -> dict[str, Any]:
+        """The scaler's state as ``GradScaler.load_state_dict`` takes it (reads host copies only)."""
+        saved = self.scaler
+        assert saved is not None
+        scale, tracker = saved.scale, saved.tracker
+        return {
+            "scale": float(self.host[scale.index].item()) if isinstance(scale, _At) else scale,
+            "_growth_tracker": int(self.host[tracker.index].item()) if isinstance(tracker, _At) else tracker,
+            "growth_factor": saved.growth_factor, "backoff_factor": saved.backoff_factor,
+            "growth_interval": saved.growth_interval,
+        }
+
+
+def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any]]:
+    """Every live tensor a snapshot copies, flat, and where each goes back (the other values copied as they are)."""
+    live: list[Tensor] = []
+
+    def at(t: Tensor) -> _At:
+        live.append(t.detach())
+        return _At(len(live) - 1, t.device)
+
+    def keep(value: Any) -> Any:
+        return at(value) if isinstance(value, Tensor) else copy.deepcopy(value)
+
+    params = list(state.module.parameters())
+    parts: dict[str, Any] = {
+        "params": [at(p) for p in params],
+        "buffers": [at(b) for b in state.module.buffers()],
+        "grads": [None if p.grad is None else at(p.grad) for p in params] if grads else None,
+        "optimizers": [
+            ([{k: keep(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in _params_of(opt)],
+             [{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
+            for opt in state.optimizers
+        ],
+        "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
+        "scaler": None,
+    }
+    sc = state.scaler
+    if sc is not None:
+        if getattr(sc, "_scale", None) is None:  # not used yet: its state is plain numbers, read without a sync
+            sd = sc.state_dict()
+            scale, tracker = sd["scale"], sd["_growth_tracker"]
+        else:  # device tensors, copied without a sync (GradScaler.state_dict() would .item() them)
+            scale, tracker = at(sc._scale), at(sc._growth_tracker)
+        parts["scaler"] = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
+                                       sc.get_growth_interval())
+    return live, parts
+
+
+def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
+    """``MicroBatch`` records, from them or from the plain tuples the callback keeps."""
+    return [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in micro_batches]
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+# --------------------------------------------------------------------------------------------
+# The ring: snapshots every few optimizer steps, and the batches since the oldest
+# --------------------------------------------------------------------------------------------
+
+
+class SnapshotRing:
+    """Host snapshots every ``every`` optimizer steps (the newest ``keep``) and the micro-batches run since the
+    oldest, all within one byte budget. When one snapshot plus ``every`` steps of batches does not fit, the ring
+    is off for the run and ``reason`` says why and what it would need."""
+
+    def __init__(self, budget_bytes: int | None = None, every: int = 10, keep: int = 2) -> None:
+        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+            raise ValueError(f"budget_bytes={budget_bytes!r}: expected a positive number of bytes, or None for "
+                             f"the default ({default_budget_bytes()} bytes on this host)")
+        for name, value in (("every", every), ("keep", keep)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        self.every = every
+        self.keep = keep
+        self.enabled = True
+        self.reason: str | None = None
+        self.bytes_per_snapshot = 0
+        self._snapshots: deque[Snapshot] = deque()
+        self._batches: OrderedDict[int, tuple[list[MicroBatch], int]] = OrderedDict()  # step -> (batches, bytes)
+        self._step_batch_bytes = 0  # the most one step's batches have held
+
+    @property
+    def snapshots(self) -> tuple[Snapshot, ...]:
+        """The snapshots held, oldest first (the oldest gives the longest window)."""
+        return tuple(self._snapshots)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes for s in self._snapshots) + sum(n for _, n in self._batches.values())
+
+    def add_batches(self, step: int, micro_batches: Sequence[Any]) -> None:
+        """Keep references to the micro-batches optimizer step ``step`` ran on (``MicroBatch`` or its tuple).
+        Call it before ``after_step`` for the same step."""
+        if not self.enabled:
+            return
+        batches = _as_micro_batches(micro_batches)
+        nbytes = sum(t.nbytes for mb in batches for t in _tensors(mb.batch))
+        self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
+        if not self._snapshots:
+            return  # no snapshot to replay them from
+        self._batches[step] = (batches, nbytes)
+        while self.held_bytes > self.budget_bytes and len(self._snapshots) > 1:
+            self._drop_oldest()
+        if self.held_bytes > self.budget_bytes or not self._fits():
+            self._turn_off()
+
+    def after_step(self, step: int, state: TrainState) -> None:
+        """Optimizer step ``step`` (0-based: ``trainer.global_step - 1`` once it is over) is over: take a snapshot
+        when ``step`` is a multiple of ``every``."""
+        if not self.enabled or step % self.every:
+            return
+        if state.unavailable is not None:
+            self._turn_off(state.unavailable)
+            return
+        live, parts = _gather(state, grads=False)
+        self.bytes_per_snapshot = sum(t.nbytes for t in live)
+        if not self._fits():
+            self._turn_off()
+            return
+        spare: list[Tensor] | None = None
+        while self._snapshots and (len(self._snapshots) >= self.keep
+                                   or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
+            spare = self._drop_oldest().host
+        self._snapshots.append(Snapshot._copied(state, step, live, parts, spare))
+        self._prune()
+
+    def newest_before(self, step: int) -> Snapshot | None:
+        """The newest snapshot taken after an optimizer step earlier than ``step``."""
+        return next((s for s in reversed(self._snapshots) if s.step < step), None)
+
+    def batches(self, from_step: int, to_step: int) -> list[tuple[int, list[MicroBatch]]]:
+        """``(step, micro-batches)`` for the held steps from ``from_step`` to ``to_step``, both included."""
+        return [(s, b) for s, (b, _) in self._batches.items() if from_step <= s <= to_step]
+
+    def _fits(self) -> bool:
+        return self.bytes_per_snapshot + self.every * self._step_batch_bytes <= self.budget_bytes
+
+    def _drop_oldest(self) -> Snapshot:
+        oldest = self._snapshots.popleft()
+        self._prune()
+        return oldest
+
+    def _prune(self) -> None:
+        """Drop the batches no held snapshot can replay: those up to the oldest snapshot's step (all, if none)."""
+        keep_after = self._snapshots[0].step if self._snapshots else math.inf
+        for step in [s for s in self._batches if s <= keep_after]:
+            del self._batches[step]
+
+    def _turn_off(self, reason: str | None = None) -> None:
+        if reason is None:
+            need = self.bytes_per_snapshot + self.every * self._step_batch_bytes
+            reason = (f"the snapshot ring is off for this run: one snapshot ({self.bytes_per_snapshot} bytes) "
+                      f"plus the batches of {self.every} steps ({self.every * self._step_batch_bytes} bytes) "
+                      f"need {need} bytes, over the budget of {self.budget_bytes} bytes; a budget of at least "
+                      f"{need} bytes would hold them")
+        self.enabled = False
+        self.reason = reason
+        self._snapshots.clear()
+        self._batches.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The replay: the window's steps again from a snapshot, then the live state back exactly
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrajectoryResult:
+    """What one replay of a window measured, as plain Python values."""
+
+    precision: str  # "fp32" or "amp"
+    from_step: int  # the snapshot's step: the replay starts after it
+    steps: list[int]
+    losses: list[float | None]  # each step's loss as Lightning reports it (None: training_step returned None)
+    skipped: list[bool]  # the scaler skipped the step (always False without one)
+    params_finite: bool  # the weights after the last replayed step
+
+    @property
+    def first_nonfinite(self) -> int | None:
+        """The first step whose loss is non-finite (or the last step, when only the weights it left are)."""
+        bad = next((s for s, loss in zip(self.steps, self.losses) if loss is not None and not math.isfinite(loss)),
+                   None)
+        if bad is None and not self.params_finite and self.steps:
+            return self.steps[-1]
+        return bad
+
+    @property
+    def faulted(self) -> bool:
+        """A non-finite loss or weight, or a step the scaler skipped, anywhere in the window."""
+        return self.first_nonfinite is not None or any(self.skipped)
+
+
+def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
+                      precision: str) -> TrajectoryResult:
+    """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
+    ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
+    exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
+    and a scaler restored from the snapshot (does the fault reproduce?). One host read, at the end."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if state.unavailable is not None:
+        raise ValueError(state.unavailable)
+    indices = [s for s, _ in steps]
+    expected = list(range(snapshot.step + 1, snapshot.step + 1 + len(steps)))
+    if not steps or indices != expected:
+        raise ValueError(f"steps {indices} do not follow the snapshot taken after step {snapshot.step}: expected "
+                         f"consecutive steps from {snapshot.step + 1}")
+    amp = precision == "amp"
+    if state.device.type == "cuda":
+        torch.cuda.current_stream(state.device).synchronize()  # the snapshot's host copies are complete
+    scaler = None
+    if amp and snapshot.scaler is not None:
+        scaler = torch.amp.GradScaler(state.device.type)
+        scaler.load_state_dict(snapshot.scaler_state_dict())
+    live = Snapshot.take(state, -1, grads=True)
+    losses: list[Tensor | None] = []
+    skipped: list[Tensor] = []
+    try:
+        with no_trace(state.module), _without_step_hooks(state.optimizers):
+            snapshot.restore(state)
+            for _, micro_batches in steps:
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
+                losses.append(loss)
+                skipped.append(skip)
+            finite = torch.stack([torch.isfinite(p).all() for p in state.module.parameters()]).all()
+            present = [t.float().reshape(()) for t in losses if t is not None]
+            read = torch.stack([*present, finite.float(), *(s.float() for s in skipped)]).tolist()  # the one read
+    finally:
+        live.restore(state)
+    values = iter(read[:len(present)])
+    return TrajectoryResult(
+        precision=precision, from_step=snapshot.step, steps=indices,
+        losses=[None if t is None else next(values) for t in losses],
+        params_finite=bool(read[len(present)]), skipped=[bool(v) for v in read[len(present) + 1:]],
+    )
+
+
+def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
+                 amp: bool) -> tuple[Tensor | None, Tensor]:
+    """One optimizer step as Lightning's automatic optimization runs it: (the step's loss, whether the scaler
+    skipped it), both left on the device."""
+    for opt in state.optimizers:
+        opt.zero_grad()
+    total: Tensor | None = None
+    for mb in micro_batches:
+        if mb.rng is not None:
+            torch.set_rng_state(mb.rng)
+        if mb.cuda_rng is not None:
+            torch.cuda.set_rng_state(mb.cuda_rng, state.device)
+        with state.forward_context() if amp else torch.autocast(state.device.type, enabled=False):
+            loss = _loss_of(state.module.training_step(mb.batch, mb.batch_idx))
+        if loss is None:
+            continue
+        loss = loss / state.accumulate
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    skipped = torch.zeros((), dtype=torch.bool, device=state.device)
+    if total is not None:  # a step whose training_step returned None has no gradients to step with
+        scale_before = scaler._scale.clone() if scaler is not None else None
+        for opt in state.optimizers:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            _clip(state, opt)
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+        if scaler is not None:
+            scaler.update()
+            skipped = scaler._scale < scale_before  # the scale backs off exactly when the step was skipped
+    last_batch_idx = micro_batches[-1].batch_idx if micro_batches else 0
+    for scheduler, frequency in state.schedulers:
+        if (last_batch_idx + 1) % frequency == 0:  # Lightning's rule for step-interval schedulers
+            # the class's hook (the user's override, if any), not an instance-level stand-in such as
+            # hold_lr_on_skip's, which answers for the live run's last step
+            type(state.module).lr_scheduler_step(state.module, scheduler, None)
+    return total, skipped
+
+
+def _clip(state: TrainState, optimizer: torch.optim.Optimizer) -> None:
+    """Clip as the Trainer's ``gradient_clip_val`` / ``gradient_clip_algorithm`` do, with torch's own functions
+    (unwrapped from AmpWatch's clipping guard, which watches the live run's clipping only)."""
+    if not state.clip_val or state.clip_val <= 0:
+        return
+    name = "clip_grad_value_" if state.clip_algorithm == "value" else "clip_grad_norm_"
+    clip = getattr(torch.nn.utils, name)
+    getattr(clip, "__ampwatch_original__", clip)(list(_params_of(optimizer)), state.clip_val)
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Replayed optimizer steps stay unseen by the step hooks watching the live run (AmpWatch's own among them)."""
+    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
+    for opt, _, _ in saved:
+        opt._optimizer_step_pre_hooks = OrderedDict()
+        opt._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for opt, pre, post in saved:
+            opt._optimizer_step_pre_hooks = pre
+            opt._optimizer_step_post_hooks = post
+
+
+# --------------------------------------------------------------------------------------------
+# The verdict (pure)
+# --------------------------------------------------------------------------------------------
+
+
+class TrajectoryKind(str, Enum):
+    """What the trajectory control concluded."""
+
+    AMP_CONFIRMED = "amp_confirmed"  # FP32 training over the window is fine; the fault is reduced precision's
+    FP32_DIVERGES = "fp32_diverges"  # FP32 training climbs far above the level before the onset
+    FP32_NONFINITE = "fp32_nonfinite"  # FP32 training goes non-finite too
+    NOT_REPRODUCED = "not_reproduced"  # the run's own precision, replayed from the snapshot, does not fault
+
+
+@dataclass(frozen=True)
+class TrajectoryVerdict:
+    """The trajectory control's conclusion, why in a sentence, and the numbers it rests on."""
+
+    kind: TrajectoryKind
+    reason: str  # plain words, for the diagnosis
+    evidence: dict[str, Any]  # JSON-ready: non-finite losses are strings
+
+
+def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_level: float | None,
+                     divergence_ratio: float) -> TrajectoryVerdict:
+    """What the FP32 trajectory (and, when run, the replay at the run's precision) says about the fault.
+
+    FP32 going non-finite, or above ``divergence_ratio`` x ``loss_level`` (the loss before the onset), clears AMP.
+    Otherwise an amp replay that does not fault again means the fault did not reproduce: AMP is not blamed either.
+    """
+    if not (isinstance(divergence_ratio, (int, float)) and divergence_ratio > 1):
+        raise ValueError(f"divergence_ratio={divergence_ratio!r}: expected a number above 1")
+    window = f"steps {fp32.steps[0]}-{fp32.steps[-1]}" if len(fp32.steps) > 1 else f"step {fp32.steps[0]}"
+    start = f"from the snapshot after step {fp32.from_step}"
+    evidence: dict[str, Any] = {
+        "window": [fp32.steps[0], fp32.steps[-1]], "snapshot_step": fp32.from_step,
+        "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": _json_float(loss_level),
+        "divergence_ratio": divergence_ratio,
+    }
+    if amp is not None:
+        evidence["amp_losses"] = [_json_float(v) for v in amp.losses]
+        evidence["amp_skipped"] = amp.skipped
+    finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
+    peak = max(finite, default=None)
+    bad = fp32.first_nonfinite
+    if bad is not None:
+        return TrajectoryVerdict(TrajectoryKind.FP32_NONFINITE, (
+            f"FP32 training {start} goes non-finite too, at step {bad}: not an AMP fault"), evidence)
+    has_level = loss_level is not None and loss_level > 0 and math.isfinite(loss_level)
+    if has_level and peak is not None and peak > divergence_ratio * loss_level:
+        at = fp32.steps[fp32.losses.index(peak)]
+        return TrajectoryVerdict(TrajectoryKind.FP32_DIVERGES, (
+            f"FP32 training {start} reaches loss {peak:.4g} at step {at}, {peak / loss_level:.3g}x the level "
+            f"{loss_level:.4g} before the onset: the optimisation diverges without reduced precision, so it is "
+            "not an AMP fault"), evidence)
+    level_words = (f"at most {peak / loss_level:.3g}x the level {loss_level:.4g} before the onset" if has_level
+                   and peak is not None else "no loss level before the onset to compare with")
+    fp32_words = f"FP32 training {start} stays finite over {window} ({level_words})"
+    if amp is not None and not amp.faulted:
+        return TrajectoryVerdict(TrajectoryKind.NOT_REPRODUCED, (
+            f"{fp32_words}, and replayed at the run's own precision the same steps stay finite with no skipped "
+            "step: the fault did not reproduce, so it is not blamed on AMP"), evidence)
+    if amp is None:
+        amp_words = "; the run's own precision was not replayed"
+    else:
+        again = amp.first_nonfinite if amp.first_nonfinite is not None else amp.steps[amp.skipped.index(True)]
+        amp_words = f"; at the run's own precision the fault comes back at step {again}"
+    return TrajectoryVerdict(TrajectoryKind.AMP_CONFIRMED, f"{fp32_words}{amp_words}: an AMP fault", evidence)
+
+
+def _json_float(value: float | None) -> float | str | None:
+    return value if value is None or math.isfinite(value) else str(value)
