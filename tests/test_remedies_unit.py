@@ -13,17 +13,19 @@ from lightning_ampwatch import Diagnosis, Finding
 from lightning_ampwatch.remedies import (
     DEFAULT_REMEDIES,
     ISLAND_ATTR,
+    REGISTRY,
     RemedyContext,
     RemedyError,
+    RemedyName,
     RemedyPolicy,
     attach_island,
     detach_island,
-    fp32_island,
     ladder_for,
-    lower_init_scale,
     parse_remediate,
-    slow_growth,
 )
+
+fp32_island, lower_init_scale, slow_growth = (
+    REGISTRY[n].apply for n in (RemedyName.FP32_ISLAND, RemedyName.LOWER_INIT_SCALE, RemedyName.SLOW_GROWTH))
 
 
 def _diag(finding: Finding, step: int = 10, location: str | None = None, **evidence: object) -> Diagnosis:
