@@ -14,7 +14,6 @@ from lightning_ampwatch.remedies.base import (
     RemedyError,
     RemedyName,
     reapply_all,
-    register,
 )
 from lightning_ampwatch.remedies.hold_lr import HoldLrOnSkip
 from lightning_ampwatch.remedies.island import ISLAND_ATTR, Fp32Island, attach_island, detach_island
@@ -30,5 +29,5 @@ __all__ = [
     "DEFAULT_REMEDIES", "ISLAND_ATTR", "LADDERS", "REGISTRY", "AppliedRemedy", "Bf16Fallback", "Effect", "Fp32Island",
     "HoldLrOnSkip", "LowerInitScale", "ReduceLr", "Remedy", "RemedyContext", "RemedyError", "RemedyName",
     "RemedyPolicy", "SlowGrowth", "UnscaleBeforeClip", "attach_island", "bf16_supported", "detach_island",
-    "ladder_for", "parse_remediate", "reapply_all", "register",
+    "ladder_for", "parse_remediate", "reapply_all",
 ]

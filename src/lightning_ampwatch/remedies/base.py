@@ -2,7 +2,8 @@
 
 A remedy is a small unit: it applies itself at an optimizer-step boundary and says what it changed, names what
 AmpWatch must re-read afterwards, puts itself back after a resume when a checkpoint cannot carry it, and says in
-one line what it did. Adding a remedy: a ``RemedyName`` member and a ``@register``-ed unit (plus a ladder row).
+one line what it did. Adding a remedy: a ``RemedyName`` member, and a ``@register``-ed unit in a module the
+package imports (plus a ladder row in :mod:`.policy` if a finding should get it).
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ class Remedy(ABC):
 
 REGISTRY: dict[RemedyName, Remedy] = {}
 
-R = TypeVar("R", bound=type[Remedy])
+_Unit = TypeVar("_Unit", bound=type[Remedy])
 
 
-def register(unit: R) -> R:
+def register(unit: _Unit) -> _Unit:
     """Class decorator: the one place a remedy is made known to the policy, the callback and resume."""
     REGISTRY[unit.name] = unit()
     return unit
