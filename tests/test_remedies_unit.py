@@ -36,7 +36,6 @@ from lightning_ampwatch.remedies import (
     parse_remediate,
     reapply_all,
 )
-from lightning_ampwatch.scenarios import true_fp16_plugin
 
 fp32_island, lower_init_scale, slow_growth = (
     REGISTRY[n].apply for n in (RemedyName.FP32_ISLAND, RemedyName.LOWER_INIT_SCALE, RemedyName.SLOW_GROWTH))
@@ -230,12 +229,6 @@ def test_an_island_that_raises_leaves_autocast_as_it_was(tmp_path: Path) -> None
 # ---------------------------------------------------------------------------- the units and their registry
 
 
-def _fp16_trainer() -> pl.Trainer:
-    """A real Trainer with true float16 autocast and a real GradScaler; nothing is fitted."""
-    return pl.Trainer(accelerator="cpu", plugins=[true_fp16_plugin()], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False)
-
-
 def test_every_remedy_name_has_one_unit_that_declares_what_to_re_read() -> None:
     assert set(REGISTRY) == set(RemedyName)
     assert all(unit.name is name for name, unit in REGISTRY.items())
@@ -291,9 +284,9 @@ def test_unscale_before_clip_switches_the_guards_clip_rescaling_itself() -> None
         unit.apply(replace(ctx, scaler=None, guards=RecipeGuards()), _diag(Finding.CLIP_BEFORE_UNSCALE))
 
 
-def test_bf16_fallback_switches_a_real_trainer_once_and_again_after_a_resume() -> None:
+def test_bf16_fallback_switches_a_real_trainer_once_and_again_after_a_resume(tmp_path: Path) -> None:
     unit = REGISTRY[RemedyName.BF16_FALLBACK]
-    trainer = _fp16_trainer()
+    trainer = make_trainer(tmp_path, [])
     ctx = RemedyContext(trainer=trainer, module=nn.Linear(1, 1), scaler=trainer.precision_plugin.scaler,
                         device=torch.device("cpu"))
     details = unit.apply(ctx, _diag(Finding.INPUT_RANGE))
@@ -306,16 +299,17 @@ def test_bf16_fallback_switches_a_real_trainer_once_and_again_after_a_resume() -
     plugin = trainer.precision_plugin
     unit.reapply(ctx, record)  # already bf16: left as it is
     assert trainer.precision_plugin is plugin
-    resumed = _fp16_trainer()  # built anew with the original precision
+    resumed = make_trainer(tmp_path, [])  # built anew with the original precision
     unit.reapply(replace(ctx, trainer=resumed), record)
     assert resumed.precision_plugin.precision == "bf16-mixed"
     with pytest.raises(RemedyError, match="not supported on meta"):
-        unit.apply(replace(ctx, trainer=_fp16_trainer(), device=torch.device("meta")), _diag(Finding.INPUT_RANGE))
+        unit.apply(replace(ctx, trainer=make_trainer(tmp_path, []), device=torch.device("meta")),
+                   _diag(Finding.INPUT_RANGE))
 
 
-def test_reduce_lr_lowers_optimizers_and_schedulers_of_a_real_trainer() -> None:
+def test_reduce_lr_lowers_optimizers_and_schedulers_of_a_real_trainer(tmp_path: Path) -> None:
     unit = REGISTRY[RemedyName.REDUCE_LR]
-    trainer, net = _fp16_trainer(), nn.Linear(2, 2)
+    trainer, net = make_trainer(tmp_path, []), nn.Linear(2, 2)
     opt = torch.optim.SGD([{"params": [net.weight], "lr": 0.4}, {"params": [net.bias], "lr": 0.2}])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     trainer.strategy.optimizers = [opt]
@@ -329,10 +323,10 @@ def test_reduce_lr_lowers_optimizers_and_schedulers_of_a_real_trainer() -> None:
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.05])
 
 
-def test_reapply_all_puts_back_what_a_checkpoint_cannot_carry() -> None:
+def test_reapply_all_puts_back_what_a_checkpoint_cannot_carry(tmp_path: Path) -> None:
     """A resumed fit: a new model, a new fp16 trainer and new guards; every applied remedy is asked."""
     first = _Net()
-    trainer = _fp16_trainer()
+    trainer = make_trainer(tmp_path, [])
     guards = RecipeGuards()
     scaler = trainer.precision_plugin.scaler
     ctx = RemedyContext(trainer=trainer, module=first, scaler=scaler, device=torch.device("cpu"), guards=guards)
@@ -345,7 +339,7 @@ def test_reapply_all_puts_back_what_a_checkpoint_cannot_carry() -> None:
     assert [r.name for r in applied] == [RemedyName.FP32_ISLAND, RemedyName.UNSCALE_BEFORE_CLIP,
                                          RemedyName.BF16_FALLBACK]
 
-    model, resumed, new_guards = _Net(), _fp16_trainer(), RecipeGuards()
+    model, resumed, new_guards = _Net(), make_trainer(tmp_path, []), RecipeGuards()
     reapply_all(RemedyContext(trainer=resumed, module=model, scaler=None, device=torch.device("cpu"),
                               guards=new_guards), applied)
     assert getattr(model.block, ISLAND_ATTR, None) is not None and getattr(model.head, ISLAND_ATTR, None) is None
@@ -353,8 +347,8 @@ def test_reapply_all_puts_back_what_a_checkpoint_cannot_carry() -> None:
     assert resumed.precision_plugin.precision == "bf16-mixed"
 
 
-def test_policy_passes_over_rungs_that_cannot_apply_and_says_why() -> None:
-    trainer = _fp16_trainer()
+def test_policy_passes_over_rungs_that_cannot_apply_and_says_why(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [])
     ctx = RemedyContext(trainer=trainer, module=nn.Linear(1, 1), scaler=None, device=torch.device("cpu"))
     policy = RemedyPolicy(frozenset(DEFAULT_REMEDIES))
     diagnosis = _diag(Finding.GROWTH_OVERFLOW)
