@@ -25,7 +25,6 @@ from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch import guards as guards_module
 from lightning_ampwatch.guards import (
     PRESCALE_MIN_FACTOR,
-    RECIPE_FINDINGS,
     analyze_loss,
     eps_too_small_for_float16,
     optimizer_stage,
@@ -53,7 +52,7 @@ def assert_at(location: str | None, marker: str) -> None:
 
 
 def recipe(watch: AmpWatch) -> list[Any]:
-    return [d for d in watch.diagnoses if d.finding in RECIPE_FINDINGS]
+    return [d for d in watch.diagnoses if d.finding.is_recipe]
 
 
 def regression_loader(n: int = 64, batch_size: int = 16) -> DataLoader:

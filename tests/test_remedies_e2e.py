@@ -323,3 +323,21 @@ def test_resume_after_a_remedy_puts_it_back_before_the_first_step(tmp_path: Path
     assert [d.remedy for d in resumed.diagnoses if d.is_alarm] == [remedy]  # the old one, not announced again
     assert len(_alarms(resumed)) == 1
     assert _finite(model)
+
+
+def test_resume_after_unscale_before_clip_keeps_clipping_real_gradients(tmp_path: Path) -> None:
+    """The switch lives in the recipe guards, which no checkpoint holds: the resumed fit must put it back."""
+    pl.seed_everything(0, verbose=False)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=3)
+    watch = AmpWatch(verbose=False, remediate=["unscale_before_clip"])
+    _fit(tmp_path, _ManualClip(), regression_data(), watch, 3, callbacks=[ckpt], enable_checkpointing=True)
+    assert [r.name for r in watch.applied] == ["unscale_before_clip"]
+
+    resumed, model = AmpWatch(verbose=False, remediate=["unscale_before_clip"]), _ManualClip()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, plugins=[true_fp16_plugin()], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[resumed])
+    trainer.fit(model, DataLoader(regression_data(), batch_size=32), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert len(model.norms) == 3  # steps 3, 4, 5, each clipped to 0.01 in real units from the first one on
+    assert all(n == pytest.approx(0.01, rel=1e-3) for n in model.norms)
+    assert [r.name for r in resumed.applied] == ["unscale_before_clip"]

@@ -1,29 +1,44 @@
-"""Remedies and the policy table, on real objects (a real GradScaler, real modules), without a Trainer."""
+"""Remedies and the policy table, on real objects: a real GradScaler, real modules, a real Trainer where a unit
+acts on one (its precision plugin, its optimizers, a fit whose island raises)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import make_trainer
 from lightning_ampwatch import Diagnosis, Finding
+from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.remedies import (
     DEFAULT_REMEDIES,
     ISLAND_ATTR,
+    REGISTRY,
+    AppliedRemedy,
+    Effect,
     RemedyContext,
     RemedyError,
+    RemedyName,
     RemedyPolicy,
     attach_island,
     detach_island,
-    fp32_island,
     ladder_for,
-    lower_init_scale,
     parse_remediate,
-    slow_growth,
+    reapply_all,
 )
+
+fp32_island, lower_init_scale, slow_growth = (
+    REGISTRY[n].apply for n in (RemedyName.FP32_ISLAND, RemedyName.LOWER_INIT_SCALE, RemedyName.SLOW_GROWTH))
 
 
 def _diag(finding: Finding, step: int = 10, location: str | None = None, **evidence: object) -> Diagnosis:
@@ -141,3 +156,219 @@ def test_fp32_island_on_a_parameter_location_isolates_its_module() -> None:
     assert fp32_island(ctx, _diag(Finding.FORWARD_OVERFLOW, location="head.weight")) == {"module": "head"}
     with pytest.raises(RemedyError, match="not a submodule"):
         fp32_island(ctx, _diag(Finding.FORWARD_OVERFLOW, location="nowhere"))
+
+
+class _RaisesOnce(nn.Module):
+    """A layer whose forward raises the first time, as a data-dependent check in user code might."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.raised = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.raised:
+            self.raised = True
+            raise ValueError("rejected batch")
+        return self.linear(x)
+
+
+class _CatchesIslandError(pl.LightningModule):
+    """Its training step calls an islanded layer that raises once and catches the error, then trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.risky = _RaisesOnce()
+        self.body = nn.Linear(8, 1)
+        self.autocast_after_catch: list[bool] = []
+        self.body_errors: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        try:
+            x = self.risky(x)
+        except ValueError:
+            self.autocast_after_catch.append(torch.is_autocast_enabled("cpu"))
+        out = self.body(x)
+        # what float16 autocast must compute from the weights as they are now (not as they were at an earlier step)
+        expected = nn.functional.linear(x.half(), self.body.weight.half(), self.body.bias.half())
+        self.body_errors.append(float((out.float() - expected.float()).abs().max().detach()))
+        return nn.functional.mse_loss(out.float().squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_an_island_that_raises_leaves_autocast_as_it_was(tmp_path: Path) -> None:
+    """An exception out of the island, caught in training_step: autocast is back on at once, so the rest of the
+    step runs in float16; and no autocast context is left open, which would keep autocast's cache of float16
+    weights alive across later autocast regions (stale weights after an update)."""
+    pl.seed_everything(0, verbose=False)
+    model = _CatchesIslandError()
+    attach_island(model, "risky", "cpu")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
+    make_trainer(tmp_path, [], max_steps=4).fit(model, DataLoader(data, batch_size=16))
+    assert model.autocast_after_catch == [True]
+    assert max(model.body_errors) == 0.0  # every step's body ran in float16, the first one included
+
+    x = torch.randn(4, 8, generator=g)
+
+    def float16_error() -> float:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model.body(x)
+        expected = nn.functional.linear(x.half(), model.body.weight.half(), model.body.bias.half())
+        return float((out.float() - expected.float()).abs().max().detach())
+
+    assert float16_error() == 0.0
+    with torch.no_grad():
+        model.body.weight.add_(1.0)
+    assert float16_error() == 0.0  # the updated weights, not a cached float16 copy of the old ones
+
+
+# ---------------------------------------------------------------------------- the units and their registry
+
+
+def test_every_remedy_name_has_one_unit_that_declares_what_to_re_read() -> None:
+    assert set(REGISTRY) == set(RemedyName)
+    assert all(unit.name is name for name, unit in REGISTRY.items())
+    assert {name: unit.effects for name, unit in REGISTRY.items() if unit.effects} == {
+        RemedyName.LOWER_INIT_SCALE: {Effect.SCALER},
+        RemedyName.SLOW_GROWTH: {Effect.SCALER},
+        RemedyName.BF16_FALLBACK: {Effect.PRECISION},
+    }
+    # names compare, hash and print as the plain strings users write and the event log holds
+    assert RemedyName.REDUCE_LR == "reduce_lr" and "reduce_lr" in {RemedyName.REDUCE_LR}
+    assert str(RemedyName.FP32_ISLAND) == f"{RemedyName.FP32_ISLAND}" == "fp32_island"
+    record = AppliedRemedy(RemedyName.FP32_ISLAND, 3, "FORWARD_OVERFLOW", {"module": "attention"})
+    assert json.loads(json.dumps(record.to_dict()))["name"] == "fp32_island"
+    assert AppliedRemedy.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+def test_parse_remediate_rejects_items_that_are_not_names_and_names_the_valid_ones() -> None:
+    assert parse_remediate("slow_growth") == {RemedyName.SLOW_GROWTH}
+    for bad in ([["x"]], [3], ["slow_growth", None]):
+        with pytest.raises(ValueError, match=r"not a remedy name; valid names are lower_init_scale, .*reduce_lr"):
+            parse_remediate(bad)
+
+
+def test_scaler_remedies_describe_what_they_changed_and_leave_resume_to_the_checkpoint() -> None:
+    scaler = _stepped_scaler(growth_interval=10)
+    ctx = RemedyContext(trainer=None, module=nn.Linear(1, 1), scaler=scaler, device=torch.device("cpu"))
+    lower, slow = REGISTRY[RemedyName.LOWER_INIT_SCALE], REGISTRY[RemedyName.SLOW_GROWTH]
+    assert lower.describe(lower.apply(ctx, _diag(Finding.GRADIENT_OVERFLOW, safe_scale=3000.0))) == \
+        "loss scale 2**16 -> 2**11, growth interval 10 -> 40 steps"
+    assert slow.describe(slow.apply(ctx, _diag(Finding.GROWTH_OVERFLOW))) == \
+        "growth interval 40 -> 400 steps, growth factor 2 -> 1.5"
+    record = AppliedRemedy(RemedyName.LOWER_INIT_SCALE, 10, "GRADIENT_OVERFLOW", {"scale_after": 1.0})
+    lower.reapply(ctx, record)  # the scaler's state is Lightning's to restore: nothing is changed here
+    assert scaler.get_scale() == 2048.0 and scaler.get_growth_interval() == 400
+
+
+def test_unscale_before_clip_switches_the_guards_clip_rescaling_itself() -> None:
+    unit = REGISTRY[RemedyName.UNSCALE_BEFORE_CLIP]
+    guards = RecipeGuards()
+    ctx = RemedyContext(trainer=None, module=nn.Linear(1, 1), scaler=_stepped_scaler(), device=torch.device("cpu"),
+                        guards=guards)
+    details = unit.apply(ctx, _diag(Finding.CLIP_BEFORE_UNSCALE))
+    assert guards.rescale_clipping
+    assert details == {"clip_threshold": "multiplied by the current loss scale"}
+    assert unit.describe(details) == "clipping limits are multiplied by the loss scale while the gradients are " \
+                                     "still scaled"
+    resumed = RecipeGuards()  # a resumed fit has new guards: the switch is put back on them
+    unit.reapply(replace(ctx, guards=resumed), AppliedRemedy(unit.name, 3, "CLIP_BEFORE_UNSCALE", details))
+    assert resumed.rescale_clipping
+    with pytest.raises(RemedyError, match="recipe guards"):
+        unit.apply(replace(ctx, guards=None), _diag(Finding.CLIP_BEFORE_UNSCALE))
+    with pytest.raises(RemedyError, match="no GradScaler"):
+        unit.apply(replace(ctx, scaler=None, guards=RecipeGuards()), _diag(Finding.CLIP_BEFORE_UNSCALE))
+
+
+def test_bf16_fallback_switches_a_real_trainer_once_and_again_after_a_resume(tmp_path: Path) -> None:
+    unit = REGISTRY[RemedyName.BF16_FALLBACK]
+    trainer = make_trainer(tmp_path, [])
+    ctx = RemedyContext(trainer=trainer, module=nn.Linear(1, 1), scaler=trainer.precision_plugin.scaler,
+                        device=torch.device("cpu"))
+    details = unit.apply(ctx, _diag(Finding.INPUT_RANGE))
+    assert details == {"precision_before": "16-mixed", "precision_after": "bf16-mixed"}
+    assert trainer.precision_plugin.precision == "bf16-mixed" and trainer.precision_plugin.scaler is None
+    assert unit.describe(details) == "precision 16-mixed -> bf16-mixed, without a GradScaler"
+    with pytest.raises(RemedyError, match="already in bf16-mixed"):
+        unit.apply(ctx, _diag(Finding.INPUT_RANGE))
+    record = AppliedRemedy(unit.name, 5, "INPUT_RANGE", details)
+    plugin = trainer.precision_plugin
+    unit.reapply(ctx, record)  # already bf16: left as it is
+    assert trainer.precision_plugin is plugin
+    resumed = make_trainer(tmp_path, [])  # built anew with the original precision
+    unit.reapply(replace(ctx, trainer=resumed), record)
+    assert resumed.precision_plugin.precision == "bf16-mixed"
+    with pytest.raises(RemedyError, match="not supported on meta"):
+        unit.apply(replace(ctx, trainer=make_trainer(tmp_path, []), device=torch.device("meta")),
+                   _diag(Finding.INPUT_RANGE))
+
+
+def test_reduce_lr_lowers_optimizers_and_schedulers_of_a_real_trainer(tmp_path: Path) -> None:
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    trainer, net = make_trainer(tmp_path, []), nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [net.weight], "lr": 0.4}, {"params": [net.bias], "lr": 0.2}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer.strategy.optimizers = [opt]
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(sched)]
+    ctx = RemedyContext(trainer=trainer, module=net, scaler=None, device=torch.device("cpu"))
+    details = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.1, lr_after=0.4))
+    assert details == {"lr_before": [0.4, 0.2], "lr_after": [0.1, 0.05], "factor": 0.25}
+    assert unit.describe(details) == "learning rates x0.25: 0.4 -> 0.1, 0.2 -> 0.05"
+    opt.step()
+    sched.step()  # the schedule keeps the lower level
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.05])
+
+
+def test_reapply_all_puts_back_what_a_checkpoint_cannot_carry(tmp_path: Path) -> None:
+    """A resumed fit: a new model, a new fp16 trainer and new guards; every applied remedy is asked."""
+    first = _Net()
+    trainer = make_trainer(tmp_path, [])
+    guards = RecipeGuards()
+    scaler = trainer.precision_plugin.scaler
+    ctx = RemedyContext(trainer=trainer, module=first, scaler=scaler, device=torch.device("cpu"), guards=guards)
+    policy = RemedyPolicy(frozenset(RemedyName))
+    applied = []
+    for diagnosis in (_diag(Finding.FORWARD_OVERFLOW, location="block"), _diag(Finding.CLIP_BEFORE_UNSCALE),
+                      _diag(Finding.INPUT_RANGE)):
+        _, record = policy.apply(ctx, diagnosis, policy.choose(diagnosis), step=diagnosis.step)
+        applied.append(AppliedRemedy.from_dict(record.to_dict()))  # as the checkpoint gives them back
+    assert [r.name for r in applied] == [RemedyName.FP32_ISLAND, RemedyName.UNSCALE_BEFORE_CLIP,
+                                         RemedyName.BF16_FALLBACK]
+
+    model, resumed, new_guards = _Net(), make_trainer(tmp_path, []), RecipeGuards()
+    reapply_all(RemedyContext(trainer=resumed, module=model, scaler=None, device=torch.device("cpu"),
+                              guards=new_guards), applied)
+    assert getattr(model.block, ISLAND_ATTR, None) is not None and getattr(model.head, ISLAND_ATTR, None) is None
+    assert new_guards.rescale_clipping
+    assert resumed.precision_plugin.precision == "bf16-mixed"
+
+
+def test_policy_passes_over_rungs_that_cannot_apply_and_says_why(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [])
+    ctx = RemedyContext(trainer=trainer, module=nn.Linear(1, 1), scaler=None, device=torch.device("cpu"))
+    policy = RemedyPolicy(frozenset(DEFAULT_REMEDIES))
+    diagnosis = _diag(Finding.GROWTH_OVERFLOW)
+    treated, applied = policy.apply(ctx, diagnosis, policy.choose(diagnosis), step=11)
+    assert treated.remedy == "bf16_fallback" and type(treated.remedy) is str  # plain JSON at the edge
+    assert treated.evidence["remedies_failed"] == ["slow_growth: there is no GradScaler in this run",
+                                                   "lower_init_scale: there is no GradScaler in this run"]
+    assert applied == AppliedRemedy(RemedyName.BF16_FALLBACK, 11, "GROWTH_OVERFLOW", treated.evidence["remedy_details"])
+    assert policy.rungs == {"GROWTH_OVERFLOW": (2, 10)}
+
+
+def test_fp32_island_is_described_put_back_on_resume_and_removable() -> None:
+    unit = REGISTRY[RemedyName.FP32_ISLAND]
+    net = _Net()
+    ctx = RemedyContext(trainer=None, module=net, scaler=None, device=torch.device("cpu"))
+    details = unit.apply(ctx, _diag(Finding.FORWARD_OVERFLOW, location="block.0.weight"))
+    assert unit.describe(details) == "block.0 runs in float32 with autocast off"
+    unit.reapply(ctx, AppliedRemedy(unit.name, 1, "FORWARD_OVERFLOW", details))  # idempotent
+    assert len(net.block[0]._forward_pre_hooks) == 1
+    detach_island(net, "block.0")
+    assert "forward" not in net.block[0].__dict__ and not hasattr(net.block[0], ISLAND_ATTR)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert net.block[0](torch.randn(2, 4)).dtype == torch.float16  # an ordinary autocast layer again

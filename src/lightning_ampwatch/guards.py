@@ -45,11 +45,6 @@ except ImportError:  # pragma: no cover - another torch: the slow path (optimize
 from lightning_ampwatch.signals import PrecisionInfo, read_scale
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding, advise
 
-RECIPE_FINDINGS: frozenset[Finding] = frozenset({
-    Finding.LOSS_OUTSIDE_AUTOCAST, Finding.CLIP_BEFORE_UNSCALE, Finding.STEP_OUTSIDE_SCALER,
-    Finding.MANUAL_PRESCALE, Finding.FP16_PARAMETERS, Finding.EPS_UNDERFLOW,
-})
-
 # A constant factor of at least this much on the loss reads as a hand-made loss scale (people pick 2**7 and up);
 # smaller factors read as loss weights. A second ``scaler.scale`` is flagged whatever the scale.
 PRESCALE_MIN_FACTOR = 128.0
@@ -377,14 +372,9 @@ class RecipeGuards:
         self._patched: list[tuple[ModuleType, str, Callable[..., Any], Callable[..., Any]]] = []
         self._module: Any = None
         self._active = False
-        self._check_loss = False
         self.wants_loss = False
         self._warned: set[str] = set()
         self.rescale_clipping = False  # the unscale_before_clip remedy: clip limits follow the loss scale
-
-    @property
-    def active(self) -> bool:
-        return self._active
 
     def _update_wants_loss(self) -> None:
         """``wants_loss``: whether ``on_before_backward`` has anything left to check (automatic optimization: the

@@ -1,0 +1,49 @@
+"""Lower the learning rate, for a fault set off by a rise in it."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from lightning_ampwatch.remedies.base import Remedy, RemedyContext, RemedyName, register
+from lightning_ampwatch.taxonomy import Diagnosis
+
+LR_FACTOR = 0.5
+
+
+def _lr_factor(diagnosis: Diagnosis) -> float:
+    """Back to the level before the rise that set the fault off, when the evidence says what it was; else half."""
+    before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
+    if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after > 0 and 0 < before < after:
+        return min(max(before / after, 0.01), LR_FACTOR)
+    return LR_FACTOR
+
+
+@register
+class ReduceLr(Remedy):
+    """Lower every learning rate, in the optimizers and in the schedulers' base values (so the schedule keeps the
+    lower level instead of undoing it on its next step): back to the level before the rise, at least halved."""
+
+    name = RemedyName.REDUCE_LR
+
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        factor = _lr_factor(diagnosis)
+        before, after = [], []
+        for opt in ctx.trainer.optimizers:
+            for group in opt.param_groups:
+                before.append(float(group["lr"]))
+                group["lr"] = group["lr"] * factor
+                for key in ("initial_lr", "max_lr", "min_lr"):
+                    if isinstance(group.get(key), (int, float)):
+                        group[key] = group[key] * factor
+                after.append(float(group["lr"]))
+        for config in getattr(ctx.trainer, "lr_scheduler_configs", []):
+            sched = config.scheduler
+            if hasattr(sched, "base_lrs"):
+                sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+            if hasattr(sched, "_last_lr"):
+                sched._last_lr = [lr * factor for lr in sched._last_lr]
+        return {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
+
+    def describe(self, details: Mapping[str, Any]) -> str:
+        changes = ", ".join(f"{b:g} -> {a:g}" for b, a in zip(details["lr_before"], details["lr_after"]))
+        return f"learning rates x{details['factor']:g}" + (f": {changes}" if changes else "")

@@ -1,0 +1,114 @@
+"""Which remedy a finding gets: a table of ladders, climbed when a finding comes back soon after its remedy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, RemedyContext, RemedyName
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
+
+DEFAULT_REMEDIES = tuple(r for r in RemedyName if r is not RemedyName.REDUCE_LR)  # what remediate=True allows
+
+#: finding -> the remedies to try, in order. Not-AMP findings have none: no AMP knob fixes data or divergence.
+LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
+    Finding.GRADIENT_OVERFLOW: (RemedyName.LOWER_INIT_SCALE, RemedyName.BF16_FALLBACK),
+    Finding.GROWTH_OVERFLOW: (RemedyName.SLOW_GROWTH, RemedyName.LOWER_INIT_SCALE, RemedyName.BF16_FALLBACK),
+    Finding.FORWARD_OVERFLOW: (RemedyName.FP32_ISLAND, RemedyName.BF16_FALLBACK),
+    Finding.INPUT_RANGE: (RemedyName.BF16_FALLBACK,),
+    Finding.LR_SCHEDULE: (RemedyName.REDUCE_LR,),
+    Finding.CLIP_BEFORE_UNSCALE: (RemedyName.UNSCALE_BEFORE_CLIP,),
+}
+
+
+def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
+    """The ladder for this diagnosis, trimmed of rungs that cannot help this particular case."""
+    ladder = LADDERS.get(diagnosis.finding, ())
+    if diagnosis.finding is Finding.GRADIENT_OVERFLOW and diagnosis.evidence.get("pattern") == "unscaled_overflow":
+        ladder = tuple(r for r in ladder if r is not RemedyName.LOWER_INIT_SCALE)  # the gradients overflow unscaled
+    if diagnosis.finding is Finding.FORWARD_OVERFLOW and not diagnosis.location:
+        ladder = tuple(r for r in ladder if r is not RemedyName.FP32_ISLAND)
+    return ladder
+
+
+@dataclass
+class RemedyPolicy:
+    """Which remedy a diagnosis gets, given what is allowed and what was already tried for the same finding.
+
+    A finding that comes back within ``escalation_window`` steps of its last remedy climbs to the next rung; one
+    that comes back later starts again at the bottom (the earlier fix held for a long while).
+    """
+
+    allowed: frozenset[RemedyName]
+    escalation_window: int = 500
+    rungs: dict[str, tuple[int, int]] = field(default_factory=dict)  # finding -> (rung index, step applied)
+
+    def choose(self, diagnosis: Diagnosis) -> tuple[int, RemedyName] | None:
+        ladder = ladder_for(diagnosis)
+        previous = self.rungs.get(diagnosis.finding.value)
+        start = 0
+        if previous is not None and diagnosis.step - previous[1] <= self.escalation_window:
+            start = previous[0] + 1
+        return self._allowed_from(ladder, start)
+
+    def _allowed_from(self, ladder: tuple[RemedyName, ...], start: int) -> tuple[int, RemedyName] | None:
+        return next(((i, ladder[i]) for i in range(start, len(ladder)) if ladder[i] in self.allowed), None)
+
+    def record(self, diagnosis: Diagnosis, index: int) -> None:
+        self.rungs[diagnosis.finding.value] = (index, diagnosis.step)
+
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis, choice: tuple[int, RemedyName] | None,
+              step: int) -> tuple[Diagnosis, AppliedRemedy | None]:
+        """Apply ``choice``, or the next allowed rung above it when it cannot apply here; the diagnosis comes back
+        with the remedy's name and details (and the rungs that failed), and the record of what was applied."""
+        ladder = ladder_for(diagnosis)
+        failures: list[str] = []
+        while choice is not None:
+            index, name = choice
+            try:
+                details = REGISTRY[name].apply(ctx, diagnosis)
+            except Exception as err:  # noqa: BLE001 - a remedy that cannot apply leaves the next rung
+                failures.append(f"{name}: {err}")
+                choice = self._allowed_from(ladder, index + 1)
+                continue
+            self.record(diagnosis, index)
+            evidence = {**diagnosis.evidence, "remedy_details": details}
+            if failures:
+                evidence["remedies_failed"] = failures
+            applied = AppliedRemedy(name, step, diagnosis.finding.value, details)
+            return replace(diagnosis, remedy=applied.name.value, evidence=evidence), applied
+        if failures:
+            return replace(diagnosis, evidence={**diagnosis.evidence, "remedies_failed": failures}), None
+        return diagnosis, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rungs": {k: list(v) for k, v in self.rungs.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rungs = {k: (int(v[0]), int(v[1])) for k, v in state.get("rungs", {}).items()}
+
+
+def parse_remediate(remediate: Any) -> frozenset[RemedyName]:
+    """``remediate=`` as a set of remedy names; ``ValueError`` naming the bad value and the valid ones."""
+    if remediate is True:
+        return frozenset(DEFAULT_REMEDIES)
+    if remediate is False or remediate is None:
+        return frozenset()
+    valid = ", ".join(r.value for r in RemedyName)
+    if isinstance(remediate, str):
+        remediate = [remediate]
+    try:
+        items = list(remediate)
+    except TypeError:
+        raise ValueError(f"remediate={remediate!r} is not valid; use True, False, a remedy name or a list of them "
+                         f"({valid})") from None
+    names = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"remediate holds {item!r} ({type(item).__name__}), not a remedy name; valid names "
+                             f"are {valid}")
+        try:
+            names.append(RemedyName(item))
+        except ValueError:
+            raise ValueError(f"remediate has unknown remedy {item!r}; valid names are {valid}") from None
+    return frozenset(names)

@@ -1,0 +1,98 @@
+"""Remedies that act on the GradScaler: its scale, its growth, and clipping that must follow its scale."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from lightning_ampwatch.remedies.base import (
+    AppliedRemedy,
+    Effect,
+    Remedy,
+    RemedyContext,
+    RemedyError,
+    RemedyName,
+    register,
+    require_scaler,
+)
+from lightning_ampwatch.summary import format_scale
+from lightning_ampwatch.taxonomy import Diagnosis
+
+
+def _pow2_floor(value: float) -> float:
+    return float(2.0 ** math.floor(math.log2(value))) if value > 0 else 1.0
+
+
+@register
+class LowerInitScale(Remedy):
+    """Set the scale to the largest power of two that held, and make growth wait 4x longer so the scaler does not
+    climb straight back into the overflow."""
+
+    name = RemedyName.LOWER_INIT_SCALE
+    effects = frozenset({Effect.SCALER})
+
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        scaler = require_scaler(ctx)
+        before = float(scaler.get_scale())
+        safe = diagnosis.evidence.get("safe_scale") or ctx.safe_scale
+        target = _pow2_floor(float(safe)) if isinstance(safe, (int, float)) and safe > 0 else _pow2_floor(before / 2)
+        target = min(target, _pow2_floor(before)) if before > 0 else target
+        interval_before = int(scaler.get_growth_interval())
+        scaler.update(new_scale=float(target))
+        scaler.set_growth_interval(interval_before * 4)
+        scaler._growth_tracker.zero_()
+        return {"scale_before": before, "scale_after": target,
+                "growth_interval_before": interval_before, "growth_interval_after": interval_before * 4}
+
+    def describe(self, details: Mapping[str, Any]) -> str:
+        return (f"loss scale {format_scale(details['scale_before'])} -> {format_scale(details['scale_after'])}, "
+                f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps")
+
+
+@register
+class SlowGrowth(Remedy):
+    """Grow less often and by less. The tracker is reset on purpose: it counts clean steps towards the interval."""
+
+    name = RemedyName.SLOW_GROWTH
+    effects = frozenset({Effect.SCALER})
+
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        scaler = require_scaler(ctx)
+        interval, factor = int(scaler.get_growth_interval()), float(scaler.get_growth_factor())
+        new_interval = max(interval * 10, 100)
+        new_factor = max(1.0 + (factor - 1.0) / 2, 1.0001)
+        scaler.set_growth_interval(new_interval)
+        scaler.set_growth_factor(new_factor)
+        scaler._growth_tracker.zero_()
+        return {"growth_interval_before": interval, "growth_interval_after": new_interval,
+                "growth_factor_before": factor, "growth_factor_after": new_factor}
+
+    def describe(self, details: Mapping[str, Any]) -> str:
+        return (f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps, "
+                f"growth factor {details['growth_factor_before']:g} -> {details['growth_factor_after']:g}")
+
+
+@register
+class UnscaleBeforeClip(Remedy):
+    """Clipping limits follow the scale from now on (the recipe guards' clip wrapper does it), so clipping
+    still-scaled gradients clips exactly what clipping unscaled gradients would have."""
+
+    name = RemedyName.UNSCALE_BEFORE_CLIP
+
+    def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        require_scaler(ctx)
+        _rescale_clipping(ctx)
+        return {"clip_threshold": "multiplied by the current loss scale"}
+
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
+        """The switch lives in the guards, which a checkpoint does not hold."""
+        _rescale_clipping(ctx)
+
+    def describe(self, details: Mapping[str, Any]) -> str:
+        return "clipping limits are multiplied by the loss scale while the gradients are still scaled"
+
+
+def _rescale_clipping(ctx: RemedyContext) -> None:
+    if ctx.guards is None:
+        raise RemedyError("AmpWatch's recipe guards are not in this context, so clipping cannot follow the scale")
+    ctx.guards.rescale_clipping = True
