@@ -26,13 +26,15 @@ from lightning_ampwatch.investigate import Investigations, Investigator
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import uses_rng
 from lightning_ampwatch.remedies import (
+    REGISTRY,
     AppliedRemedy,
+    Effect,
     HoldLrOnSkip,
     RemedyContext,
     RemedyPolicy,
     ladder_for,
     parse_remediate,
-    reapply_structural,
+    reapply_all,
 )
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import resolve_precision, scaler_config
@@ -405,21 +407,21 @@ class AmpWatch(Callback):
     def _remedy_context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RemedyContext:
         scaler = self._ledger.precision.scaler if self._ledger is not None else None
         return RemedyContext(trainer=trainer, module=pl_module, scaler=scaler, device=pl_module.device,
-                             safe_scale=self.machine.max_safe_scale if self.machine is not None else None)
+                             safe_scale=self.machine.max_safe_scale if self.machine is not None else None,
+                             guards=self._guards)
 
     def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
-        """Bring AmpWatch's own view in line with what the remedy changed."""
+        """Bring AmpWatch's own view in line with what the remedy changed (each remedy declares it)."""
         assert self._ledger is not None
-        if name == "unscale_before_clip":
-            self._guards.rescale_clipping = True
-        if name == "bf16_fallback":
-            info = resolve_precision(trainer.precision_plugin)
-            self._ledger.switch_precision(info)
-            if self._investigations is not None and self._investigations.investigator is not None:
-                self._investigations.investigator.mode = info.mode
-            self._attach_guards(trainer, pl_module)
-        elif name in ("lower_init_scale", "slow_growth"):
-            self._ledger.mirror_scaler()
+        for effect in REGISTRY[name].effects:  # type: ignore[index]
+            if effect is Effect.PRECISION:
+                info = resolve_precision(trainer.precision_plugin)
+                self._ledger.switch_precision(info)
+                if self._investigations is not None and self._investigations.investigator is not None:
+                    self._investigations.investigator.mode = info.mode
+                self._attach_guards(trainer, pl_module)
+            elif effect is Effect.SCALER:
+                self._ledger.mirror_scaler()
 
     def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """Every sink gets it (each fails alone); the decision that follows never depends on a sink."""
@@ -489,12 +491,10 @@ class AmpWatch(Callback):
         if self.applied:
             # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
             try:
-                reapply_structural(self._remedy_context(trainer, pl_module), self.applied)
+                reapply_all(self._remedy_context(trainer, pl_module), self.applied)
             except Exception as err:  # noqa: BLE001
                 self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
                                  "applied")
-            if "unscale_before_clip" in {r.name for r in self.applied}:
-                self._guards.rescale_clipping = True
 
     def _warn_state(self, why: str, part: str | None) -> None:
         if part == "machine" and self.machine is not None:

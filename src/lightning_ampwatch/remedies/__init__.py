@@ -22,9 +22,6 @@ from lightning_ampwatch.remedies.policy import DEFAULT_REMEDIES, LADDERS, Remedy
 from lightning_ampwatch.remedies.precision import Bf16Fallback, bf16_supported
 from lightning_ampwatch.remedies.scaler import LowerInitScale, SlowGrowth, UnscaleBeforeClip
 
-# callback.py still imports the old name; drop this line once it calls reapply_all (same arguments).
-reapply_structural = reapply_all
-
 __all__ = [
     "DEFAULT_REMEDIES", "ISLAND_ATTR", "LADDERS", "REGISTRY", "AppliedRemedy", "Bf16Fallback", "Effect", "Fp32Island",
     "HoldLrOnSkip", "LowerInitScale", "ReduceLr", "Remedy", "RemedyContext", "RemedyError", "RemedyName",
