@@ -25,7 +25,8 @@ from torchmetrics.aggregation import RunningMean, SumMetric
 from lightning_ampwatch import distributed
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import LIVE_PROBED, Investigator, located_live
-from lightning_ampwatch.machine import AmpStateMachine, Observation, ScaleMirror, Thresholds
+from lightning_ampwatch.machine import AmpStateMachine, Observation, Thresholds
+from lightning_ampwatch.signals import ScaleMirror
 from lightning_ampwatch.probes import LiveProbe, MicroBatch, capture_rng, uses_rng
 from lightning_ampwatch.remedies import (
     AppliedRemedy,

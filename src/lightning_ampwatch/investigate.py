@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import torch
 
 from lightning_ampwatch import distributed
-from lightning_ampwatch.machine import BatchStats, PrecisionMode, judge_control
+from lightning_ampwatch.machine import BatchStats, PrecisionMode
+from lightning_ampwatch.verdicts import judge_control
 from lightning_ampwatch.probes import MicroBatch, Replayer, ReplayResult
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 
