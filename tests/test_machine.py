@@ -12,14 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_ampwatch import Diagnosis, Finding, Thresholds
-from lightning_ampwatch.machine import (
-    AmpStateMachine,
-    BatchStats,
-    Observation,
-    PrecisionMode,
-    ScaleMirror,
-    replay,
-)
+from lightning_ampwatch.machine import AmpStateMachine, BatchStats, Observation, PrecisionMode
+from lightning_ampwatch.signals import ScaleMirror
 
 DEFAULT_SCALER = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -38,6 +32,14 @@ def scaled_run(skips: Iterable[int], steps: int, init_scale: float = 2.0**16, gr
         lr = (lrs[step - start],) if lrs is not None else (0.01,)
         out.append(Observation(step=step, skipped=skipped, loss=loss, loss_finite=True, scale=scale, grew=grew,
                                lrs=lr))
+    return out
+
+
+def replay(machine: AmpStateMachine, observations: Iterable[Observation]) -> list[Diagnosis]:
+    """Feed a whole sequence, collecting what the machine returns."""
+    out: list[Diagnosis] = []
+    for obs in observations:
+        out.extend(machine.observe(obs))
     return out
 
 
@@ -135,7 +137,10 @@ def test_growth_overflow_when_every_growth_is_skipped() -> None:
     assert len(diagnosis.evidence["growth_steps"]) == 3
     assert diagnosis.step <= 4  # the first growth happens at step 2 and is skipped at step 3
     assert diagnosis.evidence["safe_scale"] == 1024.0
-    assert "growth_interval=30" in diagnosis.advice and "init_scale=2**10" in diagnosis.advice
+    assert "growth_interval=30" in diagnosis.advice
+    assert diagnosis.evidence["init_scale"] == 1024.0
+    assert "init_scale=" not in diagnosis.advice  # 2**10 is the scale in use already: never advised
+    assert "(2**10) holds" in diagnosis.advice
 
 
 def test_growth_overflow_episode_stays_open_while_growths_keep_failing() -> None:
@@ -472,7 +477,7 @@ def test_thresholds_reject_bad_values(field: str, value: object) -> None:
 
 
 def test_thresholds_name_the_field_and_value() -> None:
-    with pytest.raises(ValueError, match=r"Thresholds\.streak must be a positive number, got 0"):
+    with pytest.raises(ValueError, match=r"Thresholds\.streak must be a positive integer, got 0"):
         Thresholds(streak=0)
 
 
