@@ -491,16 +491,19 @@ class AmpStateMachine:
         if not math.isfinite(loss):
             return
         s = self.state
-        level = self.loss_level
-        if level is not None and loss > self.thresholds.divergence_ratio * level:
-            climb = s.climb
-            if climb is None:
-                s.climb = Climb(step, level, loss, step, loss)
-            else:
-                climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
-            return
+        ratio, losses = self.thresholds.divergence_ratio, s.losses
+        # min() first: a loss within ratio x the smallest recent loss is below ratio x their median, no sort needed
+        if len(losses) >= _LEVEL_MIN_LOSSES and loss > ratio * min(losses):
+            level = statistics.median(losses)
+            if loss > ratio * level:
+                climb = s.climb
+                if climb is None:
+                    s.climb = Climb(step, level, loss, step, loss)
+                else:
+                    climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
+                return
         s.climb = None
-        s.losses.append(loss)
+        losses.append(loss)
 
     # ---------------------------------------------------------------- classification
 
