@@ -9,7 +9,7 @@ import math
 import pytest
 
 from lightning_ampwatch import AmpWatchError, Diagnosis, Finding
-from lightning_ampwatch.taxonomy import GradientPattern, advise, format_pow2
+from lightning_ampwatch.taxonomy import GradientPattern, advise, advised_init_scale, format_pow2
 
 
 def test_finding_value_equals_name_and_survives_json() -> None:
@@ -202,3 +202,16 @@ def test_lr_advice_leads_with_the_climb_when_there_was_one() -> None:
                                           "divergence": "loss 0.9 -> 31 over steps 30..33 before any overflow"})
     assert advice.startswith("The loss climbed (loss 0.9 -> 31 over steps 30..33 before any overflow). ")
     assert "the learning rate rose (0.01 -> 0.5)" in advice
+
+
+@pytest.mark.parametrize("evidence, advised", [
+    ({"safe_scale": 1024.0, "init_scale": 65536.0}, 1024.0),
+    ({"safe_scale": 1024.0}, 1024.0),
+    ({"safe_scale": 65536.0, "init_scale": 65536.0}, None),
+    ({"safe_scale": 2048.0, "init_scale": 65536.0, "onset_scale": 1024.0}, 2048.0),  # below the larger in use
+    ({"safe_scale": None, "init_scale": 65536.0}, None),
+    ({"safe_scale": True}, None),
+])
+def test_advised_init_scale_is_only_ever_below_the_scale_in_use(evidence: dict[str, object],
+                                                                advised: float | None) -> None:
+    assert advised_init_scale(evidence) == advised

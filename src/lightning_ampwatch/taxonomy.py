@@ -144,7 +144,7 @@ class Diagnosis:
         if self.withdrawn:
             return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: the skip was the start of a "
                     f"{self.evidence.get('withdrawn_by')} episode, not dynamic scaling doing its job")
-        if self.finding is Finding.FP32_UNSTABLE and "divergence" in self.evidence:
+        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
             return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
         return self.finding.summary
 
@@ -187,8 +187,9 @@ def _number(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _lower_safe_scale(ev: Mapping[str, Any]) -> float | None:
-    """The safe scale, only when it is below the scale the run already uses (never advise the value in use)."""
+def advised_init_scale(ev: Mapping[str, Any]) -> float | None:
+    """The measured safe scale, only when it is below the scale the run started at or failed at: advice (and a
+    remedy) must never recommend the value already in use. None when no lower scale is known."""
     safe = _number(ev.get("safe_scale"))
     in_use = [v for v in (_number(ev.get("init_scale")), _number(ev.get("onset_scale"))) if v is not None]
     if safe is None or safe <= 0 or (in_use and safe >= max(in_use)):
@@ -205,7 +206,7 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
             "was meant; or keep that operation in float32 inside autocast (an fp32 island); or train in bf16-mixed "
             "where the hardware supports it."
         )
-    safe = _lower_safe_scale(ev)
+    safe = advised_init_scale(ev)
     init = _number(ev.get("init_scale"))
     if safe is not None:
         instead = f" instead of {format_pow2(init)}" if init is not None else ""
@@ -235,7 +236,7 @@ def _advice_growth(ev: Mapping[str, Any]) -> str:
     interval = ev.get("growth_interval")
     factor = ev.get("growth_factor")
     bigger = f"{int(interval) * 10}" if isinstance(interval, (int, float)) and interval else "2000 or more"
-    safe = _lower_safe_scale(ev)
+    safe = advised_init_scale(ev)
     if safe is not None:
         start = f"; or start at the scale that held, init_scale={format_pow2(safe)}."
     elif _number(ev.get("safe_scale")) is not None:
@@ -251,7 +252,7 @@ def _advice_growth(ev: Mapping[str, Any]) -> str:
 
 
 def _divergence(ev: Mapping[str, Any]) -> str:
-    """The climb of the loss, as the machine worded it, ready to prefix an advice."""
+    """The climb of the loss as the machine worded it (measured, with its steps), to lead an advice with."""
     climb = ev.get("divergence")
     return f"The loss climbed ({climb}). " if climb else ""
 
