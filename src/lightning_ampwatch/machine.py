@@ -97,7 +97,8 @@ class Observation:
     """One optimizer step, as plain numbers.
 
     ``loss`` and ``loss_finite`` may be ``None`` when the adapter did not read them (a healthy step under
-    a scaler costs nothing to watch). ``scale`` is the scale the step ran with.
+    a scaler costs nothing to watch); a clean step's loss feeds the loss level and the divergence rule.
+    ``scale`` is the scale the step ran with.
     """
 
     step: int
