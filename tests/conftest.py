@@ -68,9 +68,10 @@ def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
         return original(self, obs)
 
     def recording_clean(self: AmpStateMachine, step: int, scale: float | None, grew: bool,
-                        lrs: tuple[float, ...]) -> None:
-        seen.append(Observation(step=step, skipped=False, scale=scale, grew=grew, lrs=lrs))
-        original_clean(self, step, scale, grew, lrs)
+                        lrs: tuple[float, ...], loss: float | None = None) -> None:
+        seen.append(Observation(step=step, skipped=False, scale=scale, grew=grew, lrs=lrs, loss=loss,
+                                loss_finite=None if loss is None else loss == loss and abs(loss) != float("inf")))
+        original_clean(self, step, scale, grew, lrs, loss)
 
     monkeypatch.setattr(AmpStateMachine, "observe", recording)
     monkeypatch.setattr(AmpStateMachine, "observe_clean", recording_clean)

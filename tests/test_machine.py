@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from typing import Iterable, Sequence
+import tracemalloc
+from typing import Iterable, Iterator, Sequence
 
 import pytest
 import torch
@@ -12,14 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_ampwatch import Diagnosis, Finding, Thresholds
-from lightning_ampwatch.machine import (
-    AmpStateMachine,
-    BatchStats,
-    Observation,
-    PrecisionMode,
-    ScaleMirror,
-    replay,
-)
+from lightning_ampwatch.machine import SCALE_HISTORY, AmpStateMachine, BatchStats, Observation, PrecisionMode
+from lightning_ampwatch.signals import ScaleMirror
 
 DEFAULT_SCALER = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -38,6 +34,14 @@ def scaled_run(skips: Iterable[int], steps: int, init_scale: float = 2.0**16, gr
         lr = (lrs[step - start],) if lrs is not None else (0.01,)
         out.append(Observation(step=step, skipped=skipped, loss=loss, loss_finite=True, scale=scale, grew=grew,
                                lrs=lr))
+    return out
+
+
+def replay(machine: AmpStateMachine, observations: Iterable[Observation]) -> list[Diagnosis]:
+    """Feed a whole sequence, collecting what the machine returns."""
+    out: list[Diagnosis] = []
+    for obs in observations:
+        out.extend(machine.observe(obs))
     return out
 
 
@@ -135,7 +139,10 @@ def test_growth_overflow_when_every_growth_is_skipped() -> None:
     assert len(diagnosis.evidence["growth_steps"]) == 3
     assert diagnosis.step <= 4  # the first growth happens at step 2 and is skipped at step 3
     assert diagnosis.evidence["safe_scale"] == 1024.0
-    assert "growth_interval=30" in diagnosis.advice and "init_scale=2**10" in diagnosis.advice
+    assert "growth_interval=30" in diagnosis.advice
+    assert diagnosis.evidence["init_scale"] == 1024.0
+    assert "init_scale=" not in diagnosis.advice  # 2**10 is the scale in use already: never advised
+    assert "(2**10) holds" in diagnosis.advice
 
 
 def test_growth_overflow_episode_stays_open_while_growths_keep_failing() -> None:
@@ -357,6 +364,239 @@ def test_resumed_machine_does_not_reannounce_normal_scaling() -> None:
     assert replay(resumed, scaled_run([40], 30, start=30)) == []
 
 
+def test_alarm_imminent_when_one_more_skip_completes_a_startup_streak() -> None:
+    machine = fp16_machine()
+    run = scaled_run(range(6), 7)  # the streak is judged on its first clean step, step 6
+    imminent = []
+    for obs in run:
+        imminent.append(machine.alarm_imminent)
+        machine.observe(obs)
+    # before step 3 the streak holds 3 skips (startup_streak - 1): the 4th would complete it
+    assert [i for i, flag in enumerate(imminent) if flag] == [3]
+    assert machine.episode is not None and not machine.alarm_imminent
+
+
+def test_alarm_imminent_is_false_while_an_episode_is_open() -> None:
+    machine = fp16_machine()
+    replay(machine, scaled_run(range(20, 26), 26))
+    assert machine.episode is not None
+    assert not machine.alarm_imminent
+
+
+def test_state_dict_is_plain_json_and_restores_every_entry() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 3})
+    replay(machine, ceiling_run(40, ceiling=1024.0, growth_interval=3, init_scale=1024.0,
+                                lrs=[0.001 * (1 + min(s, 10)) for s in range(40)]))
+    state = machine.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    resumed = fp16_machine()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert resumed.state == machine.state
+    assert resumed.state.growths.maxlen == machine.state.growths.maxlen  # bounds survive the round trip
+
+
+@pytest.mark.parametrize("state, names", [
+    ([1, 2], "must be a dict, got list"),
+    ({"episode": {"finding": "NOT_A_FINDING", "onset": 3}}, "machine state.episode.finding: 'NOT_A_FINDING'"),
+    ({"steps_seen": "30"}, "machine state.steps_seen must be int, got '30'"),
+    ({"steps_seen": True}, "machine state.steps_seen must be int, got True"),
+    ({"recent_skips": [1, None]}, "machine state.recent_skips[1] must be int, got None"),
+    ({"streak": {"count": 2}}, "machine state.streak: "),
+    ({"lr_history": [[3, 0.1]]}, "machine state.lr_history[0] must be a dict, got list"),
+])
+def test_load_state_dict_rejects_a_bad_entry_by_name_and_keeps_the_machine(state: object, names: str) -> None:
+    machine = fp16_machine()
+    replay(machine, scaled_run([5], 30))
+    before = machine.state_dict()
+    with pytest.raises(ValueError) as err:
+        machine.load_state_dict(state)  # type: ignore[arg-type]
+    assert names in str(err.value)
+    assert machine.state_dict() == before
+
+
+def test_unknown_finding_error_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="valid: DATA_NONFINITE, FP32_UNSTABLE"):
+        fp16_machine().load_state_dict({"episode": {"finding": "OVERFLOW", "onset": 1}})
+
+
+# ----------------------------------------------------------------------------- bounded memory
+
+
+def stuck_run(steps: int, nonfinite: bool) -> Iterator[Observation]:
+    """A run that never recovers: every step skipped (with a NaN loss, or a finite one at a collapsing scale)."""
+    mirror = ScaleMirror(2.0**16)
+    for step in range(steps):
+        scale = mirror.scale
+        mirror.update(True)
+        yield Observation(step=step, skipped=True, loss=float("nan") if nonfinite else 1.0,
+                          loss_finite=not nonfinite, scale=scale, lrs=(0.01,))
+
+
+@pytest.mark.parametrize("nonfinite", [True, False])
+def test_a_run_stuck_at_nan_keeps_bounded_state(nonfinite: bool) -> None:
+    machine = fp16_machine()
+    early = replay(machine, stuck_run(1_000, nonfinite))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        later = replay(machine, itertools.islice(stuck_run(50_000, nonfinite), 1_000, None))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes retained over 49k anomalous steps"
+    assert machine.state.streak is not None and machine.state.streak.count == 50_000
+    assert len(machine.state.streak.scales) == SCALE_HISTORY
+    assert len(machine.state.recent_skips) <= machine.thresholds.window
+    assert later == []  # one alarm for the whole episode, made early and not repeated
+    expected = Finding.FORWARD_OVERFLOW if nonfinite else Finding.GRADIENT_OVERFLOW
+    assert [(d.finding, d.step) for d in early] == [(expected, 0)]
+    assert len(json.dumps(machine.state_dict())) < 4096
+
+
+# ----------------------------------------------------------------------------- the trajectory of the loss
+
+
+def loss_run(losses: Sequence[float | None], skips: Iterable[int] = (), lrs: Sequence[float] | None = None,
+             nonfinite: Iterable[int] = ()) -> list[Observation]:
+    """A scaler run with a loss on every step (NaN on the ``nonfinite`` steps, which are skipped too)."""
+    nan_steps = set(nonfinite)
+    skip_set = set(skips) | nan_steps
+    mirror = ScaleMirror(2.0**16)
+    out = []
+    for step, loss in enumerate(losses):
+        skipped = step in skip_set
+        scale = mirror.scale
+        grew = mirror.update(skipped)
+        value = float("nan") if step in nan_steps else loss
+        out.append(Observation(step=step, skipped=skipped, loss=value,
+                               loss_finite=None if value is None else math.isfinite(value), scale=scale, grew=grew,
+                               lrs=(lrs[step] if lrs else 0.5,)))
+    return out
+
+
+#: A loss that falls from 4.16 to a healthy ~0.82 over 30 steps.
+SETTLING = [0.82 + 3.34 * 0.8**step for step in range(30)]
+
+
+def test_loss_level_follows_the_run_not_its_first_step() -> None:
+    machine = fp16_machine()
+    assert machine.loss_level is None
+    replay(machine, loss_run(SETTLING))
+    assert machine.loss_level == pytest.approx(0.85, abs=0.03)  # the last steps' median, not 4.16
+
+
+def test_loss_level_is_fed_by_the_fast_path_too() -> None:
+    machine = fp16_machine()
+    for step, loss in enumerate(SETTLING):
+        machine.observe_clean(step, 2.0**16, False, (0.5,), loss)
+    assert machine.loss_level == pytest.approx(0.85, abs=0.03)
+
+
+def test_divergence_before_any_overflow_is_fp32_unstable_dated_at_the_climb() -> None:
+    # the real case: healthy 0.82, then a climb to 30 at a constant (too high) LR, then skips and a NaN
+    losses = SETTLING + [1.5, 3.5, 6.0, 12.0, 30.0, 31.0, None, None]
+    found = replay(fp16_machine(), loss_run(losses, skips=[35], nonfinite=[36, 37]))
+    assert [(d.finding, d.step) for d in found] == [(Finding.FP32_UNSTABLE, 31)]  # 3.5 is the first > 4x 0.85
+    ev = found[0].evidence
+    assert ev["loss_level"] == pytest.approx(0.85, abs=0.03)
+    assert ev["loss_at_onset"] == 3.5
+    assert ev["diverged_first"] is True
+    assert ev["divergence"] == "loss 0.848 -> 30 over steps 31..34 before any overflow"
+    assert "before any overflow" in found[0].headline() and "not AMP" in found[0].headline()
+    assert "The loss climbed (loss 0.848 -> 30" in found[0].advice
+
+
+def test_climb_losses_do_not_feed_the_level() -> None:
+    machine = fp16_machine()
+    replay(machine, loss_run(SETTLING + [10.0 * (1 + i) for i in range(40)]))
+    assert machine.loss_level == pytest.approx(0.85, abs=0.03)
+
+
+def test_one_hard_batch_is_not_a_climb() -> None:
+    run = loss_run(SETTLING + [5.0, None, 0.8, 0.8], skips=[31])
+    assert alarms(replay(fp16_machine(), run)) == []
+    # the same step is a climb once a single high loss is allowed to make one
+    assert [d.finding for d in alarms(replay(fp16_machine(climb_steps=1), run))] == [Finding.FP32_UNSTABLE]
+
+
+def test_divergence_after_an_lr_rise_is_lr_schedule_dated_at_the_climb() -> None:
+    lrs = [0.01] * 28 + [0.5] * 12
+    losses = SETTLING + [6.0, 12.0, 30.0, 31.0, 33.0, None, None, None, None, None]
+    found = replay(fp16_machine(), loss_run(losses, lrs=lrs, nonfinite=[35, 36]))
+    assert [(d.finding, d.step) for d in found] == [(Finding.LR_SCHEDULE, 30)]
+    ev = found[0].evidence
+    assert ev["lr_change_step"] == 28 and ev["lr_before"] == 0.01 and ev["lr_after"] == 0.5
+    assert ev["diverged_first"] is True and ev["loss_at_onset"] == 6.0
+
+
+def test_a_skip_before_the_climb_dates_the_onset_at_the_skip() -> None:
+    losses = SETTLING + [None, 0.9, 6.0, 12.0, 30.0, None]
+    found = replay(fp16_machine(), loss_run(losses, skips=[30], nonfinite=[35]))
+    assert [(d.finding, d.step) for d in found] == [(Finding.FORWARD_OVERFLOW, 30)]
+    ev = found[0].evidence
+    assert ev["diverged_first"] is False and ev["first_nonfinite_step"] == 35
+    assert ev["divergence"].endswith("after the first skip at step 30")
+
+
+def test_lr_jump_then_scattered_skips_then_nan_is_lr_schedule_at_the_first_skip() -> None:
+    # the real case: LR up 100x at step 20, skips from 22, first NaN at 29
+    lrs = [0.001] * 20 + [0.1] * 20
+    found = replay(fp16_machine(), loss_run([1.0] * 40, skips=[22, 25, 28], lrs=lrs, nonfinite=[29]))
+    assert [(d.finding, d.step) for d in found] == [(Finding.LR_SCHEDULE, 22)]
+    ev = found[0].evidence
+    assert ev["lr_change_step"] == 20 and ev["lr_before"] == 0.001 and ev["lr_after"] == 0.1
+    assert ev["first_nonfinite_step"] == 29
+
+
+def test_lr_jump_after_a_warmup_names_the_lr_just_before_the_jump() -> None:
+    lrs = [0.001 + 0.019 * min(step, 10) / 10 if step < 50 else 0.5 for step in range(70)]
+    found = replay(fp16_machine(), scaled_run(range(52, 58), 70, lrs=lrs))
+    assert [(d.finding, d.step) for d in found] == [(Finding.LR_SCHEDULE, 52)]
+    ev = found[0].evidence
+    assert ev["lr_event"] == "lr_increase"
+    assert ev["lr_before"] == pytest.approx(0.02) and ev["lr_after"] == 0.5 and ev["lr_change_step"] == 50
+
+
+def test_collapse_advice_does_not_recommend_the_scale_already_in_use() -> None:
+    found = replay(fp16_machine(), scaled_run(range(20, 26), 40))
+    assert found[0].evidence["safe_scale"] == found[0].evidence["init_scale"] == 2.0**16
+    assert "init_scale=2**16" not in found[0].advice
+    assert "Steps went through at a scale of 2**16 before these skips began" in found[0].advice
+
+
+# ----------------------------------------------------------------------------- NORMAL_SCALING withdrawn
+
+
+def test_premature_normal_scaling_is_withdrawn_by_the_alarm_its_skip_began() -> None:
+    # every growth (each 10 clean steps) overflows at once: the first skip looks normal until it repeats
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 10})
+    found = replay(machine, ceiling_run(80, ceiling=1024.0, growth_interval=10, init_scale=1024.0))
+    assert [(d.finding, d.step, d.withdrawn) for d in found] == [
+        (Finding.NORMAL_SCALING, 10, False), (Finding.GROWTH_OVERFLOW, 10, False), (Finding.NORMAL_SCALING, 10, True)]
+    withdrawal = found[2]
+    assert withdrawal.evidence["withdrawn_by"] == "GROWTH_OVERFLOW"
+    assert withdrawal.evidence["withdrawn_at"] == 32 and withdrawal.evidence["alarm_onset"] == 10
+    assert withdrawal.evidence["skipped_steps"] == found[0].evidence["skipped_steps"]  # the call it takes back
+    assert "premature" in withdrawal.advice
+    assert "withdrawn at step 32" in withdrawal.headline()
+
+
+def test_normal_scaling_stands_when_the_alarm_comes_long_after() -> None:
+    machine = fp16_machine()
+    found = replay(machine, scaled_run([10, *range(100, 106)], 120))
+    assert [(d.finding, d.step, d.withdrawn) for d in found] == [
+        (Finding.NORMAL_SCALING, 10, False), (Finding.GRADIENT_OVERFLOW, 100, False)]
+
+
+def test_withdrawal_survives_a_resume() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 10})
+    run = ceiling_run(80, ceiling=1024.0, growth_interval=10, init_scale=1024.0)
+    replay(machine, run[:25])
+    resumed = AmpStateMachine(PrecisionMode.FP16, None, {**DEFAULT_SCALER, "growth_interval": 10})
+    resumed.load_state_dict(json.loads(json.dumps(machine.state_dict())))
+    assert [d.withdrawn for d in replay(resumed, run[25:])] == [False, True]
+
+
 # ----------------------------------------------------------------------------- healthy runs: property test
 
 
@@ -468,11 +708,32 @@ def test_thresholds_reject_bad_values(field: str, value: object) -> None:
     with pytest.raises(ValueError) as err:
         Thresholds(**{field: value})  # type: ignore[arg-type]
     message = str(err.value)
-    assert field in message or "skip rates" in message
+    assert f"Thresholds.{field}" in message
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("window", 32.5, "Thresholds.window must be a positive integer, got 32.5"),
+    ("recovery_steps", float("nan"), "Thresholds.recovery_steps must be a positive integer, got nan"),
+    ("input_limit", float("inf"), "Thresholds.input_limit must be a positive finite number, got inf"),
+    ("lr_rise", float("nan"), "Thresholds.lr_rise must be a positive finite number, got nan"),
+    ("loss_window", True, "Thresholds.loss_window must be a positive integer, got True"),
+    ("divergence_ratio", False, "Thresholds.divergence_ratio must be a positive finite number, got False"),
+    ("divergence_ratio", 1.0, "Thresholds.divergence_ratio must be above 1"),
+    ("window_skip_rate", 1.5, "Thresholds.window_skip_rate is a fraction in (0, 1], got 1.5"),
+])
+def test_thresholds_fail_at_construction_naming_field_value_and_what_is_valid(field: str, value: object,
+                                                                              message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        Thresholds(**{field: value})  # type: ignore[arg-type]
+    assert str(err.value).startswith(message)
+
+
+def test_thresholds_take_ints_for_float_fields() -> None:
+    assert Thresholds(divergence_ratio=8, floor_scale=1).divergence_ratio == 8
 
 
 def test_thresholds_name_the_field_and_value() -> None:
-    with pytest.raises(ValueError, match=r"Thresholds\.streak must be a positive number, got 0"):
+    with pytest.raises(ValueError, match=r"Thresholds\.streak must be a positive integer, got 0"):
         Thresholds(streak=0)
 
 
@@ -483,23 +744,31 @@ def test_machine_rejects_unknown_precision_mode() -> None:
 
 @st.composite
 def _mixed_runs(draw: st.DrawFn) -> list[Observation]:
-    """Runs with everything in them: skip bursts, growths, LR changes, non-finite losses and bad batches."""
+    """Runs with everything in them: skip bursts, growths, LR changes, climbs of the loss, non-finite losses and
+    bad batches; the loss of a clean step is known on some steps only."""
     steps = draw(st.integers(min_value=20, max_value=160))
     mirror = ScaleMirror(2.0**16, growth_interval=draw(st.sampled_from([3, 7, 2000])))
     skip_p = draw(st.sampled_from([0.0, 0.02, 0.2, 0.6]))
+    loss_p = draw(st.sampled_from([0.0, 0.5, 1.0]))
     out: list[Observation] = []
-    lr = 0.01
+    lr, level = 0.01, 1.0
     for step in range(steps):
         if draw(st.floats(0, 1)) < 0.05:
             lr *= draw(st.sampled_from([0.5, 2.0, 40.0]))
+        if draw(st.floats(0, 1)) < 0.05:
+            level *= draw(st.sampled_from([0.25, 3.0, 10.0]))  # the loss falls, or climbs
         skipped = draw(st.floats(0, 1)) < skip_p
         nonfinite = skipped and draw(st.floats(0, 1)) < 0.2
         scale = mirror.scale
         grew = mirror.update(skipped)
         batch = BatchStats(nonfinite=draw(st.booleans()), absmax=1.0) if nonfinite else None
-        out.append(Observation(step=step, skipped=skipped, loss=float("nan") if nonfinite else (1.0 if skipped else None),
-                               loss_finite=(not nonfinite) if skipped else None, scale=scale, grew=grew, lrs=(lr,),
-                               batch=batch))
+        if skipped:
+            loss: float | None = float("nan") if nonfinite else level
+        else:
+            loss = level * draw(st.floats(0.5, 2.0)) if draw(st.floats(0, 1)) < loss_p else None
+        out.append(Observation(step=step, skipped=skipped, loss=loss,
+                               loss_finite=None if loss is None else not nonfinite, scale=scale, grew=grew,
+                               lrs=(lr,), batch=batch))
     return out
 
 
@@ -512,7 +781,7 @@ def test_the_clean_step_fast_path_changes_nothing(observations: list[Observation
     fast_out: list[Diagnosis] = []
     for obs in observations:
         if fast.quiet and not obs.anomalous:
-            fast.observe_clean(obs.step, obs.scale, obs.grew, obs.lrs)
+            fast.observe_clean(obs.step, obs.scale, obs.grew, obs.lrs, obs.loss)
         else:
             fast_out.extend(fast.observe(obs))
     assert fast_out == slow_out

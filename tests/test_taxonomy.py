@@ -9,7 +9,7 @@ import math
 import pytest
 
 from lightning_ampwatch import AmpWatchError, Diagnosis, Finding
-from lightning_ampwatch.taxonomy import advise
+from lightning_ampwatch.taxonomy import GradientPattern, advise, advised_init_scale, format_pow2
 
 
 def test_finding_value_equals_name_and_survives_json() -> None:
@@ -130,3 +130,88 @@ def test_amp_watch_error_carries_the_diagnosis() -> None:
     diagnosis = Diagnosis(Finding.GRADIENT_OVERFLOW, 0)
     err = AmpWatchError("boom", diagnosis)
     assert isinstance(err, RuntimeError) and err.diagnosis is diagnosis
+
+
+def test_gradient_pattern_values_are_the_evidence_strings() -> None:
+    assert [p.value for p in GradientPattern] == ["startup", "burst", "collapse", "persistent", "unscaled_overflow",
+                                                  "growth_overflow"]
+    diagnosis = Diagnosis(Finding.GRADIENT_OVERFLOW, 0, evidence={"pattern": GradientPattern.COLLAPSE})
+    assert diagnosis.evidence["pattern"] == "collapse" and type(diagnosis.evidence["pattern"]) is str
+    assert json.loads(diagnosis.to_json())["evidence"]["pattern"] == "collapse"
+
+
+@pytest.mark.parametrize("value, text", [(1024.0, "2**10"), (0.5, "2**-1"), (3.0, "3"), (float("inf"), "inf"),
+                                         ("x", "x")])
+def test_format_pow2(value: object, text: str) -> None:
+    assert format_pow2(value) == text
+
+
+def test_startup_advice_names_the_scale_it_replaces_without_calling_it_the_default() -> None:
+    advice = advise(Finding.GRADIENT_OVERFLOW, {"pattern": "startup", "safe_scale": 1024.0, "init_scale": 2.0**18})
+    assert "GradScaler(init_scale=2**10) instead of 2**18" in advice
+    assert "default" not in advice
+
+
+@pytest.mark.parametrize("evidence", [
+    {"pattern": "collapse", "safe_scale": 2.0**16, "init_scale": 2.0**16},
+    {"pattern": "burst", "safe_scale": 2.0**17, "init_scale": 2.0**16},  # the scale had grown past its start
+    {"pattern": "collapse", "safe_scale": 2.0**10, "onset_scale": 2.0**10},
+])
+def test_gradient_advice_never_recommends_the_scale_already_in_use(evidence: dict[str, object]) -> None:
+    advice = advise(Finding.GRADIENT_OVERFLOW, evidence)
+    assert "init_scale=" not in advice
+    assert "a lower starting scale would not have prevented them" in advice
+
+
+def test_growth_advice_does_not_recommend_the_scale_it_started_at() -> None:
+    advice = advise(Finding.GROWTH_OVERFLOW, {"growth_interval": 3, "safe_scale": 1024.0, "init_scale": 1024.0})
+    assert "init_scale=" not in advice and "(2**10) holds" in advice
+
+
+def test_unscaled_overflow_advice_is_a_code_fix_an_fp32_island_or_bf16_never_a_scaler_setting() -> None:
+    advice = advise(Finding.GRADIENT_OVERFLOW, {"pattern": "unscaled_overflow", "safe_scale": 0.25,
+                                                "init_scale": 2.0**16})
+    assert "GradScaler" not in advice and "init_scale" not in advice and "growth" not in advice
+    assert "log_softmax" in advice and "fp32 island" in advice and "bf16-mixed" in advice
+
+
+def test_withdrawn_normal_scaling_says_so_in_headline_and_advice() -> None:
+    withdrawn = Diagnosis(Finding.NORMAL_SCALING, 10, evidence={
+        "skipped_steps": 1, "withdrawn": True, "withdrawn_by": "GROWTH_OVERFLOW", "withdrawn_at": 32},
+        advice=advise(Finding.NORMAL_SCALING, {"withdrawn": True, "withdrawn_by": "GROWTH_OVERFLOW",
+                                               "withdrawn_at": 32}))
+    assert withdrawn.withdrawn and not withdrawn.is_alarm
+    assert withdrawn.headline() == ("NORMAL_SCALING at step 10: withdrawn at step 32: the skip was the start of a "
+                                    "GROWTH_OVERFLOW episode, not dynamic scaling doing its job")
+    assert withdrawn.advice.startswith("The earlier 'normal scaling' call was premature")
+    assert not Diagnosis(Finding.NORMAL_SCALING, 10).withdrawn
+
+
+def test_divergence_first_narrows_the_fp32_unstable_summary_and_advice() -> None:
+    ev = {"divergence": "loss 0.82 -> 30 over steps 31..34 before any overflow", "diverged_first": True}
+    diagnosis = Diagnosis(Finding.FP32_UNSTABLE, 31, evidence=ev, advice=advise(Finding.FP32_UNSTABLE, ev))
+    assert "at full precision too" not in diagnosis.headline()  # not measured: the loss climbed first
+    assert "the loss diverged before any overflow" in diagnosis.headline()
+    assert diagnosis.advice.startswith("The loss climbed (loss 0.82 -> 30 over steps 31..34 before any overflow)")
+    plain = Diagnosis(Finding.FP32_UNSTABLE, 5)
+    assert plain.summary == Finding.FP32_UNSTABLE.summary
+
+
+def test_lr_advice_leads_with_the_climb_when_there_was_one() -> None:
+    advice = advise(Finding.LR_SCHEDULE, {"lr_event": "lr_increase", "lr_before": 0.01, "lr_after": 0.5,
+                                          "divergence": "loss 0.9 -> 31 over steps 30..33 before any overflow"})
+    assert advice.startswith("The loss climbed (loss 0.9 -> 31 over steps 30..33 before any overflow). ")
+    assert "the learning rate rose (0.01 -> 0.5)" in advice
+
+
+@pytest.mark.parametrize("evidence, advised", [
+    ({"safe_scale": 1024.0, "init_scale": 65536.0}, 1024.0),
+    ({"safe_scale": 1024.0}, 1024.0),
+    ({"safe_scale": 65536.0, "init_scale": 65536.0}, None),
+    ({"safe_scale": 2048.0, "init_scale": 65536.0, "onset_scale": 1024.0}, 2048.0),  # below the larger in use
+    ({"safe_scale": None, "init_scale": 65536.0}, None),
+    ({"safe_scale": True}, None),
+])
+def test_advised_init_scale_is_only_ever_below_the_scale_in_use(evidence: dict[str, object],
+                                                                advised: float | None) -> None:
+    assert advised_init_scale(evidence) == advised

@@ -204,9 +204,8 @@ class AmpWatch(Callback):
                                     localize=self.localize, control=self.control_replay,
                                     automatic=pl_module.automatic_optimization)
         self._investigations = Investigations(
-            investigator, machine, window=self.thresholds.window, startup_streak=self.thresholds.startup_streak,
-            world_size=self._world_size, capture_rng=uses_rng(pl_module), loss_level=self._ledger.loss_level,
-            on_failure=self._internal_failure)
+            investigator, machine, window=self.thresholds.window, world_size=self._world_size,
+            capture_rng=uses_rng(pl_module), on_failure=self._internal_failure)
         if info.note:
             reporters.say(info.note)
         self._attach_guards(trainer, pl_module)
@@ -424,7 +423,11 @@ class AmpWatch(Callback):
                 self._ledger.mirror_scaler()
 
     def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
-        """Every sink gets it (each fails alone); the decision that follows never depends on a sink."""
+        """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
+        replaces the record it takes back; the event log gets one more line saying so."""
+        if diagnosis.withdrawn:
+            self.diagnoses = [d for d in self.diagnoses
+                              if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, trainer.loggers)

@@ -12,8 +12,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_ampwatch import distributed
-from lightning_ampwatch.machine import BatchStats, PrecisionMode, judge_control
+from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
+from lightning_ampwatch.verdicts import judge_control
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.
@@ -199,17 +200,14 @@ class Investigations:
     itself), so live probes watch the next real step and the alarm waits for it.
     """
 
-    def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, startup_streak: int,
-                 world_size: int, capture_rng: bool, loss_level: Callable[[], float | None],
-                 on_failure: Callable[[str, Exception], None]) -> None:
+    def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, world_size: int,
+                 capture_rng: bool, on_failure: Callable[[str, Exception], None]) -> None:
         self.investigator = investigator
         self.machine = machine
         self.window = window
-        self.startup_streak = startup_streak
         self.world_size = world_size
         self.capture_rng = capture_rng  # the model draws random numbers: replays must redraw the same ones
         self.batch_rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # RNG at this batch's start
-        self.loss_level = loss_level
         self.on_failure = on_failure
         self._evidence: tuple[int, ReplayRecord | None] | None = None  # (step, record) awaiting an alarm
         self._awaiting_probe: list[Diagnosis] = []
@@ -238,8 +236,8 @@ class Investigations:
         if self._evidence is not None and self._evidence[0] < opened.step - self.window:
             self._evidence = None  # a suspicion that never became an alarm
         machine = self.machine
-        if self.investigator is not None and step.obs.skipped and machine.episode is None \
-                and self._evidence is None and machine.streak == self.startup_streak - 1:
+        if self.investigator is not None and step.obs.skipped and self._evidence is None \
+                and machine.alarm_imminent:
             self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=scaler_active))
 
     def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool) -> Diagnosis | None:
@@ -274,7 +272,7 @@ class Investigations:
             return None
         try:
             return investigator.collect(step.opened.batches, scale=step.opened.scale, fault_ranks=step.fault_ranks,
-                                        weights_stepped=weights_stepped, loss_level=self.loss_level(),
+                                        weights_stepped=weights_stepped, loss_level=self.machine.loss_level,
                                         agree=agree)
         except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
             self.investigator = None

@@ -7,12 +7,14 @@ It decides *what* is wrong; how the numbers were measured and what to do about t
 from __future__ import annotations
 
 import math
+import statistics
+import types
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
 
 
 class PrecisionMode(str, Enum):
@@ -22,10 +24,6 @@ class PrecisionMode(str, Enum):
     BF16 = "bf16"  # bfloat16 autocast, no scaler
     FP32 = "fp32"  # no reduced precision at all: the FP32 control is the run itself
     HALF = "half"  # parameters in float16 ("16-true"), no scaler
-
-    @property
-    def reduced(self) -> bool:
-        return self is not PrecisionMode.FP32
 
 
 @dataclass(frozen=True)
@@ -53,19 +51,35 @@ class Thresholds:
     lr_rise: float = 0.1
     """Relative LR increase inside ``lr_lookback`` that counts as an increase."""
     warmup_ratio: float = 2.0
-    """The peak must be this many times the first LR for the climb to count as a warmup."""
+    """The peak must be this many times the LR the climb started from for the climb to count as a warmup."""
     input_limit: float = 1e4
     """Batch values beyond this magnitude are out of float16's comfortable range."""
     recovery_steps: int = 8
-    """Clean steps in a row that end an episode."""
+    """Clean steps in a row that end an episode (and that must follow a skip before it is called normal)."""
+    loss_window: int = 16
+    """Healthy losses whose median is the run's loss level: recent enough to follow training, robust to a few
+    hard batches."""
+    divergence_ratio: float = 4.0
+    """A loss this many times the loss level is part of a climb. Minibatch noise seldom takes a healthy loss to
+    twice its recent median, while a diverging run passes 4x on its way to the 8x and more of a diverged one
+    (30 against a healthy 0.82 in the case that motivated it): 4x dates the climb near its start."""
+    climb_steps: int = 2
+    """Losses in a row above ``divergence_ratio`` x the level before they count as a climb: one is a hard batch."""
 
     def __post_init__(self) -> None:
+        kinds = get_type_hints(Thresholds)
         for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Thresholds.{f.name} must be a positive number, got {value!r}")
-        if not self.window_skip_rate <= 1 or not self.growth_skip_rate <= 1:
-            raise ValueError("skip rates are fractions in (0, 1]")
+            value, kind = getattr(self, f.name), kinds[f.name]
+            wanted = "a positive integer" if kind is int else "a positive finite number"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (kind is int and not isinstance(value, int)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Thresholds.{f.name} must be {wanted}, got {value!r}")
+        for name in ("window_skip_rate", "growth_skip_rate"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {getattr(self, name)!r}")
+        if self.divergence_ratio <= 1:
+            raise ValueError(f"Thresholds.divergence_ratio must be above 1 (a loss above its level), "
+                             f"got {self.divergence_ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,8 @@ class Observation:
     """One optimizer step, as plain numbers.
 
     ``loss`` and ``loss_finite`` may be ``None`` when the adapter did not read them (a healthy step under
-    a scaler costs nothing to watch). ``scale`` is the scale the step ran with.
+    a scaler costs nothing to watch); a clean step's loss feeds the loss level and the divergence rule.
+    ``scale`` is the scale the step ran with.
     """
 
     step: int
@@ -94,56 +109,18 @@ class Observation:
     grew: bool = False
     lrs: tuple[float, ...] = ()
     batch: BatchStats | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def anomalous(self) -> bool:
         return self.skipped or self.loss_finite is False
 
 
-class ScaleMirror:
-    """A host-side copy of GradScaler's scale arithmetic.
+# ------------------------------------------------------------------------------------ the machine's state
 
-    ``torch._amp_update_scale_`` is deterministic given whether each step found an inf, and the step hook
-    tells us that for free; so the scale, the growth tracker and every growth event are known on the host
-    without reading the device. The adapter reconciles with the real value when it reads it anyway.
-    """
-
-    def __init__(self, scale: float, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, tracker: int = 0) -> None:
-        self.scale = float(scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.tracker = int(tracker)
-
-    def update(self, found_inf: bool) -> bool:
-        """Advance one step; returns True when the scale grew."""
-        if found_inf:
-            self.scale *= self.backoff_factor
-            self.tracker = 0
-            return False
-        self.tracker += 1
-        if self.tracker >= self.growth_interval:
-            grown = self.scale * self.growth_factor
-            self.tracker = 0
-            if math.isfinite(grown):
-                self.scale = grown
-                return True
-        return False
-
-    def reconcile(self, scale: float, tracker: int | None = None) -> None:
-        self.scale = float(scale)
-        if tracker is not None:
-            self.tracker = int(tracker)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "tracker": self.tracker}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "ScaleMirror":
-        return cls(**state)
+#: How many scales of a streak its ``scale_history`` evidence keeps.
+SCALE_HISTORY = 24
+#: Healthy losses needed before there is a loss level to compare with.
+_LEVEL_MIN_LOSSES = 3
 
 
 @dataclass
@@ -157,16 +134,147 @@ class Episode:
 
 
 @dataclass
-class _LrPoint:
+class Streak:
+    """The anomalous steps in a row so far, in bounded memory: a run stuck at NaN is one endless streak."""
+
+    first_step: int
+    first_scale: float | None
+    count: int = 0
+    all_loss_finite: bool = True
+    scales: deque[float | None] = field(default_factory=lambda: deque(maxlen=SCALE_HISTORY))
+
+    def __post_init__(self) -> None:
+        self.scales = deque(self.scales, maxlen=SCALE_HISTORY)
+
+
+@dataclass
+class LrPoint:
+    """A step at which the (largest) learning rate changed, and its new value."""
+
     step: int
     lr: float
+
+
+@dataclass
+class LrRise:
+    """The latest rise of the learning rate: increases in a row, each within ``lr_lookback`` steps of the last."""
+
+    start_step: int
+    start_lr: float
+    top_step: int
+    top_lr: float
+    points: int = 1
+
+
+@dataclass
+class Climb:
+    """Losses in a row above ``divergence_ratio`` x the level: the run may be diverging."""
+
+    start_step: int
+    level: float
+    start_loss: float
+    last_step: int
+    last_loss: float
+    steps: int = 1
+
+
+@dataclass
+class NormalCall:
+    """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
+
+    step: int
+    evidence: dict[str, Any]
+
+
+@dataclass
+class MachineState:
+    """Everything the machine carries from one step to the next; its checkpoint is this, as plain JSON."""
+
+    episode: Episode | None = None
+    steps_seen: int = 0
+    skipped_total: int = 0
+    nonfinite_total: int = 0
+    normal_reported: bool = False
+    normal_call: NormalCall | None = None
+    isolated_since: int | None = None
+    streak: Streak | None = None
+    streak_from_start: bool = True
+    recent_skips: deque[int] = field(default_factory=deque)
+    growths: deque[int] = field(default_factory=deque)
+    growth_skips: deque[int] = field(default_factory=deque)
+    lr_history: deque[LrPoint] = field(default_factory=deque)
+    lr_last: float | None = None
+    lr_rise: LrRise | None = None
+    first_scale: float | None = None
+    max_safe_scale: float | None = None
+    losses: deque[float] = field(default_factory=deque)
+    climb: Climb | None = None
+    closed_episodes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _plain(value: Any) -> Any:
+    """A state value as JSON-ready lists, dicts and scalars."""
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (list, tuple, deque)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _decode(kind: Any, value: Any, where: str) -> Any:
+    """Rebuild one checkpoint entry as its annotation says; anything else raises ValueError naming the entry."""
+    origin, args = get_origin(kind), get_args(kind)
+    if kind is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _decode(inner, value, where)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            valid = ", ".join(m.value for m in kind)
+            raise ValueError(f"{where}: {value!r} is not a {kind.__name__} (valid: {valid})") from None
+    if is_dataclass(kind):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+        hints = get_type_hints(kind)
+        try:  # entries a later version added are ignored; a missing required one is an error
+            return kind(**{f.name: _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+                           for f in fields(kind) if f.name in value})
+        except TypeError as err:
+            raise ValueError(f"{where}: {err}") from None
+    if origin in (list, deque):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+        return [_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+        return {str(k): _decode(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
+    numeric = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)) or \
+            (numeric and (kind is float or isinstance(value, int))):
+        return kind(value)
+    raise ValueError(f"{where} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------ the machine
 
 
 class AmpStateMachine:
     """Feed ``observe`` one :class:`Observation` per optimizer step, in order; it returns new diagnoses.
 
-    An alarm is returned once per episode, dated at the episode's onset. ``NORMAL_SCALING`` is returned at most
-    once per run and never opens an episode.
+    An alarm is returned once per episode, dated at the episode's onset: the first sign of the trouble (the
+    first skip of the run-up, or the start of a climb of the loss, whichever came first). ``NORMAL_SCALING`` is
+    returned at most once per run, never opens an episode, and is returned again, withdrawn, when an alarm's
+    episode begins within ``window`` steps of the skip it was about.
     """
 
     def __init__(self, mode: PrecisionMode | str = PrecisionMode.FP16, thresholds: Thresholds | None = None,
@@ -174,57 +282,49 @@ class AmpStateMachine:
         self.mode = PrecisionMode(mode)
         self.thresholds = thresholds or Thresholds()
         self.scaler_config = dict(scaler_config or {})
+        self.state = self._fresh_state()
+
+    def _fresh_state(self) -> MachineState:
         t = self.thresholds
-        self.episode: Episode | None = None
-        self.steps_seen = 0
-        self.skipped_total = 0
-        self.nonfinite_total = 0
-        self.normal_reported = False
-        self._isolated_since: int | None = None
-        self._streak: list[Observation] = []
-        self._streak_from_start = True
-        self._recent_skips: deque[int] = deque()
-        self._growths: deque[int] = deque(maxlen=max(t.growth_repeats * 4, 8))
-        self._growth_skips: deque[int] = deque(maxlen=t.growth_repeats)
-        self._lr_history: deque[_LrPoint] = deque(maxlen=t.window + t.lr_lookback + 2)
-        self._lr_first: float | None = None
-        self._lr_last: float | None = None
-        self._lr_peak = 0.0
-        self._lr_peak_step = -1
-        self._max_safe_scale: float | None = None
-        self.closed_episodes: list[dict[str, Any]] = []
+        return MachineState(
+            growths=deque(maxlen=max(t.growth_repeats * 4, 8)),
+            growth_skips=deque(maxlen=t.growth_repeats),
+            lr_history=deque(maxlen=t.window + t.lr_lookback + 2),
+            losses=deque(maxlen=t.loss_window),
+        )
 
     # ---------------------------------------------------------------- public API
 
     def observe(self, obs: Observation) -> list[Diagnosis]:
-        t = self.thresholds
+        t, s = self.thresholds, self.state
         out: list[Diagnosis] = []
-        self.steps_seen += 1
+        s.steps_seen += 1
+        if s.first_scale is None:
+            s.first_scale = obs.scale  # the scaler's initial scale, kept for the advice
         if obs.skipped:
-            self.skipped_total += 1
-            self._recent_skips.append(obs.step)
-        while self._recent_skips and self._recent_skips[0] <= obs.step - t.window:
-            self._recent_skips.popleft()
+            s.skipped_total += 1
+            s.recent_skips.append(obs.step)
+        while s.recent_skips and s.recent_skips[0] <= obs.step - t.window:
+            s.recent_skips.popleft()
         if obs.loss_finite is False:
-            self.nonfinite_total += 1
+            s.nonfinite_total += 1
 
         if obs.anomalous:
-            if obs.skipped and self._growths and obs.step - self._growths[-1] <= t.growth_lag:
-                if not self._growth_skips or self._growth_skips[-1] != self._growths[-1]:
-                    self._growth_skips.append(self._growths[-1])
-            self._streak.append(obs)
-            if self.episode is not None:
-                self.episode.clean_run = 0
+            if obs.skipped and s.growths and obs.step - s.growths[-1] <= t.growth_lag:
+                if not s.growth_skips or s.growth_skips[-1] != s.growths[-1]:
+                    s.growth_skips.append(s.growths[-1])
+            self._extend_streak(obs)
+            if s.episode is not None:
+                s.episode.clean_run = 0
             else:
                 diagnosis = self._classify(obs)
                 if diagnosis is not None:
-                    self._open_episode(diagnosis.finding, diagnosis.step)
-                    out.append(diagnosis)
+                    out.extend(self._raise(diagnosis, obs.step))
         else:
             out.extend(self._on_clean(obs))
 
         if obs.grew:
-            self._growths.append(obs.step)
+            s.growths.append(obs.step)
         self._record_lr(obs.step, obs.lrs)
         return out
 
@@ -232,85 +332,106 @@ class AmpStateMachine:
     def quiet(self) -> bool:
         """Nothing in progress (no episode, no streak, no isolated skip awaiting its verdict): a clean step can
         take :meth:`observe_clean`."""
-        return self.episode is None and not self._streak and self._isolated_since is None
+        s = self.state
+        return s.episode is None and s.streak is None and s.isolated_since is None
 
-    def observe_clean(self, step: int, scale: float | None, grew: bool, lrs: tuple[float, ...]) -> None:
+    def observe_clean(self, step: int, scale: float | None, grew: bool, lrs: tuple[float, ...],
+                      loss: float | None = None) -> None:
         """The per-step fast path: what :meth:`observe` does for a clean step while :attr:`quiet`, without
-        building an Observation. Never produces a diagnosis (a quiet machine has nothing to conclude)."""
-        self.steps_seen += 1
-        skips = self._recent_skips
+        building an Observation. Never produces a diagnosis (a quiet machine has nothing to conclude).
+        ``loss`` is the step's loss when the adapter has it without a sync; it feeds :attr:`loss_level`."""
+        s = self.state
+        s.steps_seen += 1
+        skips = s.recent_skips
         if skips:
             while skips and skips[0] <= step - self.thresholds.window:
                 skips.popleft()
-        if scale is not None and (self._max_safe_scale is None or scale > self._max_safe_scale) \
-                and self.mode is PrecisionMode.FP16:
-            self._max_safe_scale = scale
-        self._streak_from_start = False
+        if scale is not None:
+            if s.first_scale is None:
+                s.first_scale = scale
+            if self.mode is PrecisionMode.FP16 and (s.max_safe_scale is None or scale > s.max_safe_scale):
+                s.max_safe_scale = scale
+        s.streak_from_start = False
         if grew:
-            self._growths.append(step)
-        if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != self._lr_last:
+            s.growths.append(step)
+        if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != s.lr_last:
             self._record_lr(step, lrs)
+        if loss is not None:
+            self._take_loss(step, loss)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to carry on after a resume without re-announcing old episodes."""
-        return {
-            "mode": self.mode.value,
-            "thresholds": asdict(self.thresholds),
-            "scaler_config": self.scaler_config,
-            "episode": None if self.episode is None else {**asdict(self.episode), "finding": self.episode.finding.value},
-            "steps_seen": self.steps_seen,
-            "skipped_total": self.skipped_total,
-            "nonfinite_total": self.nonfinite_total,
-            "normal_reported": self.normal_reported,
-            "isolated_since": self._isolated_since,
-            "streak_from_start": self._streak_from_start,
-            "recent_skips": list(self._recent_skips),
-            "growths": list(self._growths),
-            "growth_skips": list(self._growth_skips),
-            "lr_history": [(p.step, p.lr) for p in self._lr_history],
-            "lr_first": self._lr_first,
-            "lr_peak": self._lr_peak,
-            "lr_peak_step": self._lr_peak_step,
-            "max_safe_scale": self._max_safe_scale,
-            "closed_episodes": list(self.closed_episodes),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        ep = state.get("episode")
-        self.episode = None if ep is None else Episode(**{**ep, "finding": Finding(ep["finding"])})
-        self.steps_seen = int(state.get("steps_seen", 0))
-        self.skipped_total = int(state.get("skipped_total", 0))
-        self.nonfinite_total = int(state.get("nonfinite_total", 0))
-        self.normal_reported = bool(state.get("normal_reported", False))
-        self._isolated_since = state.get("isolated_since")
-        self._streak = []
-        self._streak_from_start = bool(state.get("streak_from_start", self.steps_seen == 0))
-        self._recent_skips = deque(state.get("recent_skips", ()))
-        self._growths = deque(state.get("growths", ()), maxlen=self._growths.maxlen)
-        self._growth_skips = deque(state.get("growth_skips", ()), maxlen=self._growth_skips.maxlen)
-        self._lr_history = deque((_LrPoint(s, lr) for s, lr in state.get("lr_history", ())),
-                                 maxlen=self._lr_history.maxlen)
-        self._lr_first = state.get("lr_first")
-        self._lr_last = self._lr_history[-1].lr if self._lr_history else None
-        self._lr_peak = float(state.get("lr_peak", 0.0))
-        self._lr_peak_step = int(state.get("lr_peak_step", -1))
-        self._max_safe_scale = state.get("max_safe_scale")
-        self.closed_episodes = list(state.get("closed_episodes", ()))
+    def note_losses(self, losses: Iterable[tuple[int, float]]) -> None:
+        """Healthy steps' losses read after the fact (the adapter reads them in batches, at no added sync), in
+        step order: they feed :attr:`loss_level` and mark a climb exactly as ``observe_clean(loss=...)`` would.
+        The adapter hands them over before it observes any later anomalous step."""
+        for step, loss in losses:
+            self._take_loss(step, loss)
 
     @property
-    def streak(self) -> int:
-        """Anomalous steps in a row so far (0 on a healthy step)."""
-        return len(self._streak)
+    def alarm_imminent(self) -> bool:
+        """No episode is open and one more skipped step would complete a start-up-length streak: the last
+        moment to replay the faulty step while the weights are still those it ran with."""
+        s = self.state
+        count = s.streak.count if s.streak is not None else 0
+        return s.episode is None and count == self.thresholds.startup_streak - 1
+
+    @property
+    def loss_level(self) -> float | None:
+        """The run's usual loss: the median of the last ``loss_window`` healthy losses (a climb's losses are
+        left out); None before the first. A climb is only judged once a few have been seen."""
+        losses = self.state.losses
+        return statistics.median(losses) if losses else None
+
+    @property
+    def max_safe_scale(self) -> float | None:
+        """The largest scale at which a step went through: what ``lower_init_scale`` falls back to."""
+        return self.state.max_safe_scale
+
+    @property
+    def episode(self) -> Episode | None:
+        return self.state.episode
+
+    @property
+    def steps_seen(self) -> int:
+        return self.state.steps_seen
+
+    @property
+    def skipped_total(self) -> int:
+        return self.state.skipped_total
+
+    @property
+    def nonfinite_total(self) -> int:
+        return self.state.nonfinite_total
+
+    @property
+    def closed_episodes(self) -> list[dict[str, Any]]:
+        return self.state.closed_episodes
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to carry on after a resume without re-announcing old episodes (plain JSON)."""
+        return _plain(self.state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take up a checkpointed state. A malformed one (not a dict, an unknown Finding, a wrong type) raises
+        ValueError naming the bad entry, and leaves this machine as it was."""
+        loaded = _decode(MachineState, state, "machine state")
+        fresh = self._fresh_state()
+        for f in fields(fresh):  # the bounded containers keep their bounds
+            bound = getattr(fresh, f.name)
+            if isinstance(bound, deque):
+                setattr(loaded, f.name, deque(getattr(loaded, f.name), maxlen=bound.maxlen))
+        self.state = loaded
 
     def close_episode(self, step: int, reason: str) -> None:
         """A remedy was applied: the episode is over, so a recurrence is a new episode (and escalates)."""
-        if self.episode is not None:
-            self.closed_episodes.append({"finding": self.episode.finding.value, "onset": self.episode.onset,
-                                         "end": int(step), "reason": reason})
-            self.episode = None
-        self._streak = []
-        self._recent_skips.clear()
-        self._growth_skips.clear()
+        s = self.state
+        if s.episode is not None:
+            s.closed_episodes.append({"finding": s.episode.finding.value, "onset": s.episode.onset,
+                                      "end": int(step), "reason": reason})
+            s.episode = None
+        s.streak = None
+        s.climb = None
+        s.recent_skips.clear()
+        s.growth_skips.clear()
 
     def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
         """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
@@ -321,74 +442,123 @@ class AmpStateMachine:
 
     def revise(self, finding: Finding) -> None:
         """The FP32 control renamed the open episode's finding (e.g. FORWARD_OVERFLOW -> FP32_UNSTABLE)."""
-        if self.episode is not None:
-            self.episode.finding = finding
-
-    @property
-    def max_safe_scale(self) -> float | None:
-        """The largest scale at which a step went through: what ``lower_init_scale`` falls back to."""
-        return self._max_safe_scale
+        if self.state.episode is not None:
+            self.state.episode.finding = finding
 
     # ---------------------------------------------------------------- healthy steps
 
     def _on_clean(self, obs: Observation) -> list[Diagnosis]:
-        t = self.thresholds
+        t, s = self.thresholds, self.state
         out: list[Diagnosis] = []
         if obs.scale is not None and self.mode is PrecisionMode.FP16:
-            if self._max_safe_scale is None or obs.scale > self._max_safe_scale:
-                self._max_safe_scale = obs.scale
-        streak, from_start = self._streak, self._streak_from_start
-        self._streak = []
-        self._streak_from_start = False
-        if streak and self.episode is None:
-            if from_start and len(streak) >= t.startup_streak and all(o.loss_finite is not False for o in streak):
-                out.append(self._startup_overflow(streak, obs))
-                self._open_episode(Finding.GRADIENT_OVERFLOW, streak[0].step)
-            elif not self.normal_reported and self._isolated_since is None:
-                self._isolated_since = streak[0].step
-        if self._isolated_since is not None and self.episode is None and not self.normal_reported \
+            if s.max_safe_scale is None or obs.scale > s.max_safe_scale:
+                s.max_safe_scale = obs.scale
+        if obs.loss is not None:
+            self._take_loss(obs.step, obs.loss)
+        streak, from_start = s.streak, s.streak_from_start
+        s.streak = None
+        s.streak_from_start = False
+        if streak is not None and s.episode is None:
+            if from_start and streak.count >= t.startup_streak and streak.all_loss_finite:
+                out.extend(self._raise(self._startup_overflow(streak, obs), obs.step))
+            elif not s.normal_reported and s.isolated_since is None:
+                s.isolated_since = streak.first_step
+        if s.isolated_since is not None and s.episode is None and not s.normal_reported \
                 and not self._recent_skips_after(obs.step - t.recovery_steps):
             # an isolated skip, then a clean stretch: the scaler found its level again by itself
-            self.normal_reported = True
-            out.append(self._make(Finding.NORMAL_SCALING, self._isolated_since, {
-                "skipped_steps": self.skipped_total, "steps": self.steps_seen, "scale": obs.scale,
-            }))
-            self._isolated_since = None
-        ep = self.episode
+            s.normal_reported = True
+            evidence = {"skipped_steps": s.skipped_total, "steps": s.steps_seen, "scale": obs.scale}
+            s.normal_call = NormalCall(s.isolated_since, evidence)
+            out.append(self._make(Finding.NORMAL_SCALING, s.isolated_since, evidence))
+            s.isolated_since = None
+        ep = s.episode
         if ep is not None:
             ep.clean_run += 1
             if ep.finding is Finding.GROWTH_OVERFLOW:
                 # Closed only when a growth survives; otherwise it would reopen every growth interval.
-                last = self._growths[-1] if self._growths else None
+                last = s.growths[-1] if s.growths else None
                 if last is not None and obs.step - last == t.growth_lag + 1 and \
-                        (not self._growth_skips or self._growth_skips[-1] != last):
+                        (not s.growth_skips or s.growth_skips[-1] != last):
                     ep.growth_survived += 1
                 done = ep.growth_survived >= t.growth_repeats
             else:
                 done = ep.clean_run >= t.recovery_steps
             if done:
-                self.closed_episodes.append({"finding": ep.finding.value, "onset": ep.onset, "end": obs.step})
-                self.episode = None
-                self._growth_skips.clear()
+                s.closed_episodes.append({"finding": ep.finding.value, "onset": ep.onset, "end": obs.step})
+                s.episode = None
+                s.growth_skips.clear()
         return out
+
+    def _take_loss(self, step: int, loss: float) -> None:
+        """A healthy step's loss: part of a climb when far above the level, otherwise it feeds the level."""
+        if not math.isfinite(loss):
+            return
+        s = self.state
+        ratio, losses = self.thresholds.divergence_ratio, s.losses
+        # min() first: a loss within ratio x the smallest recent loss is below ratio x their median, no sort needed
+        if len(losses) >= _LEVEL_MIN_LOSSES and loss > ratio * min(losses):
+            level = statistics.median(losses)
+            if loss > ratio * level:
+                climb = s.climb
+                if climb is None:
+                    s.climb = Climb(step, level, loss, step, loss)
+                else:
+                    climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
+                return
+        s.climb = None
+        losses.append(loss)
 
     # ---------------------------------------------------------------- classification
 
+    def _extend_streak(self, obs: Observation) -> None:
+        streak = self.state.streak
+        if streak is None:
+            streak = self.state.streak = Streak(obs.step, obs.scale)
+        streak.count += 1
+        streak.scales.append(obs.scale)
+        if obs.loss_finite is False:
+            streak.all_loss_finite = False
+
+    def _first_sign(self, step: int) -> int:
+        """Where the trouble now at ``step`` first showed: the start of the anomalous streak, or earlier, the
+        first skip of the cluster of skips (each within ``2 * streak`` steps of the next) that led up to it."""
+        s = self.state
+        start = s.streak.first_step if s.streak is not None else step
+        for skip in reversed(s.recent_skips):
+            if skip >= start:
+                continue
+            if start - skip > 2 * self.thresholds.streak:
+                break
+            start = skip
+        return start
+
     def _classify(self, obs: Observation) -> Diagnosis | None:
-        t = self.thresholds
+        t, s = self.thresholds, self.state
         ev: dict[str, Any] = {"precision": self.mode.value}
         if obs.loss is not None:
             ev["loss"] = obs.loss
         if obs.scale is not None:
             ev["scale"] = obs.scale
-        ev.update(obs.extra)
         batch = obs.batch
         if batch is not None and batch.nonfinite:
             ev["nonfinite_where"] = batch.nonfinite_where
             return self._make(Finding.DATA_NONFINITE, obs.step, ev)
 
+        first = self._first_sign(obs.step)
+        climb = s.climb if s.climb is not None and s.climb.steps >= t.climb_steps else None
+        if climb is not None:
+            ev.update(self._climb_evidence(climb, first))
+            if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
+                lr = self._lr_event(climb.start_step)
+                if lr is not None:
+                    ev.update(lr)
+                    return self._make(Finding.LR_SCHEDULE, climb.start_step, ev)
+                return self._make(Finding.FP32_UNSTABLE, climb.start_step, ev)
+
         if obs.loss_finite is False:
-            onset = obs.step
+            onset = first
+            if onset != obs.step:
+                ev["first_nonfinite_step"] = obs.step
         else:
             candidate = self._gradient_pattern(obs, ev)
             if candidate is None:
@@ -414,48 +584,60 @@ class AmpStateMachine:
             return self._make(Finding.INPUT_RANGE, onset, ev)
         return self._make(candidate, onset, ev)
 
+    def _climb_evidence(self, climb: Climb, first_sign: int) -> dict[str, Any]:
+        first = climb.start_step < first_sign
+        when = "before any overflow" if first else f"after the first skip at step {first_sign}"
+        return {
+            "loss_level": climb.level, "loss_at_onset": climb.start_loss, "diverged_first": first,
+            "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps "
+                          f"{climb.start_step}..{climb.last_step} {when}",
+        }
+
     def _gradient_pattern(self, obs: Observation, ev: dict[str, Any]) -> Finding | None:
         """Skips with a finite loss: which overflow pattern, if any, they already form."""
-        t = self.thresholds
-        streak = self._streak
-        ev.update(skipped_in_row=len(streak), skipped_steps=self.skipped_total, steps=self.steps_seen)
-        if obs.scale is not None and obs.scale < t.floor_scale and (self._streak_from_start or len(streak) >= 2):
-            ev.update(pattern="unscaled_overflow", scale_history=[o.scale for o in streak][-24:], onset=streak[0].step)
+        t, s = self.thresholds, self.state
+        streak = s.streak
+        assert streak is not None  # the current observation is in it
+        ev.update(skipped_in_row=streak.count, skipped_steps=s.skipped_total, steps=s.steps_seen)
+        if s.first_scale is not None:
+            ev["init_scale"] = s.first_scale
+        if obs.scale is not None and obs.scale < t.floor_scale and (s.streak_from_start or streak.count >= 2):
+            ev.update(pattern=GradientPattern.UNSCALED_OVERFLOW, scale_history=list(streak.scales),
+                      onset=streak.first_step)
             return Finding.GRADIENT_OVERFLOW
-        if self._streak_from_start:
+        if s.streak_from_start:
             return None  # wait: the streak is judged when it ends and the safe scale is known
-        if len(self._growth_skips) >= t.growth_repeats:
-            span = max(1, obs.step - self._growth_skips[0] + 1)
-            skips_in_span = sum(1 for s in self._recent_skips if s >= self._growth_skips[0])
+        if len(s.growth_skips) >= t.growth_repeats:
+            span = max(1, obs.step - s.growth_skips[0] + 1)
+            skips_in_span = sum(1 for step in s.recent_skips if step >= s.growth_skips[0])
             rate = max(skips_in_span, t.growth_repeats) / span
             if rate >= t.growth_skip_rate:
-                ev.update(pattern="growth_overflow", growth_steps=list(self._growth_skips), span=span,
-                          skip_rate=round(rate, 4), onset=self._growth_skips[0] + 1, safe_scale=(obs.scale or 0) * self.scaler_config.get(
-                              "backoff_factor", 0.5) if obs.scale else None, **self._scaler_ev())
+                ev.update(pattern=GradientPattern.GROWTH_OVERFLOW, growth_steps=list(s.growth_skips), span=span,
+                          skip_rate=round(rate, 4), onset=s.growth_skips[0] + 1,
+                          safe_scale=obs.scale * self.scaler_config.get("backoff_factor", 0.5) if obs.scale else None,
+                          **self._scaler_ev())
                 return Finding.GROWTH_OVERFLOW
-        burst = [step for step in self._recent_skips if step > obs.step - 2 * t.streak]
+        burst = [step for step in s.recent_skips if step > obs.step - 2 * t.streak]
         if len(burst) >= t.streak:
-            pattern = "collapse" if len(streak) >= t.streak else "burst"
-            ev.update(pattern=pattern, scale_history=[o.scale for o in streak][-24:],
-                      safe_scale=self._max_safe_scale, onset=burst[0])
+            pattern = GradientPattern.COLLAPSE if streak.count >= t.streak else GradientPattern.BURST
+            ev.update(pattern=pattern, scale_history=list(streak.scales), safe_scale=s.max_safe_scale,
+                      onset_scale=streak.first_scale, onset=burst[0])
             return Finding.GRADIENT_OVERFLOW
-        window_steps = min(t.window, self.steps_seen)
-        if window_steps >= t.window // 2 and len(self._recent_skips) >= max(3, t.window_skip_rate * window_steps):
-            ev.update(pattern="persistent", skip_rate=round(len(self._recent_skips) / window_steps, 4),
-                      window=window_steps, safe_scale=self._max_safe_scale, onset=self._recent_skips[0])
+        window_steps = min(t.window, s.steps_seen)
+        if window_steps >= t.window // 2 and len(s.recent_skips) >= max(3, t.window_skip_rate * window_steps):
+            ev.update(pattern=GradientPattern.PERSISTENT, skip_rate=round(len(s.recent_skips) / window_steps, 4),
+                      window=window_steps, safe_scale=s.max_safe_scale, onset=s.recent_skips[0])
             return Finding.GRADIENT_OVERFLOW
         return None
 
-    def _startup_overflow(self, streak: list[Observation], clean: Observation) -> Diagnosis:
+    def _startup_overflow(self, streak: Streak, clean: Observation) -> Diagnosis:
         below_floor = clean.scale is not None and clean.scale < self.thresholds.floor_scale
+        pattern = GradientPattern.UNSCALED_OVERFLOW if below_floor else GradientPattern.STARTUP
         ev: dict[str, Any] = {
-            "precision": self.mode.value, "pattern": "unscaled_overflow" if below_floor else "startup",
-            "skipped_in_row": len(streak),
-            "init_scale": streak[0].scale, "safe_scale": clean.scale,
-            "scale_history": [o.scale for o in streak][-24:],
+            "precision": self.mode.value, "pattern": pattern, "skipped_in_row": streak.count,
+            "init_scale": streak.first_scale, "safe_scale": clean.scale, "scale_history": list(streak.scales),
         }
-        onset = streak[0].step
-        return self._make(Finding.GRADIENT_OVERFLOW, onset, ev)
+        return self._make(Finding.GRADIENT_OVERFLOW, streak.first_step, ev)
 
     def _scaler_ev(self) -> dict[str, Any]:
         keys = ("growth_interval", "growth_factor", "backoff_factor")
@@ -464,37 +646,40 @@ class AmpStateMachine:
     # ---------------------------------------------------------------- learning rate
 
     def _record_lr(self, step: int, lrs: tuple[float, ...]) -> None:
-        """Keep the LR's change points only: a constant LR costs nothing per step."""
+        """Keep the LR's change points only (a constant LR costs nothing per step), and the latest rise."""
         if not lrs:
             return
+        s = self.state
         lr = max(lrs)
-        if lr == self._lr_last:
+        if lr == s.lr_last:
             return
-        self._lr_last = lr
-        if self._lr_first is None:
-            self._lr_first = lr
-        if lr > self._lr_peak:
-            self._lr_peak = lr
-            self._lr_peak_step = step
-        self._lr_history.append(_LrPoint(step, lr))
+        s.lr_last = lr
+        previous = s.lr_history[-1] if s.lr_history else None
+        if previous is not None and lr > previous.lr:
+            rise = s.lr_rise
+            if rise is not None and rise.top_step == previous.step and \
+                    step - previous.step <= self.thresholds.lr_lookback:
+                rise.top_step, rise.top_lr, rise.points = step, lr, rise.points + 1
+            else:  # a new rise, from the LR just before it
+                s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
+        s.lr_history.append(LrPoint(step, lr))
 
     def _lr_event(self, onset: int) -> dict[str, Any] | None:
         """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase."""
-        t = self.thresholds
-        # A warmup climbs over many steps, so its last few rise little: judge it by the whole climb (first LR to
-        # a peak reached by rising steps just before the onset). A single jump is an increase, not a warmup.
-        climb = [p.lr for p in self._lr_history if p.step <= self._lr_peak_step][-3:]
-        if (self._lr_first is not None and onset - t.lr_lookback - 1 <= self._lr_peak_step < onset
-                and self._lr_peak >= t.warmup_ratio * self._lr_first
-                and len(climb) == 3 and climb[0] < climb[1] < climb[2]):
-            return {"lr_event": "warmup_end", "lr_before": self._lr_first, "lr_after": self._lr_peak,
-                    "lr_change_step": self._lr_peak_step}
+        t, s = self.thresholds, self.state
+        # A warmup climbs over many steps, so its last few rise little: judge it by the whole rise (from the LR
+        # it started at to a peak just before the onset). A single jump is an increase, not a warmup.
+        rise = s.lr_rise
+        if (rise is not None and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
+                and rise.top_lr >= t.warmup_ratio * rise.start_lr):
+            return {"lr_event": "warmup_end", "lr_before": rise.start_lr, "lr_after": rise.top_lr,
+                    "lr_change_step": rise.top_step}
         start = onset - t.lr_lookback - 1
-        in_force = [p for p in self._lr_history if p.step < start][-1:]  # the LR at the window's start
-        window = [_LrPoint(start, p.lr) for p in in_force]
-        window += [p for p in self._lr_history if start <= p.step < onset]
-        best: tuple[float, _LrPoint, _LrPoint] | None = None
-        lowest: _LrPoint | None = None
+        in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
+        window = [LrPoint(start, p.lr) for p in in_force]
+        window += [p for p in s.lr_history if start <= p.step < onset]
+        best: tuple[float, LrPoint, LrPoint] | None = None
+        lowest: LrPoint | None = None
         for point in window:
             if lowest is not None and point.lr > lowest.lr:
                 ratio = math.inf if lowest.lr <= 0 else point.lr / lowest.lr
@@ -510,52 +695,25 @@ class AmpStateMachine:
     # ---------------------------------------------------------------- helpers
 
     def _recent_skips_after(self, step: int) -> bool:
-        return bool(self._recent_skips) and self._recent_skips[-1] > step
+        skips = self.state.recent_skips
+        return bool(skips) and skips[-1] > step
 
-    def _open_episode(self, finding: Finding, onset: int) -> None:
-        self.episode = Episode(finding, onset)
-        self._recent_skips.clear()  # the skips that made this alarm must not make the next one
-        self._isolated_since = None
+    def _raise(self, alarm: Diagnosis, step: int) -> list[Diagnosis]:
+        """Open the alarm's episode; withdraw a ``NORMAL_SCALING`` call whose skip turns out to have begun it."""
+        s = self.state
+        s.episode = Episode(alarm.finding, alarm.step)
+        s.recent_skips.clear()  # the skips that made this alarm must not make the next one
+        s.isolated_since = None
+        s.climb = None
+        call, s.normal_call = s.normal_call, None
+        out = [alarm]
+        if call is not None and alarm.finding is not Finding.DATA_NONFINITE \
+                and alarm.step - call.step <= self.thresholds.window:
+            out.append(self._make(Finding.NORMAL_SCALING, call.step, {
+                **call.evidence, "withdrawn": True, "withdrawn_by": alarm.finding.value, "withdrawn_at": step,
+                "alarm_onset": alarm.step,
+            }))
+        return out
 
     def _make(self, finding: Finding, step: int, evidence: dict[str, Any]) -> Diagnosis:
         return Diagnosis(finding=finding, step=int(step), evidence=evidence, advice=advise(finding, evidence))
-
-
-def replay(machine: AmpStateMachine, observations: Iterable[Observation]) -> list[Diagnosis]:
-    """Feed a whole sequence; handy for tests and for ``ampwatch report`` re-analysis."""
-    out: list[Diagnosis] = []
-    for obs in observations:
-        out.extend(machine.observe(obs))
-    return out
-
-
-#: Findings that blame reduced precision, and so are put to the FP32 control.
-AMP_BLAMING = frozenset({Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GRADIENT_OVERFLOW,
-                         Finding.GROWTH_OVERFLOW})
-
-#: How far above the run's loss level a finite control loss must be to read as instability rather than AMP.
-CONTROL_LEVEL_RATIO = 1e3
-
-
-def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
-                  batch_nonfinite: bool, loss_level: float | None) -> tuple[Finding, str]:
-    """What the FP32 control says about a finding: (the finding it leaves standing, why, in a few words).
-
-    A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
-    A control that is finite but orders of magnitude above the run's usual loss reads as divergence, not AMP.
-    Findings that do not blame reduced precision (data, LR schedule) keep their name; the control is evidence.
-    """
-    if control_loss is None:
-        return finding, "control not run"
-    control_failed = not math.isfinite(control_loss) or control_grads_finite is False
-    if finding not in AMP_BLAMING:
-        return finding, "control failed too" if control_failed else "control finite"
-    if control_failed:
-        if batch_nonfinite:
-            return Finding.DATA_NONFINITE, "control failed too; the batch holds non-finite values"
-        return Finding.FP32_UNSTABLE, "control failed too: not an AMP fault"
-    if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
-        return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x the run's loss level: "
-                                       "the optimisation is diverging (or this batch is far outside the data "
-                                       "seen so far)")
-    return finding, "control finite: an AMP fault"

@@ -217,3 +217,48 @@ def inspect_batch(batches: Sequence[Any], max_rows: int = 8) -> BatchStats:
         absmax=absmax if math.isfinite(absmax) else float("inf"),
         absmax_where=absmax_where,
     )
+
+
+class ScaleMirror:
+    """A host-side copy of GradScaler's scale arithmetic.
+
+    ``torch._amp_update_scale_`` is deterministic given whether each step found an inf, and the step hook
+    tells us that for free; so the scale, the growth tracker and every growth event are known on the host
+    without reading the device. The adapter reconciles with the real value when it reads it anyway.
+    """
+
+    def __init__(self, scale: float, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, tracker: int = 0) -> None:
+        self.scale = float(scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.tracker = int(tracker)
+
+    def update(self, found_inf: bool) -> bool:
+        """Advance one step; returns True when the scale grew."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.tracker = 0
+            return False
+        self.tracker += 1
+        if self.tracker >= self.growth_interval:
+            grown = self.scale * self.growth_factor
+            self.tracker = 0
+            if math.isfinite(grown):
+                self.scale = grown
+                return True
+        return False
+
+    def reconcile(self, scale: float, tracker: int | None = None) -> None:
+        self.scale = float(scale)
+        if tracker is not None:
+            self.tracker = int(tracker)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "tracker": self.tracker}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> "ScaleMirror":
+        return cls(**state)

@@ -20,12 +20,13 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import distributed
-from lightning_ampwatch.machine import AmpStateMachine, Observation, ScaleMirror
+from lightning_ampwatch.machine import AmpStateMachine, Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
     DeferredRead,
     LossTape,
     PrecisionInfo,
+    ScaleMirror,
     StepTaken,
     current_lrs,
     inspect_batch,
@@ -113,8 +114,7 @@ class StepLedger:
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
-        self.recent_losses: deque[float] = deque(maxlen=8)  # healthy losses read lately: the run's loss level
-        self.last_loss: float | None = None
+        self.last_loss: float | None = None  # the latest step's loss read (for the timeline at log steps)
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
@@ -242,9 +242,9 @@ class StepLedger:
             # takes the fast path too. On an accelerator the loss goes the deferred way below.
             loss = tape.read()
             if math.isfinite(loss):
-                machine.observe_clean(step, None, False, lrs)
+                machine.observe_clean(step, None, False, lrs, loss)
                 self.log_steps += 1
-                self._note_loss(loss)
+                self.last_loss = loss
                 if self.timeline is not None:
                     self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
                 return []
@@ -296,7 +296,7 @@ class StepLedger:
                 records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
                 loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
         elif loss is not None:
-            self._note_loss(loss)
+            self.last_loss = loss  # the Observation carries it to the machine's loss level
         else:
             self.losses.append(opened.step, opened.tape)
         obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
@@ -308,19 +308,16 @@ class StepLedger:
 
     # ------------------------------------------------------------------ reads
 
-    def _note_loss(self, loss: float) -> None:
-        self.last_loss = loss
-        if math.isfinite(loss):
-            self.recent_losses.append(loss)
-
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
         """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values."""
         tensors = [t.detach().float().reshape(()) for t in extra] + self.losses.tensors()
         if not tensors:
             return []
         values = torch.stack(tensors).cpu().tolist()
-        for _, loss in self.losses.settle(values[len(extra):]):
-            self._note_loss(loss)
+        losses = self.losses.settle(values[len(extra):])
+        if losses:
+            self.machine.note_losses(losses)
+            self.last_loss = losses[-1][1]
         return values[:len(extra)]
 
     def at_log_step(self, trainer: Any) -> tuple[list[ResolvedStep], float | None]:
@@ -344,8 +341,3 @@ class StepLedger:
         counts = (self.log_steps, self.log_skipped, self.log_nonfinite)
         self.log_steps = self.log_skipped = self.log_nonfinite = 0
         return counts
-
-    def loss_level(self) -> float | None:
-        """The run's usual loss: the smallest of the last few healthy losses read."""
-        finite = [x for x in self.recent_losses if math.isfinite(x)]
-        return min(finite) if finite else None

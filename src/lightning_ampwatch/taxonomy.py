@@ -49,6 +49,20 @@ class Finding(str, Enum):
         return self.value
 
 
+class GradientPattern(str, Enum):
+    """Which shape of skipped steps made a gradient-overflow alarm; written to the evidence as ``pattern``."""
+
+    STARTUP = "startup"  # skips in a row from the first step: the initial scale is too high
+    BURST = "burst"  # several skips close together, not all in a row
+    COLLAPSE = "collapse"  # skips in a row after a healthy start: the scale halves again and again
+    PERSISTENT = "persistent"  # a steady skip rate over the window
+    UNSCALED_OVERFLOW = "unscaled_overflow"  # still skipping below a scale of 1: the gradients overflow unscaled
+    GROWTH_OVERFLOW = "growth_overflow"  # each growth of the scale is followed by a skip
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _RECIPE = frozenset({"LOSS_OUTSIDE_AUTOCAST", "CLIP_BEFORE_UNSCALE", "STEP_OUTSIDE_SCALER", "MANUAL_PRESCALE",
                      "FP16_PARAMETERS", "EPS_UNDERFLOW"})
 
@@ -95,7 +109,13 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """One named cause, with the measurements it rests on and a concrete fix."""
+    """One named cause, with the measurements it rests on and a concrete fix.
+
+    A withdrawal is a Diagnosis too: when an alarm episode turns out to have begun with the isolated skip an
+    earlier ``NORMAL_SCALING`` call was about, the machine returns that call again, same step, with
+    ``evidence["withdrawn"] = True``, ``withdrawn_by`` (the alarm's finding) and ``withdrawn_at`` (the step the
+    alarm was raised at); it replaces the earlier record, and :meth:`headline` says it was withdrawn.
+    """
 
     finding: Finding
     step: int
@@ -113,6 +133,21 @@ class Diagnosis:
     def is_alarm(self) -> bool:
         return self.finding.is_alarm
 
+    @property
+    def withdrawn(self) -> bool:
+        """A premature ``NORMAL_SCALING`` call taken back by a later alarm."""
+        return self.evidence.get("withdrawn") is True
+
+    @property
+    def summary(self) -> str:
+        """The finding's meaning in plain words, narrowed to what this diagnosis measured."""
+        if self.withdrawn:
+            return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: the skip was the start of a "
+                    f"{self.evidence.get('withdrawn_by')} episode, not dynamic scaling doing its job")
+        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
+            return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
+        return self.finding.summary
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["finding"] = self.finding.value
@@ -128,7 +163,7 @@ class Diagnosis:
 
     def headline(self) -> str:
         where = f" in {self.location}" if self.location else ""
-        return f"{self.finding.value} at step {self.step}{where}: {self.finding.summary}"
+        return f"{self.finding.value} at step {self.step}{where}: {self.summary}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +172,8 @@ class Diagnosis:
 # --------------------------------------------------------------------------------------------
 
 
-def _pow2(value: object) -> str:
+def format_pow2(value: object) -> str:
+    """A scale as the user would type it: ``2**10`` for a power of two, else a short float."""
     try:
         v = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -147,24 +183,52 @@ def _pow2(value: object) -> str:
     return f"{v:g}"
 
 
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def advised_init_scale(ev: Mapping[str, Any]) -> float | None:
+    """The measured safe scale, only when it is below the scale the run started at or failed at: advice (and a
+    remedy) must never recommend the value already in use. None when no lower scale is known."""
+    safe = _number(ev.get("safe_scale"))
+    in_use = [v for v in (_number(ev.get("init_scale")), _number(ev.get("onset_scale"))) if v is not None]
+    if safe is None or safe <= 0 or (in_use and safe >= max(in_use)):
+        return None
+    return safe
+
+
 def _advice_gradient(ev: Mapping[str, Any]) -> str:
-    if ev.get("pattern") == "unscaled_overflow":
+    if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW:
         return (
-            "Even a loss scale below 1 does not stop the overflow, so the gradients themselves are too large "
-            "for float16. Reduce them at the source (a mean instead of a sum in the loss, a lower learning rate, "
-            "gradient clipping after scaler.unscale_), or train in bf16-mixed where the hardware supports it."
+            "Even a loss scale below 1 does not stop the overflow, so the gradients themselves are too large for "
+            "float16 and no scaler setting can help. Fix the operation that makes them: a log-softmax or "
+            "log(sum(exp(x))) written by hand instead of torch.log_softmax / torch.logsumexp, a sum where a mean "
+            "was meant; or keep that operation in float32 inside autocast (an fp32 island); or train in bf16-mixed "
+            "where the hardware supports it."
         )
-    safe = ev.get("safe_scale")
-    if safe:
+    safe = advised_init_scale(ev)
+    init = _number(ev.get("init_scale"))
+    if safe is not None:
+        instead = f" instead of {format_pow2(init)}" if init is not None else ""
         return (
-            f"Start the scaler where it proved safe: torch.amp.GradScaler(init_scale={_pow2(safe)}) "
-            f"instead of the default 2**16; in Lightning pass it as "
-            f"MixedPrecision('16-mixed', device, scaler=GradScaler(init_scale={_pow2(safe)})). "
+            f"Start the scaler where it proved safe: torch.amp.GradScaler(init_scale={format_pow2(safe)}){instead}; "
+            f"in Lightning pass it as MixedPrecision('16-mixed', device, "
+            f"scaler=GradScaler(init_scale={format_pow2(safe)})). "
             "If skips continue, clip gradients (Lightning's gradient_clip_val unscales first)."
         )
+    held = _number(ev.get("safe_scale"))
+    if held is not None and held > 0:
+        return (
+            f"Steps went through at a scale of {format_pow2(held)} before these skips began, so a lower starting "
+            "scale would not have prevented them: the gradients grew during training. Check what changed (the "
+            "learning rate, the batches) and clip gradients after unscaling (Lightning's gradient_clip_val does)."
+        )
+    onset = _number(ev.get("onset_scale")) or init
+    lower = f"below the {format_pow2(onset)} the skips began at" if onset is not None else \
+        "for example torch.amp.GradScaler(init_scale=2**10)"
     return (
-        "Lower the starting scale, for example torch.amp.GradScaler(init_scale=2**10), and clip gradients "
-        "after unscaling (Lightning's gradient_clip_val does this for you). Most of these steps were thrown away."
+        f"Lower the starting scale, {lower}, and clip gradients after unscaling (Lightning's gradient_clip_val "
+        "does this for you). Most of these steps were thrown away."
     )
 
 
@@ -172,20 +236,32 @@ def _advice_growth(ev: Mapping[str, Any]) -> str:
     interval = ev.get("growth_interval")
     factor = ev.get("growth_factor")
     bigger = f"{int(interval) * 10}" if isinstance(interval, (int, float)) and interval else "2000 or more"
+    safe = advised_init_scale(ev)
+    if safe is not None:
+        start = f"; or start at the scale that held, init_scale={format_pow2(safe)}."
+    elif _number(ev.get("safe_scale")) is not None:
+        start = f"; the scale it started at ({format_pow2(ev['safe_scale'])}) holds, so slower growth is the fix."
+    else:
+        start = "; or start at a lower init_scale."
     return (
         f"The scale keeps doubling into overflow. Let it grow less often or by less: "
         f"GradScaler(growth_interval={bigger}"
         + (f", growth_factor={max(1.0001, float(factor) ** 0.5):.3g})" if isinstance(factor, (int, float)) else ")")
-        + "; or start at the scale that held, "
-        + (f"init_scale={_pow2(ev['safe_scale'])}." if ev.get("safe_scale") else "a lower init_scale.")
+        + start
     )
+
+
+def _divergence(ev: Mapping[str, Any]) -> str:
+    """The climb of the loss as the machine worded it (measured, with its steps), to lead an advice with."""
+    climb = ev.get("divergence")
+    return f"The loss climbed ({climb}). " if climb else ""
 
 
 def _advice_lr(ev: Mapping[str, Any]) -> str:
     before, after = ev.get("lr_before"), ev.get("lr_after")
     kind = ev.get("lr_event")
     what = "warmup reached its peak" if kind == "warmup_end" else "the learning rate rose"
-    return (
+    return _divergence(ev) + (
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
         "instability visible sooner."
@@ -205,7 +281,9 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
 
 def _advice_fp32(ev: Mapping[str, Any]) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
-    if "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
+    if ev.get("divergence"):
+        why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
+    elif "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
             and isinstance(control, (int, float)):
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "
                "training is diverging and float16 merely overflowed first. ")
@@ -243,6 +321,12 @@ def _advice_input(ev: Mapping[str, Any]) -> str:
 
 
 def _advice_normal(ev: Mapping[str, Any]) -> str:
+    if ev.get("withdrawn") is True:
+        return (
+            f"The earlier 'normal scaling' call was premature: the skip it was about turned out to be the start of "
+            f"a {ev.get('withdrawn_by')} episode (raised at step {ev.get('withdrawn_at')}). Follow that "
+            "diagnosis's advice instead."
+        )
     return (
         "Nothing to fix: GradScaler skips a step now and then to find the largest safe scale. "
         "Keep an eye on ampwatch/skipped_steps; act only if skips become frequent."
@@ -300,7 +384,7 @@ def _advice_prescale(ev: Mapping[str, Any]) -> str:
         fix = "Hand the plain loss to backward (self.manual_backward(loss)); Lightning scales it once itself."
     else:
         factor = ev.get("factor")
-        what = f"The loss was multiplied by {_pow2(factor)} before the scaler's own scale" if factor else \
+        what = f"The loss was multiplied by {format_pow2(factor)} before the scaler's own scale" if factor else \
             "The loss was multiplied by hand before the scaler's own scale"
         fix = "Drop that factor and let the GradScaler pick the scale; if you want a larger start, pass " \
               "GradScaler(init_scale=...) to the precision plugin."

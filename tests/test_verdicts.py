@@ -1,0 +1,58 @@
+"""The verdict helpers alone (what the FP32 control says), and the purity of the core modules."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+import lightning_ampwatch
+from lightning_ampwatch import Finding
+from lightning_ampwatch.verdicts import AMP_BLAMING, CONTROL_LEVEL_RATIO, judge_control
+
+
+def judge(finding: Finding, control_loss: float | None, grads_finite: bool | None = True,
+          batch_nonfinite: bool = False, loss_level: float | None = 1.0) -> tuple[Finding, str]:
+    return judge_control(finding, control_loss=control_loss, control_grads_finite=grads_finite,
+                         batch_nonfinite=batch_nonfinite, loss_level=loss_level)
+
+
+def test_no_control_leaves_the_finding() -> None:
+    assert judge(Finding.FORWARD_OVERFLOW, None) == (Finding.FORWARD_OVERFLOW, "control not run")
+
+
+@pytest.mark.parametrize("finding", sorted(AMP_BLAMING))
+def test_a_finite_control_near_the_level_confirms_an_amp_finding(finding: Finding) -> None:
+    assert judge(finding, 2.0) == (finding, "control finite: an AMP fault")
+
+
+@pytest.mark.parametrize("loss, grads", [(math.nan, True), (math.inf, None), (1.0, False)])
+def test_a_failed_control_clears_amp(loss: float, grads: bool | None) -> None:
+    assert judge(Finding.GRADIENT_OVERFLOW, loss, grads)[0] is Finding.FP32_UNSTABLE
+    assert judge(Finding.GRADIENT_OVERFLOW, loss, grads, batch_nonfinite=True)[0] is Finding.DATA_NONFINITE
+
+
+def test_a_finite_control_far_above_the_level_reads_as_divergence() -> None:
+    finding, why = judge(Finding.FORWARD_OVERFLOW, 2 * CONTROL_LEVEL_RATIO * 0.5, loss_level=0.5)
+    assert finding is Finding.FP32_UNSTABLE and why.startswith("control finite but 2e+03x the run's loss level")
+    assert judge(Finding.FORWARD_OVERFLOW, 2 * CONTROL_LEVEL_RATIO, loss_level=None)[0] is Finding.FORWARD_OVERFLOW
+
+
+@pytest.mark.parametrize("finding", [Finding.LR_SCHEDULE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE])
+def test_findings_that_do_not_blame_amp_keep_their_name(finding: Finding) -> None:
+    assert judge(finding, math.nan) == (finding, "control failed too")
+    assert judge(finding, 1.0) == (finding, "control finite")
+
+
+@pytest.mark.parametrize("module", ["machine.py", "taxonomy.py", "verdicts.py"])
+def test_the_core_imports_neither_torch_nor_lightning(module: str) -> None:
+    """The classifier and its vocabulary stay pure Python: only the standard library and the core itself."""
+    tree = ast.parse((Path(lightning_ampwatch.__file__).parent / module).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    allowed = {"lightning_ampwatch.taxonomy"}
+    outside = {name for name in imported if name.split(".")[0] in {"torch", "lightning", "pytorch_lightning"}
+               or (name.startswith("lightning_ampwatch") and name not in allowed)}
+    assert outside == set()
