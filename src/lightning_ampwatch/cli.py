@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
-from lightning_ampwatch.reporters import EVENT_LOG_NAME
+from lightning_ampwatch.reporters import EVENT_LOG_NAME, ensure_writable
 
 
 def _quiet_lightning() -> None:
@@ -30,7 +31,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[bold]{name:<18}[/bold] -> {scenario.expected:<18} {scenario.description}")
         return 0
     if args.scenario not in SCENARIOS:
-        console.print(f"[red]Unknown scenario {args.scenario!r}.[/red] Choose one of: {', '.join(SCENARIOS)}")
+        console.print(f"[red]Unknown scenario {escape(repr(args.scenario))}.[/red] "
+                      f"Choose one of: {', '.join(SCENARIOS)}")
         return 2
     _quiet_lightning()
     from lightning_ampwatch.callback import AmpWatch
@@ -40,9 +42,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     root = Path(args.root_dir or tempfile.mkdtemp(prefix=f"ampwatch-{args.scenario}-"))
     logs = root / "ampwatch"  # build_trainer runs without a logger: the log directory is the root itself
     try:
-        logs.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=logs):
-            pass
+        ensure_writable(logs)
     except OSError as err:
         Console(stderr=True, highlight=False, soft_wrap=True).print(
             f"ampwatch demo: cannot write the logs to {logs}: {err}", markup=False)
@@ -51,7 +51,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.rule(f"ampwatch demo: {scenario.name}")
     console.print(scenario.description)
     console.print(f"Precision: {scenario.precision} on the CPU, {steps} optimizer steps, logs in {root}\n",
-                  markup=False)
+                  markup=False, soft_wrap=True)  # never break a path across lines
     watch = AmpWatch(remediate=args.remediate)
     run_scenario(args.scenario, str(root), watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
@@ -65,7 +65,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         _say_recovery(watch, logs, console)
     event_log = logs / EVENT_LOG_NAME
     if event_log.is_file():
-        console.print(f"Event log: {event_log}", markup=False)
+        console.print(f"Event log: {event_log}", markup=False, soft_wrap=True)
     return 0 if scenario.expected in found else 1
 
 

@@ -22,7 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value
-from lightning_ampwatch.reporters import EventLog, print_diagnosis, write_text  # noqa: F401 - re-exported until callback.py moves to Reporters
+# re-exported until callback.py moves to Reporters
+from lightning_ampwatch.reporters import EventLog, print_diagnosis, write_text  # noqa: F401
 from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline

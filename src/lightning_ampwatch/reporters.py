@@ -137,6 +137,14 @@ def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
             writer(logger, diagnosis)
 
 
+def ensure_writable(directory: Path) -> None:
+    """Create ``directory`` and write a scratch file in it (the only check that holds for root, too); raises
+    ``OSError`` when either fails."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass
+
+
 class _StepMetrics:
     """Puts AmpWatch's metrics in the same logger call as the step's own ``self.log`` values, so that a
     ``CSVLogger`` writes them on one row. The callback runs before Lightning logs the step, so the metrics wait
@@ -195,11 +203,8 @@ class Reporters:
             Timeline(self.dir / TIMELINE_NAME, precision=precision) if self.writable else None)
 
     def _check_writable(self) -> bool:
-        """Create the directory and write a scratch file in it: the only test that holds for root, too."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.dir):
-                pass
+            ensure_writable(self.dir)
         except OSError as err:
             self._warn("files", f"AmpWatch cannot write its logs to {self.dir} ({err}); the event log and the "
                                 "timeline are off for this run, the console and the loggers still get every "
@@ -253,8 +258,10 @@ class Reporters:
 
     def log_metrics(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int, skipped_total: int,
                     scale: float | None) -> None:
-        """The ``ampwatch/*`` metrics of one log interval, only when there is a logger to receive them. The skip
-        rate and the cross-rank sum are torchmetrics, computed (and, under DDP, synchronised) here on every rank."""
+        """The ``ampwatch/*`` metrics of one log interval, only when there is a logger to receive them, through
+        Lightning's logger connector at the step Lightning logs at (see ``_StepMetrics``). Not ``self.log``: its
+        bookkeeping costs milliseconds per call. The skip rate and the cross-rank sum are torchmetrics, computed
+        (and, under DDP, synchronised) here on every rank."""
         if not trainer.loggers:
             return
         device = self._skip_rate.device
@@ -270,11 +277,10 @@ class Reporters:
         }
         if scale is not None:
             metrics["ampwatch/scale"] = float(scale)
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is None or not hasattr(connector, "log_metrics"):
-            for logger in trainer.loggers:
-                self._sink(type(logger).__name__, lambda: logger.log_metrics(metrics, step=trainer.global_step))  # noqa: B023
-            return
+        self._sink("loggers", lambda: self._hold_metrics(trainer, metrics))
+
+    def _hold_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
+        connector = trainer._logger_connector
         if self._step_metrics is None or self._step_metrics.connector is not connector:
             self._step_metrics = _StepMetrics(connector)
         self._step_metrics.hold(trainer.fit_loop.epoch_loop._batches_that_stepped, metrics)
