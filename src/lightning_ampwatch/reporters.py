@@ -131,6 +131,7 @@ def text_writer(logger: Any) -> TextWriter | None:
 
 
 def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
+    """Every logger that takes text gets the diagnosis (callback.py's way until it moves to ``Reporters``)."""
     for logger in loggers:
         writer = text_writer(logger)
         if writer is not None:
