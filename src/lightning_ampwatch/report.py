@@ -25,7 +25,7 @@ from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value
 # re-exported until callback.py moves to Reporters
 from lightning_ampwatch.reporters import EventLog, print_diagnosis, write_text  # noqa: F401
 from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline
 
 MAX_EPISODES = 50  # rows in the report's table; the others are counted, and all are in the event log
@@ -40,16 +40,20 @@ def _clip(text: str, limit: int = MAX_TEXT) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _diagnosis(row: Any) -> Diagnosis:
-    """One event-log line as a ``Diagnosis``; a wrong field type raises ``ValueError`` naming the field."""
+def _finding(row: Any) -> Finding:
+    """Check one event-log line's fields and types (cheap, every line); the ``Diagnosis`` itself is built only
+    for the lines shown. A wrong field raises ``ValueError`` naming it, its value and what it must be."""
     if not isinstance(row, dict):
         raise ValueError(f"each line must be a JSON object, not {type(row).__name__}")
+    for key in ("finding", "step"):
+        if key not in row:
+            raise ValueError(f"{key!r} is missing")
     for key, types in _FIELD_TYPES.items():
         if key in row and (not isinstance(row[key], types) or isinstance(row[key], bool)):
             wanted = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an integer",
                                                                   "dict": "an object"}[t.__name__] for t in types)
             raise ValueError(f"{key!r} must be {wanted}, not {_clip(repr(row[key]), 60)}")
-    return Diagnosis.from_dict(row)
+    return Finding(row["finding"])
 
 
 @dataclass
@@ -76,17 +80,17 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
     earliest: list[tuple[int, int, Diagnosis]] = []  # a max-heap (negated) of the ``keep`` earliest by step
     for lineno, row in jsonl_rows(path, "an AmpWatch diagnosis", "an AmpWatch event log"):
         try:
-            diagnosis = _diagnosis(row)
+            finding = _finding(row)
+            out.total += 1
+            if finding.is_alarm:
+                out.alarm_steps.append(row["step"])
+            rank = (-row["step"], -lineno)
+            if len(earliest) < keep:
+                heapq.heappush(earliest, (*rank, Diagnosis.from_dict(row)))
+            elif rank > earliest[0][:2]:
+                heapq.heapreplace(earliest, (*rank, Diagnosis.from_dict(row)))
         except (ValueError, TypeError, KeyError) as err:
             raise ValueError(f"{path}:{lineno}: not an AmpWatch diagnosis ({err})") from err
-        out.total += 1
-        if diagnosis.is_alarm:
-            out.alarm_steps.append(diagnosis.step)
-        item = (-diagnosis.step, -lineno, diagnosis)
-        if len(earliest) < keep:
-            heapq.heappush(earliest, item)
-        else:
-            heapq.heappushpop(earliest, item)
     out.shown = [d for _, _, d in sorted(earliest, reverse=True)]
     out.alarm_steps.sort()
     return out
