@@ -31,9 +31,12 @@ from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows,
 MAX_EPISODES = 50  # rows in the report's table; the others are counted, and all are in the event log
 MAX_TEXT = 400  # characters of one shown value (a location, an advice, an evidence value)
 
-# The type of each field a diagnosis line may hold; a line that breaks one is named, not rendered.
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {"finding": (str,), "step": (int,), "location": (str, type(None)),
-                                             "evidence": (dict,), "advice": (str,), "remedy": (str, type(None))}
+# The types each field of a diagnosis line may hold, and the same in words; a line that breaks one is named.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "finding": ((str,), "a string"), "step": ((int,), "an integer"),
+    "location": ((str, type(None)), "a string or null"), "evidence": ((dict,), "an object"),
+    "advice": ((str,), "a string"), "remedy": ((str, type(None)), "a string or null"),
+}
 
 
 def _clip(text: str, limit: int = MAX_TEXT) -> str:
@@ -48,10 +51,8 @@ def _finding(row: Any) -> Finding:
     for key in ("finding", "step"):
         if key not in row:
             raise ValueError(f"{key!r} is missing")
-    for key, types in _FIELD_TYPES.items():
+    for key, (types, wanted) in _FIELD_TYPES.items():
         if key in row and (not isinstance(row[key], types) or isinstance(row[key], bool)):
-            wanted = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an integer",
-                                                                  "dict": "an object"}[t.__name__] for t in types)
             raise ValueError(f"{key!r} must be {wanted}, not {_clip(repr(row[key]), 60)}")
     return Finding(row["finding"])
 
@@ -182,6 +183,7 @@ def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
 
 
 def report_episodes(diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> list[Episode]:
+    """The shown diagnoses as episodes; their spans end at the next alarm, shown or not."""
     return episodes(diagnoses.shown, timeline, alarm_steps=diagnoses.alarm_steps)
 
 
