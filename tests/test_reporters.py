@@ -120,6 +120,23 @@ def test_a_sink_failing_mid_run_is_warned_once_and_the_others_go_on(
     assert read_timeline(sinks.dir / TIMELINE_NAME).of_kind("end")[0]["steps"] == 8
 
 
+def test_a_timeline_that_cannot_be_written_never_raises(tmp_path: Path) -> None:
+    sinks = reporters(tmp_path, verbose=False)
+    assert sinks.timeline is not None
+    (sinks.dir / TIMELINE_NAME).mkdir()  # the timeline's file cannot be opened now
+    sinks.timeline.record_step(0, skipped=True, scale=2.0)
+    with pytest.warns(RuntimeWarning) as caught:
+        sinks.flush()
+        sinks.publish(HOSTILE, [])
+        sinks.finish([HOSTILE], RunStats(1, skipped=1))
+        sinks.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"AmpWatch could not write to the timeline ({sinks.dir / TIMELINE_NAME}): "
+                                  "IsADirectoryError")
+    assert (sinks.dir / EVENT_LOG_NAME).is_file()  # the event log is another sink: it still works
+
+
 def test_other_ranks_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sinks = reporters(tmp_path, is_global_zero=False)
     sinks.publish(HOSTILE, [])
