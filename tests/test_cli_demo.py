@@ -32,6 +32,27 @@ def test_demo_remediate_recovers_by_itself(tmp_path: Path, capsys: pytest.Captur
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "Applied: fp32_island" in out
     assert "Remedies applied: fp32_island before step 1. From step 1 to 15: 0 step(s) skipped - recovered." in out
+    # the run is twice the scenario's length, to show the recovery: the demo's own line and the summary agree
+    assert "Precision: fp16 on the CPU, 16 optimizer steps, logs in" in out
+    assert "AmpWatch summary: 16 optimizer steps" in out
+
+
+def test_demo_with_an_unwritable_root_dir_fails_before_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where a directory should be")
+    assert main(["demo", "forward_overflow", "--root-dir", str(blocker / "run")]) == 2
+    captured = capsys.readouterr()
+    assert f"ampwatch demo: cannot write the logs to {blocker / 'run' / 'ampwatch'}" in captured.err
+    assert "Event log:" not in captured.out and "FORWARD_OVERFLOW" not in captured.out
+
+
+def test_demo_prints_a_root_dir_with_brackets_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "[bold]runs"
+    assert main(["demo", "nan_data", "--root-dir", str(root)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"logs in {root}" in out
+    assert f"Event log: {root / 'ampwatch' / 'diagnoses.jsonl'}" in out
 
 
 def test_demo_rejects_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:

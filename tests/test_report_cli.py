@@ -181,3 +181,127 @@ def test_plot_without_matplotlib_says_how_to_get_it(run_dir: Path, tmp_path: Pat
     err = capsys.readouterr().err
     assert "drawing needs matplotlib" in err and "lightning-ampwatch[plot]" in err
     assert not (tmp_path / "t.png").exists()
+
+
+# ---------------------------------------------------------------------------- damaged, hostile and huge logs
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    logs = tmp_path / "ampwatch"
+    shutil.copytree(run_dir / "lightning_logs" / "version_0" / "ampwatch", logs)
+    return logs
+
+
+def test_a_cut_short_last_timeline_line_is_left_out_with_one_warning(run_dir: Path, tmp_path: Path) -> None:
+    logs = copy_run(run_dir, tmp_path)
+    timeline = logs / "timeline.jsonl"
+    lines = timeline.read_text().count("\n")
+    with timeline.open("a") as fh:
+        fh.write('{"step":61,"sca')  # the process died (or the disk filled) mid-write
+    code, out, err = report(str(logs), "--plot", str(tmp_path / "t.png"))
+    assert code == 0, err
+    assert err.count("warning") == 1
+    assert f"ampwatch report: warning: {timeline}:{lines + 1}: the last line is cut short" in err
+    assert "60 optimizer steps" in out and (tmp_path / "t.png").is_file()
+
+
+def test_a_bad_line_in_the_middle_of_the_timeline_stays_an_error(run_dir: Path, tmp_path: Path) -> None:
+    logs = copy_run(run_dir, tmp_path)
+    timeline = logs / "timeline.jsonl"
+    rows = timeline.read_text().splitlines()
+    timeline.write_text("\n".join([rows[0], '{"step":1,"sca', *rows[1:]]))  # no newline at the end either
+    code, _, err = report(str(logs))
+    assert code == 2
+    assert f"{timeline}:2: not an AmpWatch timeline row" in err
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("location", {"module": "attention"}, "'location' must be a string or null"),
+    ("advice", 3, "'advice' must be a string, not 3"),
+    ("evidence", [1, 2], "'evidence' must be an object"),
+    ("step", "7", "'step' must be an integer"),
+])
+def test_a_field_of_the_wrong_type_names_file_and_line(tmp_path: Path, field: str, value: object, why: str) -> None:
+    import json
+
+    good = {"finding": "GRADIENT_OVERFLOW", "step": 0, "location": None, "evidence": {}, "advice": "a", "remedy": None}
+    path = tmp_path / "diagnoses.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, field: value}) + "\n")
+    code, _, err = report(str(path))
+    assert code == 2
+    assert f"{path}:2: not an AmpWatch diagnosis ({why}" in err
+    assert "Traceback" not in err
+
+
+def test_a_directory_named_like_the_event_log_is_a_clear_error(tmp_path: Path) -> None:
+    odd = tmp_path / "run" / "ampwatch" / "diagnoses.jsonl"
+    odd.mkdir(parents=True)
+    code, _, err = report(str(tmp_path))  # found while searching below the path
+    assert code == 2 and f"{tmp_path}: no AmpWatch logs here" in err
+    code, _, err = report(str(odd))  # named outright
+    assert code == 2 and f"{odd}: a directory, not the AmpWatch log file its name says" in err
+
+
+def test_user_text_prints_as_written_in_the_table_and_is_escaped_in_html(tmp_path: Path) -> None:
+    from lightning_ampwatch import Diagnosis, Finding
+
+    hostile = Diagnosis(Finding.FORWARD_OVERFLOW, 3, location="heads.[bold red]x<b>",
+                        evidence={"op": "return losses[idx] * 1024 <script>"}, advice="Use [italic]float32.")
+    path = tmp_path / "ampwatch" / "diagnoses.jsonl"
+    path.parent.mkdir()
+    path.write_text(hostile.to_json() + "\n")
+    (path.parent / "timeline.jsonl").write_text('{"event":"start","step":0,"format":1}\n{"step":3,"scale":2.0}\n')
+    code, out, err = report(str(path), "--html", str(tmp_path / "r.html"))
+    assert code == 0, err
+    cells = " ".join(out.replace("│", " ").split())
+    assert "heads.[bold red]x<b>" in cells and "Use [italic]float32." in cells
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "heads.[bold red]x&lt;b&gt;" in page and "return losses[idx] * 1024 &lt;script&gt;" in page
+    assert "<script>" not in page and "x<b>" not in page
+
+
+def test_html_shows_each_diagnosis_evidence_escaped(run_dir: Path, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    code, _, err = report(str(run_dir), "--html", str(page))
+    assert code == 0, err
+    text = page.read_text(encoding="utf-8")
+    assert "<th>evidence</th>" in text and '<table class="evidence">' in text
+    assert "<td>lr_before</td><td>0.02</td>" in text and "<td>lr_after</td><td>0.8</td>" in text
+    assert f"<title>AmpWatch report: {run_dir.name}/lightning_logs/version_0</title>" in text
+
+
+def test_plot_title_names_the_run_not_the_version_folder(run_dir: Path, tmp_path: Path) -> None:
+    from lightning_ampwatch.report import locate_run, run_title
+
+    assert run_title(locate_run(run_dir)) == f"{run_dir.name}/lightning_logs/version_0"
+    plain = copy_run(run_dir, tmp_path / "my_run")  # a run without a logger: <root>/ampwatch
+    assert run_title(locate_run(plain)) == "my_run"
+
+
+def test_a_huge_log_is_read_in_seconds_and_printed_in_a_screenful(tmp_path: Path) -> None:
+    import json
+    import time
+
+    logs = tmp_path / "ampwatch"
+    logs.mkdir()
+    n_diagnoses, n_rows = 20_000, 200_000
+    advice = "Lower the learning rate. " * 40  # a long value: shown cut short
+    with (logs / "diagnoses.jsonl").open("w") as fh:
+        for i in range(n_diagnoses):
+            finding = "GRADIENT_OVERFLOW" if i % 2 else "NORMAL_SCALING"
+            fh.write(json.dumps({"finding": finding, "step": i * 10, "location": f"layers.{i}",
+                                 "evidence": {"skips": [1.0] * 20}, "advice": advice, "remedy": None}) + "\n")
+    with (logs / "timeline.jsonl").open("w") as fh:
+        fh.write('{"event":"start","step":0,"format":1,"precision":"fp16"}\n')
+        for step in range(n_rows):
+            fh.write(json.dumps({"step": step, "scale": 1024.0, "skipped": step % 10 == 1}) + "\n")
+    start = time.perf_counter()
+    code, out, err = report(str(logs), "--html", str(tmp_path / "r.html"))
+    took = time.perf_counter() - start
+    assert code == 0, err
+    assert took < 20, f"{took:.1f} s"
+    assert len(out) < 60_000, f"{len(out)} characters printed"
+    assert "10000 alarms." in out
+    assert f"... {n_diagnoses - 50} more episodes, all in {logs / 'diagnoses.jsonl'}" in out
+    assert advice not in out.replace("\n", "") and "..." in out
+    assert (tmp_path / "r.html").stat().st_size < 2_000_000

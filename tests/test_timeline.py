@@ -237,3 +237,14 @@ def test_summary_lines_for_normal_scaling_and_a_fixed_alarm() -> None:
     lines = summary_lines(fixed, RunStats(60, skipped=6, scale=2.0**10), log_dir="/runs/a")
     assert lines[1] == "  step      0  GRADIENT_OVERFLOW (fixed with lower_init_scale)"
     assert lines[2].endswith("ampwatch report /runs/a --plot timeline.png")
+
+
+def test_a_cut_short_last_line_is_left_out_with_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / TIMELINE_NAME
+    path.write_text('{"event":"start","step":0,"format":1}\n{"step":0,"scale":2.0}\n{"step":1,"sc')
+    with pytest.warns(RuntimeWarning, match=rf"{TIMELINE_NAME}:3: the last line is cut short"):
+        data = read_timeline(path)
+    assert data.steps == [0]
+    path.write_text('{"event":"start","step":0,"format":1}\n{"step":0,"sc\n{"step":1,"scale":2.0}')
+    with pytest.raises(ValueError, match=rf"{TIMELINE_NAME}:2: not an AmpWatch timeline row"):
+        read_timeline(path)  # a bad line with a line after it is damage, not an interrupted write

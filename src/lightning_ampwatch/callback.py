@@ -161,6 +161,7 @@ class AmpWatch(Callback):
         self._world_size = 1
         self._disabled = False
         self._failures: set[str] = set()
+        self._said: set[str] = set()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -207,7 +208,7 @@ class AmpWatch(Callback):
             investigator, machine, window=self.thresholds.window, world_size=self._world_size,
             capture_rng=uses_rng(pl_module), on_failure=self._internal_failure)
         if info.note:
-            reporters.say(info.note)
+            self._say_once(info.note)
         self._attach_guards(trainer, pl_module)
         if self.hold_lr_on_skip:
             HoldLrOnSkip.install(pl_module, self._ledger.last_step_skipped, _StepSchedulers(trainer))
@@ -300,13 +301,15 @@ class AmpWatch(Callback):
 
     def _at_log_step(self, trainer: pl.Trainer) -> None:
         """Once per ``log_every_n_steps`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
-        assert self._ledger is not None and self.reporters is not None and self.machine is not None
-        resolved, scale = self._ledger.at_log_step(trainer)
+        ledger, reporters, machine = self._ledger, self.reporters, self.machine
+        assert ledger is not None and reporters is not None and machine is not None
+        resolved = ledger.drain_at_log_step(trainer)
         self._take(trainer, resolved)
-        steps, skipped, nonfinite = self._ledger.take_log_counts()
-        self.reporters.log_metrics(trainer, steps=steps, skipped=skipped, nonfinite=nonfinite,
-                                   skipped_total=self.machine.skipped_total, scale=scale)
-        self.reporters.flush(self._last_loss)
+        steps, skipped, nonfinite = ledger.take_log_counts()
+        metrics = reporters.metric_tensors(trainer, steps=steps, skipped=skipped, nonfinite=nonfinite)
+        scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        reporters.log_metrics(trainer, values, skipped_total=machine.skipped_total, scale=scale)
+        reporters.flush(self._last_loss)
 
     def _last_loss(self) -> float:
         loss = self._ledger.last_loss if self._ledger is not None else None
@@ -522,8 +525,10 @@ class AmpWatch(Callback):
                           RuntimeWarning, stacklevel=3)
 
     def _say_once(self, message: str, key: str | None = None) -> None:
-        if self.reporters is not None:
-            self.reporters.say(message, key=key)
+        key = key or message
+        if key not in self._said and self.reporters is not None:
+            self._said.add(key)
+            self.reporters.say(message)
 
 
 def _bring_results_home() -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
+
+from lightning_ampwatch.reporters import EVENT_LOG_NAME, ensure_writable
 
 
 def _quiet_lightning() -> None:
@@ -28,20 +31,29 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[bold]{name:<18}[/bold] -> {scenario.expected:<18} {scenario.description}")
         return 0
     if args.scenario not in SCENARIOS:
-        console.print(f"[red]Unknown scenario {args.scenario!r}.[/red] Choose one of: {', '.join(SCENARIOS)}")
+        console.print(f"[red]Unknown scenario {escape(repr(args.scenario))}.[/red] "
+                      f"Choose one of: {', '.join(SCENARIOS)}")
         return 2
     _quiet_lightning()
     from lightning_ampwatch.callback import AmpWatch
     from lightning_ampwatch.scenarios import run_scenario
 
     scenario = SCENARIOS[args.scenario]
-    root = args.root_dir or tempfile.mkdtemp(prefix=f"ampwatch-{args.scenario}-")
+    root = Path(args.root_dir or tempfile.mkdtemp(prefix=f"ampwatch-{args.scenario}-"))
+    logs = root / "ampwatch"  # build_trainer runs without a logger: the log directory is the root itself
+    try:
+        ensure_writable(logs)
+    except OSError as err:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            f"ampwatch demo: cannot write the logs to {logs}: {err}", markup=False)
+        return 2
+    steps = scenario.max_steps * 2 if args.remediate else scenario.max_steps  # room to show the recovery
     console.rule(f"ampwatch demo: {scenario.name}")
     console.print(scenario.description)
-    console.print(f"Precision: {scenario.precision} on the CPU, {scenario.max_steps} steps, logs in {root}\n")
+    console.print(f"Precision: {scenario.precision} on the CPU, {steps} optimizer steps, logs in {root}\n",
+                  markup=False, soft_wrap=True)  # never break a path across lines
     watch = AmpWatch(remediate=args.remediate)
-    steps = scenario.max_steps * 2 if args.remediate else scenario.max_steps  # room to show the recovery
-    run_scenario(args.scenario, root, watch, max_steps=steps)
+    run_scenario(args.scenario, str(root), watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
     console.print()
     if not watch.diagnoses:
@@ -50,13 +62,14 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     verdict = "as expected" if scenario.expected in found else f"expected {scenario.expected}"
     console.print(f"Diagnoses: {', '.join(found) or 'none'} ({verdict}); {len(alarms)} alarm(s).")
     if args.remediate:
-        _say_recovery(watch, console)
-    if watch.event_log is not None:
-        console.print(f"Event log: {watch.event_log.path}")
+        _say_recovery(watch, logs, console)
+    event_log = logs / EVENT_LOG_NAME
+    if event_log.is_file():
+        console.print(f"Event log: {event_log}", markup=False, soft_wrap=True)
     return 0 if scenario.expected in found else 1
 
 
-def _say_recovery(watch: object, console: Console) -> None:
+def _say_recovery(watch: object, logs: Path, console: Console) -> None:
     """After a ``--remediate`` demo: what was applied, and how the steps after the last remedy went."""
     from lightning_ampwatch.timeline import TIMELINE_NAME, read_timeline
 
@@ -65,7 +78,7 @@ def _say_recovery(watch: object, console: Console) -> None:
         console.print("No remedy was applied (none on this finding's ladder, or none needed).")
         return
     last = applied[-1]
-    data = read_timeline(watch.event_log.dir / TIMELINE_NAME)  # type: ignore[attr-defined]
+    data = read_timeline(logs / TIMELINE_NAME)
     end = data.of_kind("end")[-1]["step"] if data.of_kind("end") else (data.steps[-1] if data.steps else 0)
     after = [(step, skipped) for step, skipped in zip(data.steps, data.skipped) if step >= last.step]
     skipped_after = sum(1 for _, skipped in after if skipped)
@@ -76,15 +89,19 @@ def _say_recovery(watch: object, console: Console) -> None:
 
 def _report(args: argparse.Namespace, console: Console) -> int:
     """Print the episode table of a run; with ``--plot`` / ``--html`` draw its timeline too."""
-    from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, render_plot
+    from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, render_plot, run_title
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # never break a path across lines
     try:
-        files = locate_run(args.path)
-        diagnoses, timeline = load_run(files)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            files = locate_run(args.path)
+            diagnoses, timeline = load_run(files)
     except (OSError, ValueError) as err:
         errors.print(f"ampwatch report: {err}", markup=False)
         return 2
+    for warning in caught:  # a cut-short last line: said plainly, once, before the report
+        errors.print(f"ampwatch report: warning: {warning.message}", markup=False)
     if not console.is_terminal:
         console = Console(highlight=False, width=120)  # piped or captured: a table wider than the 80 default
     print_report(files, diagnoses, timeline, console)
@@ -92,8 +109,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
         errors.print(f"ampwatch report: {files.directory} has no {'steps in its ' if timeline else ''}timeline.jsonl "
                      "to draw (the callback writes it beside diagnoses.jsonl)", markup=False)
         return 2
-    title = f"AmpWatch timeline: {files.directory.parent.name or files.directory}"
-    for out, render in ((args.plot, lambda o: render_plot(timeline, diagnoses, o, title=title)),
+    title = f"AmpWatch timeline: {run_title(files)}"
+    for out, render in ((args.plot, lambda o: render_plot(timeline, diagnoses.shown, o, title=title)),
                         (args.html, lambda o: render_html(o, files, diagnoses, timeline))):
         if not out:
             continue

@@ -1,143 +1,98 @@
-"""Turning diagnoses into what people read: the JSON event log, the console panel, logger text, and the
-``ampwatch report`` table, plot and HTML page.
+"""``ampwatch report``: a run's logs read back from disk and shown as a table, a plot and an HTML page.
 
-The event log is the source of truth: the console and the loggers never show anything it lacks.
+The files are streamed, never read whole, and what is shown is bounded: a run with a hundred thousand
+diagnoses reads in seconds and prints a screenful.
 """
 
 from __future__ import annotations
 
 import base64
+import heapq
 import html
 import io
-import json
 import math
 import os
-import weakref
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Sequence
+from typing import IO, Any, Sequence
 
-from rich.console import Console, Group
-from rich.panel import Panel
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value
 from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes
-from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, read_timeline
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline
 
-EVENT_LOG_NAME = "diagnoses.jsonl"
+MAX_EPISODES = 50  # rows in the report's table; the others are counted, and all are in the event log
+MAX_TEXT = 400  # characters of one shown value (a location, an advice, an evidence value)
 
-
-class EventLog:
-    """``<log_dir>/ampwatch/diagnoses.jsonl``: one JSON object per line, appended and flushed at once."""
-
-    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
-        self.dir = Path(log_dir) / "ampwatch"
-        self.path = self.dir / EVENT_LOG_NAME
-
-    def append(self, diagnosis: Diagnosis) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(diagnosis.to_json() + "\n")
-
-    @staticmethod
-    def read(path: str | os.PathLike[str]) -> list[Diagnosis]:
-        """Parse an event log; names the line that is not valid."""
-        out: list[Diagnosis] = []
-        with Path(path).open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append(Diagnosis.from_dict(json.loads(line)))
-                except (ValueError, TypeError, KeyError) as err:
-                    raise ValueError(f"{path}:{lineno}: not an AmpWatch diagnosis ({err})") from err
-        return out
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, list) and len(value) > 8:
-        return "[" + ", ".join(_fmt(v) for v in value[:3]) + ", ..., " + ", ".join(_fmt(v) for v in value[-3:]) + "]"
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    return str(value)
-
-
-def diagnosis_panel(diagnosis: Diagnosis) -> Panel:
-    """A rich panel: headline, evidence table, advice, remedy."""
-    evidence = Table.grid(padding=(0, 2))
-    evidence.add_column(style="dim")
-    evidence.add_column()
-    for key, value in diagnosis.evidence.items():
-        evidence.add_row(key, _fmt(value))
-    parts: list[Any] = [Text(diagnosis.finding.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
-    if diagnosis.remedy:
-        parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
-    style = "red" if diagnosis.is_alarm else "blue"
-    where = f" in {diagnosis.location}" if diagnosis.location else ""
-    title = f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}"
-    return Panel(Group(*parts), title=title, title_align="left", border_style=style, expand=False)
-
-
-def print_diagnosis(diagnosis: Diagnosis, console: Console | None = None) -> None:
-    (console or Console(highlight=False)).print(diagnosis_panel(diagnosis))
-
-
-def diagnosis_markdown(diagnosis: Diagnosis) -> str:
-    """The text form sent to loggers that take text."""
-    lines = [f"**{diagnosis.finding.value}** at step {diagnosis.step}"
-             + (f" in `{diagnosis.location}`" if diagnosis.location else ""),
-             "", diagnosis.finding.summary, "", "| evidence | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in diagnosis.evidence.items()]
-    lines += ["", f"Fix: {diagnosis.advice}"]
-    if diagnosis.remedy:
-        lines.append(f"Applied: {diagnosis.remedy}")
-    return "\n".join(lines)
-
-
-# One writer per logger kind that takes text; loggers not listed get metrics only (the jsonl has the text).
-TextWriter = Callable[[Any, Diagnosis], None]
-
-
-def _tensorboard(logger: Any, diagnosis: Diagnosis) -> None:
-    logger.experiment.add_text("ampwatch/diagnosis", diagnosis_markdown(diagnosis), global_step=diagnosis.step)
-
-
-def _mlflow(logger: Any, diagnosis: Diagnosis) -> None:
-    logger.experiment.log_text(logger.run_id, diagnosis_markdown(diagnosis),
-                               f"ampwatch/step{diagnosis.step:08d}_{diagnosis.finding.value}.md")
-
-
-WANDB_COLUMNS = ["step", "finding", "location", "advice", "remedy"]
-_wandb_rows: "weakref.WeakKeyDictionary[Any, list[list[Any]]]" = weakref.WeakKeyDictionary()
-
-
-def _wandb(logger: Any, diagnosis: Diagnosis) -> None:
-    """W&B tables are immutable: each diagnosis logs the whole table so far, so the latest version has them all."""
-    rows = _wandb_rows.setdefault(logger, [])
-    rows.append([diagnosis.step, diagnosis.finding.value, diagnosis.location or "", diagnosis.advice,
-                 diagnosis.remedy or ""])
-    logger.log_text(key="ampwatch/diagnoses", columns=WANDB_COLUMNS, data=[list(r) for r in rows],
-                    step=diagnosis.step)
-
-
-TEXT_WRITERS: dict[str, TextWriter] = {
-    "TensorBoardLogger": _tensorboard,
-    "MLFlowLogger": _mlflow,
-    "WandbLogger": _wandb,
+# The types each field of a diagnosis line may hold, and the same in words; a line that breaks one is named.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "finding": ((str,), "a string"), "step": ((int,), "an integer"),
+    "location": ((str, type(None)), "a string or null"), "evidence": ((dict,), "an object"),
+    "advice": ((str,), "a string"), "remedy": ((str, type(None)), "a string or null"),
 }
 
 
-def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
-    for logger in loggers:
-        for cls in type(logger).__mro__:
-            writer = TEXT_WRITERS.get(cls.__name__)
-            if writer is not None:
-                writer(logger, diagnosis)
-                break
+def _clip(text: str, limit: int = MAX_TEXT) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _finding(row: Any) -> Finding:
+    """Check one event-log line's fields and types (cheap, every line); the ``Diagnosis`` itself is built only
+    for the lines shown. A wrong field raises ``ValueError`` naming it, its value and what it must be."""
+    if not isinstance(row, dict):
+        raise ValueError(f"each line must be a JSON object, not {type(row).__name__}")
+    for key in ("finding", "step"):
+        if key not in row:
+            raise ValueError(f"{key!r} is missing")
+    for key, (types, wanted) in _FIELD_TYPES.items():
+        if key in row and (not isinstance(row[key], types) or isinstance(row[key], bool)):
+            raise ValueError(f"{key!r} must be {wanted}, not {_clip(repr(row[key]), 60)}")
+    return Finding(row["finding"])
+
+
+@dataclass
+class LoggedDiagnoses:
+    """An event log as the report shows it: the earliest ``MAX_EPISODES`` diagnoses in full, the rest counted."""
+
+    shown: list[Diagnosis] = field(default_factory=list)
+    total: int = 0
+    alarm_steps: list[int] = field(default_factory=list)  # every alarm's step: the episode spans end at the next
+
+    @property
+    def alarms(self) -> int:
+        return len(self.alarm_steps)
+
+    @property
+    def hidden(self) -> int:
+        return self.total - len(self.shown)
+
+
+def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> LoggedDiagnoses:
+    """Stream an event log; a bad line raises ``ValueError`` naming the file and the line."""
+    path = Path(path)
+    out = LoggedDiagnoses()
+    earliest: list[tuple[int, int, Diagnosis]] = []  # a max-heap (negated) of the ``keep`` earliest by step
+    for lineno, row in jsonl_rows(path, "an AmpWatch diagnosis", "an AmpWatch event log"):
+        try:
+            finding = _finding(row)
+            out.total += 1
+            if finding.is_alarm:
+                out.alarm_steps.append(row["step"])
+            rank = (-row["step"], -lineno)
+            if len(earliest) < keep:
+                heapq.heappush(earliest, (*rank, Diagnosis.from_dict(row)))
+            elif rank > earliest[0][:2]:
+                heapq.heapreplace(earliest, (*rank, Diagnosis.from_dict(row)))
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{path}:{lineno}: not an AmpWatch diagnosis ({err})") from err
+    out.shown = [d for _, _, d in sorted(earliest, reverse=True)]
+    out.alarm_steps.sort()
+    return out
 
 
 # ---------------------------------------------------------------------------- `ampwatch report`
@@ -171,6 +126,9 @@ def locate_run(path: str | os.PathLike[str]) -> RunFiles:
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"{source}: no such file or directory")
+    if source.is_dir() and source.name in (EVENT_LOG_NAME, TIMELINE_NAME):
+        raise IsADirectoryError(f"{source}: a directory, not the AmpWatch log file its name says; name the run "
+                                "directory or the ampwatch directory that holds the logs")
     if source.is_file():
         if source.name == TIMELINE_NAME:
             diagnoses, _ = _ampwatch_files(source.parent)
@@ -181,7 +139,8 @@ def locate_run(path: str | os.PathLike[str]) -> RunFiles:
         diagnoses, timeline = _ampwatch_files(directory)
         if diagnoses or timeline:
             return RunFiles(source, diagnoses=diagnoses, timeline=timeline)
-    found = sorted({p.parent for name in (EVENT_LOG_NAME, TIMELINE_NAME) for p in source.rglob(f"ampwatch/{name}")},
+    found = sorted({p.parent for name in (EVENT_LOG_NAME, TIMELINE_NAME) for p in source.rglob(f"ampwatch/{name}")
+                    if p.is_file()},
                    key=lambda d: max(f.stat().st_mtime for f in d.iterdir() if f.is_file()), reverse=True)
     if not found:
         raise FileNotFoundError(f"{source}: no AmpWatch logs here (looked for ampwatch/{EVENT_LOG_NAME} and "
@@ -190,19 +149,23 @@ def locate_run(path: str | os.PathLike[str]) -> RunFiles:
     return RunFiles(source, diagnoses=diagnoses, timeline=timeline, others=found[1:])
 
 
-def load_run(files: RunFiles) -> tuple[list[Diagnosis], TimelineData | None]:
+def load_run(files: RunFiles) -> tuple[LoggedDiagnoses, TimelineData | None]:
     """Read both files; a malformed one raises ``ValueError`` naming the file (and the line)."""
-    diagnoses: list[Diagnosis] = []
-    if files.diagnoses is not None:
-        try:
-            diagnoses = EventLog.read(files.diagnoses)
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{files.diagnoses}: not an AmpWatch event log (not UTF-8 text: {err.reason})") from err
+    diagnoses = read_diagnoses(files.diagnoses) if files.diagnoses is not None else LoggedDiagnoses()
     timeline = read_timeline(files.timeline) if files.timeline is not None else None
     return diagnoses, timeline
 
 
-def timeline_stats(timeline: TimelineData | None, diagnoses: Sequence[Diagnosis] = ()) -> RunStats | None:
+def run_title(files: RunFiles) -> str:
+    """The run's own name: ``<run>/lightning_logs/version_0`` for a logger's versioned directory (a bare
+    ``version_0`` names nothing), else the directory that holds ``ampwatch/``."""
+    log_dir = files.directory.parent if files.directory.name == "ampwatch" else files.directory
+    if re.fullmatch(r"version_\d+", log_dir.name):
+        return "/".join(log_dir.parts[-3:])
+    return log_dir.name or str(log_dir)
+
+
+def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
     """Counters for the report header, from the timeline (every anomalous step is in it)."""
     if timeline is None or not timeline.steps:
         return None
@@ -215,6 +178,16 @@ def timeline_stats(timeline: TimelineData | None, diagnoses: Sequence[Diagnosis]
     return RunStats(steps=timeline.steps[-1] - timeline.steps[0] + 1, skipped=sum(timeline.skipped),
                     nonfinite=sum(1 for f in timeline.loss_finite if f is False),
                     scale=scales[-1] if scales else None, precision=timeline.precision)
+
+
+def report_episodes(diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> list[Episode]:
+    """The shown diagnoses as episodes; their spans end at the next alarm, shown or not."""
+    return episodes(diagnoses.shown, timeline, alarm_steps=diagnoses.alarm_steps)
+
+
+def more_line(diagnoses: LoggedDiagnoses, files: RunFiles) -> str:
+    """The line under a capped table: how many episodes it leaves out and where they all are."""
+    return f"... {diagnoses.hidden} more episode{'s' if diagnoses.hidden != 1 else ''}, all in {files.diagnoses}"
 
 
 def episodes_table(rows: Sequence[Episode]) -> Table:
@@ -230,13 +203,13 @@ def episodes_table(rows: Sequence[Episode]) -> Table:
         steps = Text(row.steps)
         if row.anomalous is not None and d.is_alarm:
             steps.append(f"\n{row.anomalous} bad step{'s' if row.anomalous != 1 else ''}", style="dim")
-        remedy = Text(d.remedy, style="green") if d.remedy else Text("none" if d.is_alarm else "-", style="dim")
+        remedy = Text(_clip(d.remedy), style="green") if d.remedy else Text("none" if d.is_alarm else "-", style="dim")
         table.add_row(steps, Text(d.finding.value, style="bold red" if d.is_alarm else "blue"),
-                      Text(d.location or "-"), Text(d.advice), remedy)
+                      Text(_clip(d.location or "-")), Text(_clip(d.advice)), remedy)
     return table
 
 
-def report_lines(files: RunFiles, diagnoses: Sequence[Diagnosis], timeline: TimelineData | None) -> list[str]:
+def report_lines(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> list[str]:
     """The plain-text header of a report: which run, and what happened in it."""
     lines = [f"AmpWatch report: {files.directory}"]
     if files.others:
@@ -244,20 +217,22 @@ def report_lines(files: RunFiles, diagnoses: Sequence[Diagnosis], timeline: Time
                      "Name one of their ampwatch directories to see it.)")
     if timeline is not None and timeline.earlier_runs:
         lines.append(f"  ({timeline.earlier_runs} earlier run(s) in {timeline.path.name}; showing the last.)")
-    stats = timeline_stats(timeline, diagnoses)
-    alarms = sum(1 for d in diagnoses if d.is_alarm)
+    stats = timeline_stats(timeline)
+    alarms = diagnoses.alarms
     counts = counts_line(stats) if stats is not None else "no timeline beside the event log"
     verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}" if alarms else "no alarm: a healthy run"
     lines.append(f"  {counts}; {verdict}.")
     return lines
 
 
-def print_report(files: RunFiles, diagnoses: Sequence[Diagnosis], timeline: TimelineData | None,
+def print_report(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: TimelineData | None,
                  console: Console) -> None:
     for line in report_lines(files, diagnoses, timeline):
         console.print(line, markup=False, highlight=False)
-    if diagnoses:
-        console.print(episodes_table(episodes(diagnoses, timeline)))
+    if diagnoses.total:
+        console.print(episodes_table(report_episodes(diagnoses, timeline)))
+        if diagnoses.hidden:
+            console.print(more_line(diagnoses, files), markup=False, highlight=False)
     else:
         console.print("  No diagnoses were made.", markup=False)
 
@@ -378,7 +353,7 @@ def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str
         handles = [Line2D([], [], color=c, ls=s, label=name) for (c, s), name in kinds.items() if (c, s) in used]
         axes[-1].legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.9)
     axes[-1].set_xlabel("optimizer step")
-    stats = timeline_stats(timeline, diagnoses)
+    stats = timeline_stats(timeline)
     fig.suptitle(title, fontsize=12, fontweight="bold")
     if stats is not None:
         axes[0].set_title(counts_line(stats), fontsize=9, color="0.3")
@@ -389,30 +364,43 @@ def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str
     fig.savefig(out, format=fmt, metadata={"Software": None} if fmt == "png" else None)
 
 
-def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: Sequence[Diagnosis],
+def _evidence_html(evidence: dict[str, object]) -> str:
+    if not evidence:
+        return "-"
+    rows = "".join(f"<tr><td>{html.escape(_clip(str(k)))}</td><td>{html.escape(_clip(format_value(v)))}</td></tr>"
+                   for k, v in evidence.items())
+    return f'<table class="evidence">{rows}</table>'
+
+
+def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: LoggedDiagnoses,
                 timeline: TimelineData | None) -> None:
-    """One self-contained page: the report header, the plot (embedded) and the episode table."""
-    parts = ["<!doctype html>", '<html><head><meta charset="utf-8"><title>AmpWatch report</title><style>',
+    """One self-contained page: the report header, the plot (embedded) and the episode table with the evidence."""
+    parts = ["<!doctype html>", '<html><head><meta charset="utf-8">'
+             f"<title>AmpWatch report: {html.escape(run_title(files))}</title><style>",
              "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}",
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.4em .6em;vertical-align:top;"
              "text-align:left}.alarm{color:#b00;font-weight:bold}.normal{color:#35c}img{max-width:100%}"
+             ".evidence td{border:none;padding:0 .6em 0 0;font-size:90%}"
              "</style></head><body>", "<h1>AmpWatch report</h1>"]
     parts += [f"<p>{html.escape(line.strip())}</p>" for line in report_lines(files, diagnoses, timeline)]
     if timeline is not None and timeline.steps:
         buffer = io.BytesIO()
-        render_plot(timeline, diagnoses, buffer, title=f"AmpWatch timeline: {files.directory.parent.name}",
-                    fmt="png")
+        render_plot(timeline, diagnoses.shown, buffer, title=f"AmpWatch timeline: {run_title(files)}", fmt="png")
         encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
         parts.append(f'<p><img alt="AmpWatch timeline" src="data:image/png;base64,{encoded}"></p>')
-    if diagnoses:
-        parts.append("<table><tr><th>steps</th><th>finding</th><th>location</th><th>advice</th><th>remedy</th></tr>")
-        for row in episodes(diagnoses, timeline):
+    if diagnoses.total:
+        parts.append("<table><tr><th>steps</th><th>finding</th><th>location</th><th>evidence</th><th>advice</th>"
+                     "<th>remedy</th></tr>")
+        for row in report_episodes(diagnoses, timeline):
             d = row.diagnosis
             parts.append(f"<tr><td>{html.escape(row.steps)}</td>"
                          f"<td class=\"{'alarm' if d.is_alarm else 'normal'}\">{d.finding.value}</td>"
-                         f"<td>{html.escape(d.location or '-')}</td><td>{html.escape(d.advice)}</td>"
-                         f"<td>{html.escape(d.remedy or ('none' if d.is_alarm else '-'))}</td></tr>")
+                         f"<td>{html.escape(_clip(d.location or '-'))}</td><td>{_evidence_html(d.evidence)}</td>"
+                         f"<td>{html.escape(_clip(d.advice))}</td>"
+                         f"<td>{html.escape(_clip(d.remedy or ('none' if d.is_alarm else '-')))}</td></tr>")
         parts.append("</table>")
+        if diagnoses.hidden:
+            parts.append(f"<p>{html.escape(more_line(diagnoses, files))}</p>")
     else:
         parts.append("<p>No diagnoses were made.</p>")
     parts.append("</body></html>")

@@ -1,107 +1,331 @@
-"""PROVISIONAL: replaced by the reporting room's version at merge."""
+"""Every place a diagnosis, a metric or the summary goes while a run trains: the JSON event log, the timeline,
+the console panel, logger text and the ``ampwatch/*`` metrics, behind one :class:`Reporters` object.
+
+The event log is the source of truth: the console and the loggers never show anything it lacks. Each sink fails
+alone, so a full disk or a broken logger costs that sink and never the run.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
+import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from rich.console import Console
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
 from torchmetrics.aggregation import RunningMean, SumMetric
 
-from lightning_ampwatch.report import EventLog, print_diagnosis, write_text
 from lightning_ampwatch.summary import RunStats, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
+EVENT_LOG_NAME = "diagnoses.jsonl"
+LOG_WINDOWS = 4  # the skip rate is a running mean over this many log intervals
+
+
+class EventLog:
+    """``<log_dir>/ampwatch/diagnoses.jsonl``: one JSON object per line, appended and flushed at once."""
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(log_dir) / "ampwatch"
+        self.path = self.dir / EVENT_LOG_NAME
+
+    def append(self, diagnosis: Diagnosis) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(diagnosis.to_json() + "\n")
+
+
+def format_value(value: object) -> str:
+    """An evidence value in a few characters: floats to 6 digits, long lists as their ends."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list) and len(value) > 8:
+        return ("[" + ", ".join(format_value(v) for v in value[:3]) + ", ..., "
+                + ", ".join(format_value(v) for v in value[-3:]) + "]")
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return str(value)
+
+
+def diagnosis_panel(diagnosis: Diagnosis) -> Panel:
+    """A rich panel: headline, evidence table, advice, remedy. Every string is a ``Text``, never markup: a module
+    name like ``[bold]x`` or a code line with ``losses[idx]`` prints as written."""
+    evidence = Table.grid(padding=(0, 2))
+    evidence.add_column(style="dim")
+    evidence.add_column()
+    for key, value in diagnosis.evidence.items():
+        evidence.add_row(Text(str(key)), Text(format_value(value)))
+    parts: list[Any] = [Text(diagnosis.finding.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
+    if diagnosis.remedy:
+        parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
+    where = f" in {diagnosis.location}" if diagnosis.location else ""
+    title = Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}")
+    return Panel(Group(*parts), title=title, title_align="left", border_style="red" if diagnosis.is_alarm else "blue",
+                 expand=False)
+
+
+def print_diagnosis(diagnosis: Diagnosis, console: Console | None = None) -> None:
+    (console or Console(highlight=False)).print(diagnosis_panel(diagnosis))
+
+
+def diagnosis_markdown(diagnosis: Diagnosis) -> str:
+    """The text form sent to loggers that take text."""
+    lines = [f"**{diagnosis.finding.value}** at step {diagnosis.step}"
+             + (f" in `{diagnosis.location}`" if diagnosis.location else ""),
+             "", diagnosis.finding.summary, "", "| evidence | value |", "|---|---|"]
+    lines += [f"| {k} | {format_value(v)} |" for k, v in diagnosis.evidence.items()]
+    lines += ["", f"Fix: {diagnosis.advice}"]
+    if diagnosis.remedy:
+        lines.append(f"Applied: {diagnosis.remedy}")
+    return "\n".join(lines)
+
+
+# One writer per logger kind that takes text; loggers not listed get metrics only (the jsonl has the text).
+TextWriter = Callable[[Any, Diagnosis], None]
+
+
+def _tensorboard(logger: Any, diagnosis: Diagnosis) -> None:
+    logger.experiment.add_text("ampwatch/diagnosis", diagnosis_markdown(diagnosis), global_step=diagnosis.step)
+
+
+def _mlflow(logger: Any, diagnosis: Diagnosis) -> None:
+    logger.experiment.log_text(logger.run_id, diagnosis_markdown(diagnosis),
+                               f"ampwatch/step{diagnosis.step:08d}_{diagnosis.finding.value}.md")
+
+
+WANDB_COLUMNS = ["step", "finding", "location", "advice", "remedy"]
+_wandb_rows: "weakref.WeakKeyDictionary[Any, list[list[Any]]]" = weakref.WeakKeyDictionary()
+
+
+def _wandb(logger: Any, diagnosis: Diagnosis) -> None:
+    """W&B tables are immutable: each diagnosis logs the whole table so far, so the latest version has them all."""
+    rows = _wandb_rows.setdefault(logger, [])
+    rows.append([diagnosis.step, diagnosis.finding.value, diagnosis.location or "", diagnosis.advice,
+                 diagnosis.remedy or ""])
+    logger.log_text(key="ampwatch/diagnoses", columns=WANDB_COLUMNS, data=[list(r) for r in rows],
+                    step=diagnosis.step)
+
+
+TEXT_WRITERS: dict[str, TextWriter] = {
+    "TensorBoardLogger": _tensorboard,
+    "MLFlowLogger": _mlflow,
+    "WandbLogger": _wandb,
+}
+
+
+def text_writer(logger: Any) -> TextWriter | None:
+    """The writer for this logger's class or the nearest base class that has one."""
+    for cls in type(logger).__mro__:
+        writer = TEXT_WRITERS.get(cls.__name__)
+        if writer is not None:
+            return writer
+    return None
+
+
+def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
+    """Every logger that takes text gets the diagnosis (callback.py's way until it moves to ``Reporters``)."""
+    for logger in loggers:
+        writer = text_writer(logger)
+        if writer is not None:
+            writer(logger, diagnosis)
+
+
+def ensure_writable(directory: Path) -> None:
+    """Create ``directory`` and write a scratch file in it (the only check that holds for root, too); raises
+    ``OSError`` when either fails."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass
+
+
+class _StepMetrics:
+    """Puts AmpWatch's metrics in the same logger call as the step's own ``self.log`` values, so that a
+    ``CSVLogger`` writes them on one row. The callback runs before Lightning logs the step, so the metrics wait
+    on the logger connector (one wrapper on that instance) and ride along with Lightning's call at that step;
+    a step Lightning does not log gets them in a call of their own, at the same step."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+        self.pending: tuple[int, dict[str, float]] | None = None
+        self._original = connector.log_metrics
+        connector.log_metrics = self._log_metrics
+
+    def hold(self, step: int, metrics: dict[str, float]) -> None:
+        self.release()
+        self.pending = (step, metrics)
+
+    def _log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self.pending is not None and step is None and "step" not in metrics \
+                and self.pending[0] == self.connector.trainer.fit_loop.epoch_loop._batches_that_stepped:
+            metrics = {**metrics, **self.pending[1]}
+            self.pending = None
+        else:
+            self.release()
+        self._original(metrics, step=step)
+
+    def release(self) -> None:
+        """Log what is waiting on its own (its step was not logged by Lightning, or the fit is over)."""
+        if self.pending is not None:
+            step, metrics = self.pending
+            self.pending = None
+            self._original(metrics, step=step)
+
+    def detach(self) -> None:
+        self.release()
+        if self.connector.__dict__.get("log_metrics") == self._log_metrics:
+            del self.connector.log_metrics  # the class's own method again
+
 
 class Reporters:
+    """Every place a diagnosis, a metric or the summary goes. Each sink fails alone: a failure is warned once
+    (naming the sink, and the path for files) and never stops the other sinks or the caller."""
+
     def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool, precision: str,
                  device: torch.device) -> None:
-        self.event_log = EventLog(log_dir)
-        self.dir = self.event_log.dir
+        self.dir = Path(log_dir) / "ampwatch"
         self.is_global_zero = is_global_zero
         self.verbose = verbose
-        self.timeline = Timeline(self.dir / TIMELINE_NAME if is_global_zero else None, precision=precision)
-        self._skip_rate = RunningMean(window=4).to(device)
-        self._nonfinite_sum = SumMetric().to(device)
-        self._device = device
-        self._console: Console | None = None
-        self._said: set[str] = set()
-        self._failed: set[str] = set()
+        self.event_log = EventLog(log_dir)
+        self._warned: set[str] = set()
+        self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
+        self._step_metrics: _StepMetrics | None = None
+        self._skip_rate = RunningMean(window=LOG_WINDOWS, nan_strategy="disable").to(device)  # counts: never NaN
+        self._nonfinite_sum = SumMetric(nan_strategy="disable").to(device)
+        self.writable = is_global_zero and self._check_writable()
+        self.timeline: Timeline | None = (
+            Timeline(self.dir / TIMELINE_NAME, precision=precision) if self.writable else None)
 
-    def _sink(self, name: str, fn: Callable[[], Any]) -> None:
+    def _check_writable(self) -> bool:
         try:
-            fn()
-        except Exception as err:  # noqa: BLE001
-            if name not in self._failed:
-                self._failed.add(name)
-                warnings.warn(f"AmpWatch could not write to {name}: {type(err).__name__}: {err}", RuntimeWarning)
+            ensure_writable(self.dir)
+        except OSError as err:
+            self._warn("files", f"AmpWatch cannot write its logs to {self.dir} ({err}); the event log and the "
+                                "timeline are off for this run, the console and the loggers still get every "
+                                "diagnosis.")
+            return False
+        return True
 
+    @property
     def console(self) -> Console:
         if self._console is None:
             self._console = Console(highlight=False)
         return self._console
 
+    def _warn(self, sink: str, message: str) -> None:
+        if sink not in self._warned:
+            self._warned.add(sink)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _sink(self, sink: str, action: Callable[[], Any], where: Path | None = None) -> None:
+        """Run one sink; a failure is warned once per sink and goes no further."""
+        try:
+            action()
+        except Exception as err:  # noqa: BLE001 - one broken sink must not silence the others
+            at = f" ({where})" if where is not None else ""
+            self._warn(sink, f"AmpWatch could not write to the {sink}{at}: {type(err).__name__}: {err}. "
+                             "Training and AmpWatch's other outputs go on.")
+
     def publish(self, diagnosis: Diagnosis, loggers: Sequence[Any]) -> None:
+        """Rank zero: event log, timeline marker, console panel (if verbose), logger text. Never raises."""
         if not self.is_global_zero:
             return
-        self._sink(str(self.event_log.path), lambda: self.event_log.append(diagnosis))
-        self._sink("the timeline", lambda: self.timeline.record_diagnosis(diagnosis))
+        if self.writable:
+            self._sink("event log", lambda: self.event_log.append(diagnosis), self.event_log.path)
+        if self.timeline is not None:
+            self._sink("timeline", lambda: self.timeline.record_diagnosis(diagnosis), self.timeline.path)
         if self.verbose:
-            self._sink("the console", lambda: print_diagnosis(diagnosis, self.console()))
-        self._sink("the loggers", lambda: write_text(loggers, diagnosis))
+            self._sink("console", lambda: print_diagnosis(diagnosis, self.console))
+        for logger in loggers:
+            writer = text_writer(logger)
+            if writer is not None:
+                self._sink(type(logger).__name__, lambda: writer(logger, diagnosis))  # noqa: B023 - called at once
 
     def record_remedy(self, step: int, name: str) -> None:
-        self.timeline.record_remedy(step, name)
+        if self.timeline is not None:
+            self._sink("timeline", lambda: self.timeline.record_remedy(step, name), self.timeline.path)
 
-    def say(self, message: str, key: str | None = None) -> None:
-        key = key or message
-        if key not in self._said:
-            self._said.add(key)
-            rank_zero_info(f"AmpWatch: {message}")
+    def say(self, message: str) -> None:
+        """One plain line on rank zero, prefixed with "AmpWatch: " unless it already names AmpWatch."""
+        if self.is_global_zero:
+            rank_zero_info(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
 
-    def log_metrics(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int, skipped_total: int,
-                    scale: float | None) -> None:
+    def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int) -> list[torch.Tensor]:
+        """The windowed skip rate and the cross-rank non-finite count of one log interval, as device scalars, not
+        read: they join the log step's one packed read. Empty when there is no logger to receive them. The skip
+        rate and the cross-rank sum are torchmetrics, updated (and, under DDP, synchronised) on every rank."""
         if not trainer.loggers:
-            return
+            return []
+        device = self._skip_rate.device
         if steps:
-            flags = torch.zeros(steps, device=self._device)
+            flags = torch.zeros(steps, device=device)
             flags[:skipped] = 1.0
             self._skip_rate.update(flags)
-        self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=self._device))
+        self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=device))
+        return [self._skip_rate.compute(), self._nonfinite_sum.compute()]
+
+    def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None) -> None:
+        """The ``ampwatch/*`` metrics (``values``: what :meth:`metric_tensors` gave, read), only when there is a
+        logger, through Lightning's logger connector at the step Lightning logs at (see ``_StepMetrics``). Not
+        ``self.log``: its bookkeeping costs milliseconds per call."""
+        if not trainer.loggers or len(values) != 2:
+            return
+        skip_rate, nonfinite_total = values
         metrics: dict[str, float] = {
             "ampwatch/skipped_steps": float(skipped_total),
-            "ampwatch/nonfinite_losses": float(self._nonfinite_sum.compute()),
-            "ampwatch/skip_rate": float(self._skip_rate.compute()),
+            "ampwatch/nonfinite_losses": float(nonfinite_total),
+            "ampwatch/skip_rate": float(skip_rate),
         }
         if scale is not None:
-            metrics["ampwatch/scale"] = scale
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and hasattr(connector, "log_metrics"):
-            connector.log_metrics(metrics)
-        else:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            metrics["ampwatch/scale"] = float(scale)
+        self._sink("loggers", lambda: self._hold_metrics(trainer, metrics))
+
+    def _hold_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
+        connector = trainer._logger_connector
+        if self._step_metrics is None or self._step_metrics.connector is not connector:
+            self._step_metrics = _StepMetrics(connector)
+        self._step_metrics.hold(trainer.fit_loop.epoch_loop._batches_that_stepped, metrics)
 
     def flush(self, read_last_loss: Callable[[], float] | None = None) -> None:
-        self._sink("the timeline", lambda: self.timeline.flush(read_last_loss=read_last_loss))
+        """Write the buffered timeline rows; ``read_last_loss`` samples the latest loss. Never raises."""
+        if self.timeline is not None:
+            self._sink("timeline", lambda: self.timeline.flush(read_last_loss), self.timeline.path)
 
     def finish(self, diagnoses: Sequence[Diagnosis], stats: RunStats | None) -> None:
-        if stats is not None:
-            self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite, stats.scale)
+        """End of fit: the exact counters and the last rows to the timeline, then the summary (rank zero,
+        verbose)."""
+        self._sink("loggers", self._release_metrics)
+        if self.timeline is not None and stats is not None:
+            self._sink("timeline", lambda: self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite,
+                                                                    stats.scale), self.timeline.path)
         self.flush()
         if self.is_global_zero and self.verbose and stats is not None:
-            for line in summary_lines(diagnoses, stats, self.dir.parent):
-                self.console().print(line, markup=False, highlight=False, soft_wrap=True)
+            self._sink("console", lambda: self._print_summary(diagnoses, stats))
+
+    def _print_summary(self, diagnoses: Sequence[Diagnosis], stats: RunStats) -> None:
+        for line in summary_lines(diagnoses, stats, self.dir.parent):
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _release_metrics(self) -> None:
+        step_metrics, self._step_metrics = self._step_metrics, None
+        if step_metrics is not None:
+            step_metrics.detach()
 
     def close(self) -> None:
-        self._sink("the timeline", self.timeline.close)
+        """On an exception or at teardown: what is buffered goes to disk, the connector is left as found."""
+        self._sink("loggers", self._release_metrics)
+        if self.timeline is not None:
+            self._sink("timeline", self.timeline.close, self.timeline.path)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_console"] = None
+        state["_step_metrics"] = None  # bound to one trainer's connector, which a spawned process does not share
         return state

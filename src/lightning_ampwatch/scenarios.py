@@ -98,18 +98,6 @@ class StepSchedule:
         return self.factor if step >= self.at else 1.0
 
 
-class Warmup:
-    """``LambdaLR`` factor: a linear warmup over ``steps`` steps to 1, then constant."""
-
-    def __init__(self, steps: int, start: float = 0.01) -> None:
-        self.steps, self.start = steps, start
-
-    def __call__(self, step: int) -> float:
-        if step >= self.steps:
-            return 1.0
-        return self.start + (1 - self.start) * step / self.steps
-
-
 @dataclass
 class Scenario:
     """One reproducible fault: the model, the data, the precision, and what AmpWatch should say."""

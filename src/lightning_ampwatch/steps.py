@@ -313,28 +313,33 @@ class StepLedger:
         tensors = [t.detach().float().reshape(()) for t in extra] + self.losses.tensors()
         if not tensors:
             return []
-        values = torch.stack(tensors).cpu().tolist()
+        device = tensors[0].device
+        values = torch.stack([t.to(device) for t in tensors]).cpu().tolist()
         losses = self.losses.settle(values[len(extra):])
         if losses:
             self.machine.note_losses(losses)
             self.last_loss = losses[-1][1]
         return values[:len(extra)]
 
-    def at_log_step(self, trainer: Any) -> tuple[list[ResolvedStep], float | None]:
-        """Once per ``log_every_n_steps``: resolve what is in flight, then one packed read of the scaler's scale and
-        growth tracker and the held losses. Returns the resolved steps and the real scale (None without a scaler)."""
-        self.step_index = trainer.global_step  # re-synchronise (cheap here, once per log interval)
+    def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
+        """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight."""
+        self.step_index = trainer.global_step  # cheap here, once per log interval
         self.read_param_groups(trainer.optimizers)  # groups added since?
-        resolved = self.drain(force=True)
+        return self.drain(force=True)
+
+    def read_at_log_step(self, extra: Sequence[Tensor] = ()) -> tuple[float | None, list[float]]:
+        """The log step's one packed read: the scaler's scale and growth tracker (the mirror is reconciled with
+        them), ``extra`` scalars and the held losses. Returns the real scale (the mirror's without a scaler
+        tensor yet) and ``extra``'s values."""
         scaler = self.precision.scaler
         scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
         if scale_t is None:
-            self.read_losses()
-            return resolved, (self.mirror.scale if self.mirror is not None else None)
-        scale, tracker = self.read_losses([scale_t, scaler._growth_tracker])
+            values = self.read_losses(extra)
+            return (self.mirror.scale if self.mirror is not None else None), values
+        scale, tracker, *values = self.read_losses([scale_t, scaler._growth_tracker, *extra])
         if self.mirror is not None:
             self.mirror.reconcile(scale, int(tracker))
-        return resolved, scale
+        return scale, values
 
     def take_log_counts(self) -> tuple[int, int, int]:
         """(steps, skipped, non-finite losses) since the last call: one log interval's counts."""

@@ -6,7 +6,9 @@ Pure Python over plain numbers, diagnoses and a parsed timeline, so the callback
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Sequence
 
@@ -27,13 +29,16 @@ class RunStats:
     precision: str | None = None
 
 
-def format_scale(scale: float | None) -> str:
-    """``2**11`` for powers of two (what a GradScaler holds), plain otherwise."""
-    if scale is None:
-        return "-"
-    if scale > 0 and math.isfinite(scale) and math.log2(scale).is_integer():
-        return f"2**{int(math.log2(scale))}"
-    return f"{scale:g}"
+def format_pow2(value: object) -> str:
+    """``2**11`` for powers of two (what a GradScaler holds), ``f"{v:g}"`` for other numbers, ``str`` otherwise.
+    The same as taxonomy's advice formatter, which is to become public as ``taxonomy.format_pow2``."""
+    try:
+        v = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return str(value)
+    if v > 0 and math.isfinite(v) and math.log2(v).is_integer():
+        return f"2**{int(math.log2(v))}"
+    return f"{v:g}"
 
 
 def counts_line(stats: RunStats) -> str:
@@ -45,7 +50,7 @@ def counts_line(stats: RunStats) -> str:
     if stats.nonfinite:
         parts.append(f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}")
     if stats.scale is not None:
-        parts.append(f"loss scale {format_scale(stats.scale)} at the end")
+        parts.append(f"loss scale {format_pow2(stats.scale)} at the end")
     return ", ".join(parts)
 
 
@@ -89,25 +94,25 @@ class Episode:
 
 
 def episodes(diagnoses: Sequence[Diagnosis], timeline: TimelineData | None = None,
-             recovery_gap: int = RECOVERY_GAP) -> list[Episode]:
+             recovery_gap: int = RECOVERY_GAP, alarm_steps: Sequence[int] | None = None) -> list[Episode]:
     """Each alarm spans from its onset over anomalous steps no more than ``recovery_gap`` apart, up to the next
-    alarm; ``NORMAL_SCALING`` covers just its step."""
+    alarm; ``NORMAL_SCALING`` covers just its step. ``alarm_steps`` (sorted) are every alarm's onset when
+    ``diagnoses`` holds only some of them."""
     ordered = sorted(diagnoses, key=lambda d: d.step)
     bad: list[int] = []
     if timeline is not None:
         bad = sorted(s for s, skip, fin in zip(timeline.steps, timeline.skipped, timeline.loss_finite)
                      if skip or fin is False)
-    alarm_onsets = [d.step for d in ordered if d.is_alarm]
+    onsets = list(alarm_steps) if alarm_steps is not None else [d.step for d in ordered if d.is_alarm]
     out: list[Episode] = []
     for d in ordered:
         if not d.is_alarm or timeline is None:
             out.append(Episode(d, d.step, d.step, None))
             continue
-        limit = min((s for s in alarm_onsets if s > d.step), default=math.inf)
+        after = bisect_right(onsets, d.step)
+        limit = onsets[after] if after < len(onsets) else math.inf
         last, count = d.step, 0
-        for step in bad:
-            if step < d.step:
-                continue
+        for step in islice(bad, bisect_left(bad, d.step), None):
             if step >= limit or step - last > recovery_gap:
                 break
             last, count = step, count + 1

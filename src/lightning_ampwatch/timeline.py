@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 TIMELINE_NAME = "timeline.jsonl"
 FORMAT_VERSION = 1
@@ -48,7 +49,6 @@ class Timeline:
         self.max_buffered_rows = max_buffered_rows
         self.lr_change = lr_change
         self.stride = 1
-        self.steps_recorded = 0
         self.rows_kept = 0
         self.anomalous_kept = 0
         self._taken_at_stride = 0
@@ -79,7 +79,6 @@ class Timeline:
             self._materialize_held()
         if not self._started:
             self._start(step)
-        self.steps_recorded += 1
         row: dict[str, Any] = {"step": int(step)}
         if scale is not None:
             row["scale"] = float(scale)
@@ -121,7 +120,6 @@ class Timeline:
                 or scale != last.get("scale") or lrs != last["lrs"]):
             self.record_step(step, skipped=False, scale=scale, lrs=lrs)
             return
-        self.steps_recorded += 1
         self._held_args = (step, scale, lrs)
         self._held = self._last_row = None
         self._last_step = step
@@ -300,8 +298,33 @@ def _parse_loss(value: Any) -> float | None:
     raise ValueError(f"loss {value!r} is not a number")
 
 
+def jsonl_rows(path: Path, row_noun: str, file_noun: str) -> Iterator[tuple[int, Any]]:
+    """Stream a JSON-lines file as (line number, value), one line in memory at a time.
+
+    A last line cut short (no newline and not JSON: a crash or a full disk mid-write) is left out with one
+    warning, so the run before it can still be read; any other bad line raises ``ValueError`` naming the
+    file and the line.
+    """
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError as err:
+                    if not line.endswith("\n"):  # only the last line can lack its newline
+                        warnings.warn(f"{path}:{lineno}: the last line is cut short (the run was interrupted while "
+                                      "writing it?); it is left out", RuntimeWarning, stacklevel=2)
+                        return
+                    raise ValueError(f"{path}:{lineno}: not {row_noun} ({err})") from err
+                yield lineno, value
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not {file_noun} (not UTF-8 text: {err.reason})") from err
+
+
 def read_timeline(path: str | os.PathLike[str]) -> TimelineData:
-    """Parse a timeline file; a bad line raises ``ValueError`` naming the file and the line.
+    """Parse a timeline file, streamed; a bad line raises ``ValueError`` naming the file and the line.
 
     A file holding several runs (a directory reused without a logger) yields the last run: a ``start`` event
     whose step does not continue the previous rows begins a new run. A resumed run continues the same one.
@@ -309,15 +332,8 @@ def read_timeline(path: str | os.PathLike[str]) -> TimelineData:
     path = Path(path)
     data = TimelineData(path)
     carried_lrs: tuple[float, ...] = ()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not an AmpWatch timeline (not UTF-8 text: {err.reason})") from err
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, row in jsonl_rows(path, "an AmpWatch timeline row", "an AmpWatch timeline"):
         try:
-            row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError("each line must be a JSON object with an integer 'step'")
             kind = row.get("event")
@@ -342,4 +358,3 @@ def read_timeline(path: str | os.PathLike[str]) -> TimelineData:
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}:{lineno}: not an AmpWatch timeline row ({err})") from err
     return data
-
