@@ -68,7 +68,7 @@ from lightning_ampwatch import AmpWatch
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the one host-read counter
-from _reads import ReadsByStep, added_reads, reads_per_step  # noqa: E402
+from _reads import added_reads, reads_per_step  # noqa: E402
 
 BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
@@ -334,11 +334,12 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
 
 def verdict(intervals: Sequence[tuple[float, float] | None]) -> str:
     """What the intervals (one per clock) support about the budget, and nothing more."""
-    if any(ci is None for ci in intervals):
+    known = [ci for ci in intervals if ci is not None]
+    if len(known) < len(intervals):
         return "inconclusive (too few pairs for a confidence interval)"
-    if all(ci[1] <= BUDGET for ci in intervals if ci is not None):
+    if all(high <= BUDGET for _, high in known):
         return "within the budget"
-    if any(ci[0] > BUDGET for ci in intervals if ci is not None):
+    if any(low > BUDGET for low, _ in known):
         return "over the budget"
     return "inconclusive on this machine (spread too wide)"
 
@@ -408,7 +409,6 @@ def host_reads(seed: int) -> HostReads:
                 trainer.fit(Regressor(), healthy_data(seed))
         return run
 
-    watched: ReadsByStep
     watched, _ = reads_per_step(fit([AmpWatch(verbose=False)]))
     bare, _ = reads_per_step(fit([]))
     added = added_reads(watched, bare)
@@ -581,7 +581,7 @@ def snapshot_cost(params: int, repeats: int = 5) -> SnapshotCost:
 
 
 def print_snapshots(costs: Sequence[SnapshotCost], console: Console) -> None:
-    table = Table(title="One in-memory snapshot (params + buffers + AdamW state + scaler + RNG), host copy_")
+    table = Table(title="One snapshot: params, buffers, AdamW state, scaler, RNG")
     table.add_column("params", justify="right")
     table.add_column("MB", justify="right")
     table.add_column("copy ms", justify="right")
