@@ -103,8 +103,6 @@ def test_no_added_reads_between_log_steps(watched: tuple[ReadsByStep, pl.Trainer
     assert between == {}, f"reads AmpWatch added on steps that are not log steps: {between}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="one packed read per log step: callback work in progress")
 def test_at_most_one_read_per_log_step(watched: tuple[ReadsByStep, pl.Trainer, AmpWatch]) -> None:
     added, _, _ = watched
     at_log_steps = {step: dict(added[step]) for step in sorted(LOG_STEPS)}

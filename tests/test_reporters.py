@@ -188,8 +188,8 @@ class MetricsEvery(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         assert self.sinks is not None
         if trainer.global_step % self.every == 0 or trainer.global_step == self.extra:
-            self.sinks.log_metrics(trainer, steps=self.every, skipped=1, nonfinite=0, skipped_total=trainer.global_step,
-                                   scale=2.0**10)
+            values = [float(t) for t in self.sinks.metric_tensors(trainer, steps=self.every, skipped=1, nonfinite=0)]
+            self.sinks.log_metrics(trainer, values, skipped_total=trainer.global_step, scale=2.0**10)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.sinks is not None

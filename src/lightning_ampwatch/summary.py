@@ -12,7 +12,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Sequence
 
-from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
 from lightning_ampwatch.timeline import TimelineData
 
 RECOVERY_GAP = 8  # clean steps that end an episode's span; the machine's default ``recovery_steps``
@@ -27,18 +27,6 @@ class RunStats:
     nonfinite: int = 0
     scale: float | None = None  # the loss scale at the end; None without a scaler
     precision: str | None = None
-
-
-def format_pow2(value: object) -> str:
-    """``2**11`` for powers of two (what a GradScaler holds), ``f"{v:g}"`` for other numbers, ``str`` otherwise.
-    The same as taxonomy's advice formatter, which is to become public as ``taxonomy.format_pow2``."""
-    try:
-        v = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return str(value)
-    if v > 0 and math.isfinite(v) and math.log2(v).is_integer():
-        return f"2**{int(math.log2(v))}"
-    return f"{v:g}"
 
 
 def counts_line(stats: RunStats) -> str:

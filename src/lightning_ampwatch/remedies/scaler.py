@@ -15,8 +15,7 @@ from lightning_ampwatch.remedies.base import (
     register,
     require_scaler,
 )
-from lightning_ampwatch.summary import format_scale
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, format_pow2
 
 
 def _pow2_floor(value: float) -> float:
@@ -45,7 +44,7 @@ class LowerInitScale(Remedy):
                 "growth_interval_before": interval_before, "growth_interval_after": interval_before * 4}
 
     def describe(self, details: Mapping[str, Any]) -> str:
-        return (f"loss scale {format_scale(details['scale_before'])} -> {format_scale(details['scale_after'])}, "
+        return (f"loss scale {format_pow2(details['scale_before'])} -> {format_pow2(details['scale_after'])}, "
                 f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps")
 
 
