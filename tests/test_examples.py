@@ -40,6 +40,7 @@ ALL_EXAMPLES: dict[str, Finding] = {
     "input_range": Finding.INPUT_RANGE,
     "forward_overflow": Finding.FORWARD_OVERFLOW,
     "fp32_unstable": Finding.FP32_UNSTABLE,
+    "not_reproduced": Finding.NOT_REPRODUCED,
     "recipe_loss_outside_autocast": Finding.LOSS_OUTSIDE_AUTOCAST,
     "recipe_clip_before_unscale": Finding.CLIP_BEFORE_UNSCALE,
     "recipe_step_outside_scaler": Finding.STEP_OUTSIDE_SCALER,

@@ -348,7 +348,8 @@ def _result(precision: str, losses: list[float], skipped: list[bool] | None = No
     ([0.5, 0.4], [0.5, math.nan], 0.6, TrajectoryKind.AMP_CONFIRMED),
     ([0.5, 0.4], None, 0.6, TrajectoryKind.AMP_CONFIRMED),  # no amp replay: FP32 alone decides
     ([0.5, 5.9], [0.5, 0.4], 0.6, TrajectoryKind.NOT_REPRODUCED),  # under 10x the level
-    ([0.5, 6.1], [0.5, math.inf], 0.6, TrajectoryKind.FP32_DIVERGES),
+    ([0.5, 6.1, 13.0], [0.5, math.inf, math.inf], 0.6, TrajectoryKind.FP32_DIVERGES),  # past 10x, and climbing
+    ([0.5, 6.1, 6.5], [0.5, math.inf, math.inf], 0.6, TrajectoryKind.AMP_CONFIRMED),  # one jump (harder data)
     ([0.5, math.inf], [0.5, math.nan], 0.6, TrajectoryKind.FP32_NONFINITE),
     ([0.5, 1e9], [0.5, 0.4], None, TrajectoryKind.NOT_REPRODUCED),  # no level: finiteness only
 ])
@@ -356,7 +357,7 @@ def test_verdict_rules(fp32: list[float], amp: list[float] | None, level: float 
                        kind: TrajectoryKind) -> None:
     verdict = judge_trajectory(_result("fp32", fp32), amp and _result("amp", amp), level, 10.0)
     assert verdict.kind is kind, verdict.reason
-    assert verdict.evidence["window"] == [10, 11] and verdict.evidence["loss_level"] == level
+    assert verdict.evidence["window"] == [10, 9 + len(fp32)] and verdict.evidence["loss_level"] == level
     assert ("amp_losses" in verdict.evidence) is (amp is not None)
     json.dumps(verdict.evidence, allow_nan=False)
 

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.investigate import Investigations, Investigator
+from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import uses_rng
 from lightning_ampwatch.remedies import (
@@ -41,6 +41,7 @@ from lightning_ampwatch.signals import resolve_precision, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.trajectory import SnapshotRing, TrainState
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
 #: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
@@ -101,6 +102,11 @@ class AmpWatch(Callback):
         log_dir: where ``ampwatch/diagnoses.jsonl`` goes; defaults to the trainer's log directory. ``~`` is expanded.
         name: tells two AmpWatch instances in one Trainer apart (their checkpoint state is filed under
             ``AmpWatch[name]``); leave it ``None`` for one instance (state under ``AmpWatch``).
+        snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
+            optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
+        snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
+            ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
+            falls back to the single batch, and AmpWatch says so once.
     """
 
     def __init__(
@@ -114,6 +120,8 @@ class AmpWatch(Callback):
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
+        snapshot_every: int = 20,
+        snapshot_budget: int | None = None,
     ) -> None:
         super().__init__()
         self.remedies = parse_remediate(remediate)
@@ -129,6 +137,12 @@ class AmpWatch(Callback):
             raise ValueError(f"log_dir={log_dir!r} is not valid; use a path (str or os.PathLike) or None")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name={name!r} is not valid; use a non-empty string or None")
+        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
+            raise ValueError(f"snapshot_every={snapshot_every!r} is not valid; use a whole number of steps (0: off)")
+        if snapshot_budget is not None and (not isinstance(snapshot_budget, int) or isinstance(snapshot_budget, bool)
+                                            or snapshot_budget <= 0):
+            raise ValueError(f"snapshot_budget={snapshot_budget!r} is not valid; use a positive number of bytes or "
+                             "None (a tenth of the host's RAM, at most 8 GiB)")
         self.on_unrecoverable = on_unrecoverable
         self.control_replay = control_replay
         self.localize = localize
@@ -137,6 +151,8 @@ class AmpWatch(Callback):
         self.thresholds = thresholds or Thresholds()
         self.log_dir = None if log_dir is None else os.path.expanduser(os.fspath(log_dir))
         self.name = name
+        self.snapshot_every = snapshot_every
+        self.snapshot_budget = snapshot_budget
 
         self.diagnoses: list[Diagnosis] = []
         self.applied: list[AppliedRemedy] = []  # every remedy applied in this run, in order (also after resume)
@@ -220,6 +236,17 @@ class AmpWatch(Callback):
         self._log_every = max(int(trainer.log_every_n_steps), 0)
         assert self._ledger is not None
         self._ledger.start(trainer, self._log_every)
+        self._start_trajectory(trainer, pl_module)
+
+    def _start_trajectory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The snapshot ring and what a replay drives (again after a remedy swaps the precision plugin)."""
+        investigations = self._investigations
+        if not (self.snapshot_every and self.control_replay and investigations is not None):
+            return
+        control = TrajectoryControl(SnapshotRing(self.snapshot_budget, self.snapshot_every),
+                                    TrainState.from_trainer(trainer, pl_module), self.thresholds.divergence_ratio,
+                                    self._say_once)
+        investigations.trajectory = self._ledger.trajectory = control  # type: ignore[union-attr]
 
     def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._ledger is not None
@@ -422,6 +449,7 @@ class AmpWatch(Callback):
                 if self._investigations is not None and self._investigations.investigator is not None:
                     self._investigations.investigator.mode = info.mode
                 self._attach_guards(trainer, pl_module)
+                self._start_trajectory(trainer, pl_module)  # snapshots of the old arithmetic replay no more
             elif effect is Effect.SCALER:
                 self._ledger.mirror_scaler()
 

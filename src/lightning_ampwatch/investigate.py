@@ -6,6 +6,7 @@ Bounded by construction: it runs once per new alarm, and the machine raises an a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -13,9 +14,16 @@ import torch
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
-from lightning_ampwatch.probes import LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
-from lightning_ampwatch.verdicts import judge_control
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
+from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
+from lightning_ampwatch.trajectory import (
+    SnapshotRing,
+    TrainState,
+    TrajectoryKind,
+    judge_trajectory,
+    replay_trajectory,
+)
+from lightning_ampwatch.verdicts import AMP_BLAMING, judge_control
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.
 _FORWARD = {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE}
@@ -102,6 +110,8 @@ class Investigator:
         ev["control_verdict"] = reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
+        if finding in _BACKWARD:
+            finding = _gradient_scale_evidence(finding, ev)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
         if finding is Finding.DATA_NONFINITE:
@@ -144,6 +154,30 @@ class Investigator:
             out.control_loss = ctl.loss
             out.control_grads_finite = ctl.grads_finite
         return out
+
+
+#: The measured safe scale keeps the largest parameter gradient this many times under float16's maximum: the
+#: activations' gradients, which the replay does not see, can be larger.
+SAFE_SCALE_MARGIN = 2.0
+
+
+def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
+    """What the replay's gradients say about the loss scale. Gradients that overflow at scale 1 are an
+    ``unscaled_overflow``: no loss scale helps, whatever the scaler's history suggested. Otherwise the largest
+    power of two that keeps the largest gradient under float16's maximum (with a margin) is the measured safe
+    scale, in place of the scaler's history, which only knows the scales that once held: the gradients may have
+    grown since. A start-up streak keeps the scale the scaler settled at, measured on these very weights."""
+    if ev.get("replay_unscaled_grads_finite") is False or (
+            ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0):
+        ev["pattern"] = GradientPattern.UNSCALED_OVERFLOW.value
+        ev.pop("safe_scale", None)
+        return Finding.GRADIENT_OVERFLOW
+    absmax = ev.get("replay_grad_absmax")
+    if finding is Finding.GRADIENT_OVERFLOW and ev.get("pattern") != GradientPattern.STARTUP.value \
+            and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
+        ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
+        ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
+    return finding
 
 
 def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:
@@ -201,8 +235,10 @@ class Investigations:
     """
 
     def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, world_size: int,
-                 capture_rng: bool, on_failure: Callable[[str, Exception], None]) -> None:
+                 capture_rng: bool, on_failure: Callable[[str, Exception], None],
+                 trajectory: "TrajectoryControl | None" = None) -> None:
         self.investigator = investigator
+        self.trajectory = trajectory
         self.machine = machine
         self.window = window
         self.world_size = world_size
@@ -256,6 +292,14 @@ class Investigations:
         if self.investigator is None:  # the replay failed just now: the plain diagnosis still goes out
             return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"})
         refined, renamed = self.investigator.apply(diagnosis, record, batch=step.obs.batch)
+        if self.trajectory is not None and refined.finding in AMP_BLAMING:
+            try:
+                refined, renamed_again = self.trajectory.judge(refined, step.opened.step, self.machine.loss_level,
+                                                               agree=scaler_active)
+                renamed = renamed_again or renamed
+            except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
+                self.trajectory = None
+                self.on_failure("the FP32 trajectory control", err)
         if renamed is not None:
             self.machine.revise(renamed)
         if (not self.investigator.automatic and self.investigator.localize and refined.location is None
@@ -302,3 +346,80 @@ class Investigations:
         if self._live_probe is not None:
             self._live_probe.close()
             self._live_probe = None
+
+
+#: Which verdict stands when the ranks disagree: a rank whose FP32 run fails clears AMP for all; one that
+#: reproduces the fault confirms it over ranks that did not.
+_VERDICT_ORDER = (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES, TrajectoryKind.AMP_CONFIRMED,
+                  TrajectoryKind.NOT_REPRODUCED)
+_RENAMED_BY = {TrajectoryKind.FP32_NONFINITE: Finding.FP32_UNSTABLE, TrajectoryKind.FP32_DIVERGES: Finding.FP32_UNSTABLE,
+               TrajectoryKind.NOT_REPRODUCED: Finding.NOT_REPRODUCED}
+
+
+class TrajectoryControl:
+    """The true FP32 control: snapshots every ``every`` steps within a memory budget, and, for an alarm that blames
+    reduced precision, the steps since the newest snapshot before the onset run again in FP32 and at the run's own
+    precision (then the live state is put back exactly). Its verdict is the one that stands."""
+
+    def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
+                 say: Callable[[str], None]) -> None:
+        self.ring = ring
+        self.state = state
+        self.divergence_ratio = divergence_ratio
+        self.say = say
+        if state.unavailable is not None:
+            ring.enabled, ring.reason = False, state.unavailable
+        self._told = False
+
+    def note_step(self, step: int, batches: Sequence[Any], quiet: bool) -> None:
+        """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
+        is in progress: a snapshot of a faulty state is no control)."""
+        ring = self.ring
+        if not ring.enabled:
+            return
+        ring.add_batches(step, batches)
+        if quiet:
+            ring.after_step(step, self.state)
+        if not ring.enabled:
+            self._tell()
+
+    def _tell(self) -> None:
+        if not self._told:
+            self._told = True
+            self.say(f"{self.ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
+                     "loss trend still separates divergence from overflow.")
+
+    def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,
+              agree: bool) -> tuple[Diagnosis, Finding | None]:
+        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does)."""
+        ev = dict(diagnosis.evidence)
+        snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
+        local: tuple[str, str, dict[str, Any]] | None = None
+        if snapshot is None:
+            reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
+                                          f"one is taken every {self.ring.every} steps")
+            ev["trajectory_control"] = f"not run: {reason}"
+        else:
+            try:
+                steps = self.ring.batches(snapshot.step + 1, alarm_step)
+                fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
+                amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
+                verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
+                local = (verdict.kind.value, verdict.reason, verdict.evidence)
+            except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
+                local = ("error", f"{type(err).__name__}: {err}", {})
+        results = [r for r in (distributed.gather(local) if agree else [local]) if r is not None]
+        failed = [r[1] for r in results if r[0] == "error"]
+        if failed:
+            raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
+        if not results:
+            return replace(diagnosis, evidence=ev), None
+        kind, reason, evidence = min(results, key=lambda r: _VERDICT_ORDER.index(TrajectoryKind(r[0])))
+        batch_verdict = ev.pop("control_verdict", None)
+        if batch_verdict not in (None, "control not run"):
+            ev["batch_control_verdict"] = batch_verdict
+        ev["control_verdict"] = reason
+        ev.update({f"trajectory_{k}": v for k, v in evidence.items() if k not in ("loss_level", "divergence_ratio")})
+        finding = _RENAMED_BY.get(TrajectoryKind(kind), diagnosis.finding)
+        renamed = finding if finding is not diagnosis.finding else None
+        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev)), renamed

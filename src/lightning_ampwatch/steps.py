@@ -110,6 +110,7 @@ class StepLedger:
         self.device_type = device_type
         self.world_size = world_size
         self.mirror: ScaleMirror | None = None  # made in start(), once Lightning has restored the scaler
+        self.trajectory: Any = None  # investigate.TrajectoryControl: each step's batches, a snapshot when due
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
@@ -224,6 +225,8 @@ class StepLedger:
         mirror = self.mirror
         scale = mirror.scale if mirror is not None else None
         machine = self.machine
+        if self.trajectory is not None:
+            self.trajectory.note_step(step, batches, machine.quiet)
         if self._fast_path and taken and not self._pending and machine.quiet:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read.

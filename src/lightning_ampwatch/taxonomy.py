@@ -30,6 +30,7 @@ class Finding(str, Enum):
     NORMAL_SCALING = "NORMAL_SCALING"
     FP16_PARAMETERS = "FP16_PARAMETERS"
     EPS_UNDERFLOW = "EPS_UNDERFLOW"
+    NOT_REPRODUCED = "NOT_REPRODUCED"
 
     @property
     def is_alarm(self) -> bool:
@@ -81,6 +82,8 @@ _SUMMARIES: dict[Finding, str] = {
     Finding.NORMAL_SCALING: "a few skipped steps at a healthy scale: dynamic loss scaling doing its job",
     Finding.FP16_PARAMETERS: "trainable parameters are already float16 under 16-mixed, so nothing is kept in float32",
     Finding.EPS_UNDERFLOW: "the optimizer's eps is too small for float16 and no longer guards its division",
+    Finding.NOT_REPRODUCED: "the same steps replayed from a snapshot stay finite: the fault did not reproduce, so "
+                            "it is not blamed on AMP",
 }
 
 
@@ -414,6 +417,18 @@ def _advice_eps(ev: Mapping[str, Any]) -> str:
     )
 
 
+def _advice_not_reproduced(ev: Mapping[str, Any]) -> str:
+    window = ev.get("trajectory_window")
+    where = f" (steps {window[0]}-{window[1]})" if isinstance(window, list) and len(window) == 2 else ""
+    return (
+        f"Replayed from a snapshot{where} with the same batches and random state, in float32 and at the run's own "
+        "precision, the steps stay finite: the fault is not a deterministic overflow, so no precision setting is "
+        "the fix. Suspect something outside the replayed computation: a transient hardware fault, a "
+        "nondeterministic kernel or data race, or state your training_step changes on its own (counters, caches). "
+        "If it comes back, rerun from the same checkpoint and seed to catch it."
+    )
+
+
 ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
     Finding.DATA_NONFINITE: _advice_data,
     Finding.FP32_UNSTABLE: _advice_fp32,
@@ -429,6 +444,7 @@ ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
     Finding.MANUAL_PRESCALE: _advice_prescale,
     Finding.FP16_PARAMETERS: _advice_fp16_params,
     Finding.EPS_UNDERFLOW: _advice_eps,
+    Finding.NOT_REPRODUCED: _advice_not_reproduced,
 }
 
 

@@ -558,12 +558,13 @@ def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_
         return TrajectoryVerdict(TrajectoryKind.FP32_NONFINITE, (
             f"FP32 training {start} goes non-finite too, at step {bad}: not an AMP fault"), evidence)
     has_level = loss_level is not None and loss_level > 0 and math.isfinite(loss_level)
-    if has_level and peak is not None and peak > divergence_ratio * loss_level:
-        at = fp32.steps[fp32.losses.index(peak)]
+    climb = _fp32_climb(fp32, loss_level, divergence_ratio) if has_level else None
+    if climb is not None:
+        (cross_at, cross), (peak_at, peak) = climb
         return TrajectoryVerdict(TrajectoryKind.FP32_DIVERGES, (
-            f"FP32 training {start} reaches loss {peak:.4g} at step {at}, {peak / loss_level:.3g}x the level "
-            f"{loss_level:.4g} before the onset: the optimisation diverges without reduced precision, so it is "
-            "not an AMP fault"), evidence)
+            f"FP32 training {start} passes {divergence_ratio:g}x the level {loss_level:.4g} before the onset at "
+            f"step {cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}: the "
+            "optimisation diverges without reduced precision, so it is not an AMP fault"), evidence)
     level_words = (f"at most {peak / loss_level:.3g}x the level {loss_level:.4g} before the onset" if has_level
                    and peak is not None else "no loss level before the onset to compare with")
     fp32_words = f"FP32 training {start} stays finite over {window} ({level_words})"
@@ -577,6 +578,25 @@ def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_
         again = amp.first_nonfinite if amp.first_nonfinite is not None else amp.steps[amp.skipped.index(True)]
         amp_words = f"; at the run's own precision the fault comes back at step {again}"
     return TrajectoryVerdict(TrajectoryKind.AMP_CONFIRMED, f"{fp32_words}{amp_words}: an AMP fault", evidence)
+
+
+#: After the FP32 loss passes ``divergence_ratio`` x its level it must climb this much further within the window to
+#: count as diverging: a loss that jumps once and stays (harder batches, a shift in the data) is not a divergence.
+CLIMB_AFTER_CROSSING = 2.0
+
+
+def _fp32_climb(fp32: TrajectoryResult, loss_level: float, divergence_ratio: float
+                ) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """((step, loss) where the FP32 loss first passed ``divergence_ratio`` x the level, (step, loss) of a later
+    loss ``CLIMB_AFTER_CROSSING`` x higher still), or None when the FP32 run did not keep climbing."""
+    points = [(s, v) for s, v in zip(fp32.steps, fp32.losses) if v is not None and math.isfinite(v)]
+    cross = next(((i, p) for i, p in enumerate(points) if p[1] > divergence_ratio * loss_level), None)
+    if cross is None:
+        return None
+    later = max(points[cross[0] + 1:], key=lambda p: p[1], default=None)
+    if later is None or later[1] < CLIMB_AFTER_CROSSING * cross[1][1]:
+        return None
+    return cross[1], later
 
 
 def _json_float(value: float | None) -> float | str | None:
