@@ -110,3 +110,22 @@ def test_ddp_spawn_brings_the_diagnoses_back_to_the_main_process(tmp_path: Path)
     trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
     assert [d.finding for d in watch.diagnoses] == [Finding.DATA_NONFINITE]
     assert watch.diagnoses[0].evidence["fault_ranks"] == [1]
+
+
+def test_the_trajectory_control_runs_on_every_rank_and_the_ranks_agree(tmp_path: Path) -> None:
+    from test_trajectory import ExpSoftmax, separable
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=16, plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, DumpDiagnoses(watch, str(tmp_path))],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(ExpSoftmax(), datamodule=RowsByRank(separable(n=512)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1, "both ranks must reach the same diagnoses"
+    d = next(d for d in rank0 if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert d["evidence"]["control_verdict"].endswith(": an AMP fault")
+    assert "trajectory_fp32_losses" in d["evidence"]
