@@ -211,10 +211,11 @@ class AmpWatch(Callback):
             info = resolve_precision(trainer.precision_plugin)  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         machine = self.machine
+        self._world_size = distributed.world_size()
         self.reporters = reporters = Reporters(self.log_dir or trainer.log_dir or trainer.default_root_dir,
                                                is_global_zero=trainer.is_global_zero, verbose=self.verbose,
-                                               precision=info.mode.value, device=pl_module.device)
-        self._world_size = distributed.world_size()
+                                               precision=info.mode.value, device=pl_module.device,
+                                               world_size=self._world_size)
         self._ledger = StepLedger(machine, info, reporters.timeline, device_type=pl_module.device.type,
                                   world_size=self._world_size)
         investigator = Investigator(pl_module, _ForwardContext(trainer), pl_module.device, info.mode,

@@ -81,12 +81,19 @@ class LossRing:
     def full(self) -> bool:
         return len(self.entries) >= self.capacity
 
-    def tensors(self) -> list[Tensor]:
-        """Every held loss as a float32 scalar, in order (no read): for a packed read with other values."""
-        return [loss.detach().float().reshape(()) for _, tape in self.entries for loss, _ in tape]
+    def stacked(self) -> Tensor | None:
+        """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
+        of one dtype and device (the usual case) are stacked as they are: one op for the lot."""
+        losses = [loss for _, tape in self.entries for loss, _ in tape]
+        if not losses:
+            return None
+        try:
+            return torch.stack(losses).float().reshape(-1)
+        except RuntimeError:  # mixed dtypes or shapes (a loss that is not a scalar): one by one
+            return torch.stack([loss.detach().float().reshape(()).to(losses[0].device) for loss in losses])
 
     def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
-        """The per-step (unscaled) losses from the values of :meth:`tensors`, and the ring emptied."""
+        """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
         out: list[tuple[int, float]] = []
         i = 0
         for step, tape in self.entries:
@@ -313,11 +320,13 @@ class StepLedger:
 
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
         """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values."""
-        tensors = [t.detach().float().reshape(()) for t in extra] + self.losses.tensors()
-        if not tensors:
+        losses = self.losses.stacked()
+        parts = [torch.stack([t.detach().float().reshape(()) for t in extra])] if extra else []
+        if losses is not None:
+            parts.append(losses)
+        if not parts:
             return []
-        device = tensors[0].device
-        values = torch.stack([t.to(device) for t in tensors]).cpu().tolist()
+        values = (torch.cat([p.to(parts[0].device) for p in parts]) if len(parts) > 1 else parts[0]).cpu().tolist()
         losses = self.losses.settle(values[len(extra):])
         if losses:
             self.machine.note_losses(losses)

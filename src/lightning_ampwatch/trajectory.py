@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import os
 from collections import OrderedDict, deque
@@ -124,7 +125,7 @@ class Snapshot:
     cuda_rng: Tensor | None
     pinned: bool
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.host)
 
@@ -249,6 +250,10 @@ def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any
     return live, parts
 
 
+def _nbytes(micro_batches: Sequence[Any]) -> int:
+    return sum(t.nbytes for mb in micro_batches for t in _tensors(mb[0]))
+
+
 def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
     """``MicroBatch`` records, from them or from the plain tuples the callback keeps."""
     return [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in micro_batches]
@@ -283,8 +288,10 @@ class SnapshotRing:
         self.reason: str | None = None
         self.bytes_per_snapshot = 0
         self._snapshots: deque[Snapshot] = deque()
-        self._batches: OrderedDict[int, tuple[list[MicroBatch], int]] = OrderedDict()  # step -> (batches, bytes)
+        self._batches: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()  # step -> (batches, bytes)
+        self._batch_bytes = 0  # what the held batches take, kept as they come and go (read every step)
         self._step_batch_bytes = 0  # the most one step's batches have held
+        self._unheld: Sequence[Any] | None = None  # the latest batches seen before the first snapshot
 
     @property
     def snapshots(self) -> tuple[Snapshot, ...]:
@@ -293,23 +300,18 @@ class SnapshotRing:
 
     @property
     def held_bytes(self) -> int:
-        return sum(s.nbytes for s in self._snapshots) + sum(n for _, n in self._batches.values())
+        return sum(s.nbytes for s in self._snapshots) + self._batch_bytes
 
     def add_batches(self, step: int, micro_batches: Sequence[Any]) -> None:
         """Keep references to the micro-batches optimizer step ``step`` ran on (``MicroBatch`` or its tuple).
-        Call it before ``after_step`` for the same step."""
+        Call it before ``after_step`` for the same step. Their bytes are counted when the next snapshot is due:
+        between two snapshots the batches held can grow by ``every`` steps' worth, which :meth:`_fits` allows."""
         if not self.enabled:
             return
-        batches = _as_micro_batches(micro_batches)
-        nbytes = sum(t.nbytes for mb in batches for t in _tensors(mb.batch))
-        self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
-        if not self._snapshots:
-            return  # no snapshot to replay them from
-        self._batches[step] = (batches, nbytes)
-        while self.held_bytes > self.budget_bytes and len(self._snapshots) > 1:
-            self._drop_oldest()
-        if self.held_bytes > self.budget_bytes or not self._fits():
-            self._turn_off()
+        if self._snapshots:
+            self._batches[step] = (micro_batches, -1)
+        else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
+            self._unheld = micro_batches
 
     def after_step(self, step: int, state: TrainState) -> None:
         """Optimizer step ``step`` (0-based: ``trainer.global_step - 1`` once it is over) is over: take a snapshot
@@ -319,6 +321,7 @@ class SnapshotRing:
         if state.unavailable is not None:
             self._turn_off(state.unavailable)
             return
+        self._count_batches()
         live, parts = _gather(state, grads=False)
         self.bytes_per_snapshot = sum(t.nbytes for t in live)
         if not self._fits():
@@ -331,13 +334,25 @@ class SnapshotRing:
         self._snapshots.append(Snapshot._copied(state, step, live, parts, spare))
         self._prune()
 
+    def _count_batches(self) -> None:
+        """The bytes of the batches added since the last count (their tensors' ``nbytes``)."""
+        if self._unheld is not None:
+            self._step_batch_bytes = max(self._step_batch_bytes, _nbytes(self._unheld))
+            self._unheld = None
+        for step, (batches, nbytes) in self._batches.items():
+            if nbytes < 0:
+                nbytes = _nbytes(batches)
+                self._batches[step] = (batches, nbytes)
+                self._batch_bytes += nbytes
+                self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
+
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after an optimizer step earlier than ``step``."""
         return next((s for s in reversed(self._snapshots) if s.step < step), None)
 
     def batches(self, from_step: int, to_step: int) -> list[tuple[int, list[MicroBatch]]]:
         """``(step, micro-batches)`` for the held steps from ``from_step`` to ``to_step``, both included."""
-        return [(s, b) for s, (b, _) in self._batches.items() if from_step <= s <= to_step]
+        return [(s, _as_micro_batches(b)) for s, (b, _) in self._batches.items() if from_step <= s <= to_step]
 
     def _fits(self) -> bool:
         return self.bytes_per_snapshot + self.every * self._step_batch_bytes <= self.budget_bytes
@@ -351,7 +366,7 @@ class SnapshotRing:
         """Drop the batches no held snapshot can replay: those up to the oldest snapshot's step (all, if none)."""
         keep_after = self._snapshots[0].step if self._snapshots else math.inf
         for step in [s for s in self._batches if s <= keep_after]:
-            del self._batches[step]
+            self._batch_bytes -= max(self._batches.pop(step)[1], 0)
 
     def _turn_off(self, reason: str | None = None) -> None:
         if reason is None:
@@ -364,6 +379,7 @@ class SnapshotRing:
         self.reason = reason
         self._snapshots.clear()
         self._batches.clear()
+        self._batch_bytes = 0
 
 
 # --------------------------------------------------------------------------------------------
