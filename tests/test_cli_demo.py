@@ -31,7 +31,8 @@ def test_demo_remediate_recovers_by_itself(tmp_path: Path, capsys: pytest.Captur
     assert main(["demo", "forward_overflow", "--remediate", "--root-dir", str(tmp_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "Applied: fp32_island" in out
-    assert "Remedies applied: fp32_island before step 1. From step 1 to 15: 0 step(s) skipped - recovered." in out
+    assert "Remedy for FORWARD_OVERFLOW at step 0: fixed with fp32_island, recovery verified." in out
+    assert "recovery: 8 steps after it: 0 skipped, the loss" in out
     # the run is twice the scenario's length, to show the recovery: the demo's own line and the summary agree
     assert "Precision: fp16 on the CPU, 16 optimizer steps, logs in" in out
     assert "AmpWatch summary: 16 optimizer steps" in out

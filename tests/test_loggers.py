@@ -99,5 +99,5 @@ def test_wandb_offline_gets_metrics_and_the_diagnosis_table(tmp_path: Path, monk
                     key=lambda p: int(p.name.split("_")[1]))
     assert len(tables) == 2
     latest = json.loads(tables[-1].read_text())
-    assert latest["columns"] == ["step", "finding", "location", "advice", "remedy"]
+    assert latest["columns"] == ["step", "finding", "location", "advice", "remedy", "outcome"]
     assert [row[:2] for row in latest["data"]] == [[0, "GRADIENT_OVERFLOW"], [28, "NORMAL_SCALING"]]  # all so far

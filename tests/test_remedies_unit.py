@@ -64,8 +64,10 @@ def test_parse_remediate_true_excludes_reduce_lr_and_bad_names_are_named() -> No
 
 
 def test_not_amp_findings_have_no_remedy() -> None:
-    for finding in (Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE, Finding.NORMAL_SCALING):
+    for finding in (Finding.DATA_NONFINITE, Finding.NOT_REPRODUCED, Finding.NORMAL_SCALING):
         assert ladder_for(_diag(finding)) == ()
+    # a run that diverges at full precision gets a lower learning rate (twice at most), never an AMP setting
+    assert ladder_for(_diag(Finding.FP32_UNSTABLE)) == ("reduce_lr", "reduce_lr")
 
 
 def test_ladders_drop_rungs_that_cannot_help() -> None:
@@ -316,7 +318,7 @@ def test_reduce_lr_lowers_optimizers_and_schedulers_of_a_real_trainer(tmp_path: 
     trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(sched)]
     ctx = RemedyContext(trainer=trainer, module=net, scaler=None, device=torch.device("cpu"))
     details = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.1, lr_after=0.4))
-    assert details == {"lr_before": [0.4, 0.2], "lr_after": [0.1, 0.05], "factor": 0.25}
+    assert details == {"lr_before": [0.4, 0.2], "lr_after": [0.1, 0.05], "factor": 0.25, "back_to": 0.1}
     assert unit.describe(details) == "learning rates x0.25: 0.4 -> 0.1, 0.2 -> 0.05"
     opt.step()
     sched.step()  # the schedule keeps the lower level

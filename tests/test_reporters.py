@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 # What a user's own model can put in front of the console: a ModuleDict key and a quoted code line.
 HOSTILE = Diagnosis(Finding.FORWARD_OVERFLOW, 3, location="heads.[bold red]x",
                     evidence={"[dim]op": "return losses[idx] * 1024", "max_abs": 7.0e4},
-                    advice="Compute [italic]exp in float32.", remedy="fp32_island")
+                    advice="Compute [italic]exp in float32.", remedy="fp32_island", outcome="recovered")
 
 
 def reporters(log_dir: Path, **kwargs: Any) -> Reporters:
@@ -61,7 +61,7 @@ def test_console_panel_prints_user_text_as_written(tmp_path: Path, capsys: pytes
 def test_summary_prints_user_text_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reporters(tmp_path).finish([HOSTILE], RunStats(8, skipped=1, scale=2.0**10))
     out = capsys.readouterr().out
-    assert "step      3  FORWARD_OVERFLOW in heads.[bold red]x (fixed with fp32_island)" in out
+    assert "step      3  FORWARD_OVERFLOW in heads.[bold red]x (fixed with fp32_island, recovery verified)" in out
 
 
 def test_publish_writes_every_sink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -233,10 +233,17 @@ def test_summary_lines_for_normal_scaling_and_a_fixed_alarm() -> None:
     assert summary_lines(normal, RunStats(60, skipped=3, scale=2.0**14)) == [
         "AmpWatch: 60 optimizer steps, 3 skipped by the scaler (5%), loss scale 2**14 at the end; the skips were "
         "the scaler finding its level. Healthy run."]
-    fixed = [Diagnosis(Finding.GRADIENT_OVERFLOW, 0, remedy="lower_init_scale")]
+    fixed = [Diagnosis(Finding.GRADIENT_OVERFLOW, 0, remedy="lower_init_scale", outcome="recovered"),
+             Diagnosis(Finding.FORWARD_OVERFLOW, 30, remedy="bf16_fallback", outcome="not_recovered",
+                       evidence={"recovery": {"reason": "the NaNs are gone, but the loss is 390x the loss level "
+                                                        "before the episode (351 against 0.9)"}}),
+             Diagnosis(Finding.GROWTH_OVERFLOW, 50, remedy="slow_growth")]
     lines = summary_lines(fixed, RunStats(60, skipped=6, scale=2.0**10), log_dir="/runs/a")
-    assert lines[1] == "  step      0  GRADIENT_OVERFLOW (fixed with lower_init_scale)"
-    assert lines[2].endswith("ampwatch report /runs/a --plot timeline.png")
+    assert lines[1] == "  step      0  GRADIENT_OVERFLOW (fixed with lower_init_scale, recovery verified)"
+    assert lines[2] == ("  step     30  FORWARD_OVERFLOW (bf16_fallback applied, not fixed: the NaNs are gone, but the "
+                        "loss is 390x the loss level before the episode (351 against 0.9))")
+    assert lines[3] == "  step     50  GROWTH_OVERFLOW (slow_growth applied; recovery not verified (the run ended first))"
+    assert lines[4].endswith("ampwatch report /runs/a --plot timeline.png")
 
 
 def test_a_cut_short_last_line_is_left_out_with_a_warning(tmp_path: Path) -> None:

@@ -26,21 +26,21 @@ from lightning_ampwatch.investigate import Investigations, Investigator, Traject
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import uses_rng
 from lightning_ampwatch.remedies import (
-    REGISTRY,
     AppliedRemedy,
     Effect,
     HoldLrOnSkip,
     RemedyContext,
     RemedyPolicy,
-    ladder_for,
     parse_remediate,
     reapply_all,
 )
+from lightning_ampwatch.remedies.treatment import Site, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import resolve_precision, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.verdicts import NOT_RECOVERED
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
@@ -107,6 +107,9 @@ class AmpWatch(Callback):
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
             ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
             falls back to the single batch, and AmpWatch says so once.
+        rollback: before a remedy is applied, go back to the newest snapshot from before the episode's onset (else
+            the newest ``ModelCheckpoint`` file from before it) and skip the episode's batches; ``False`` applies
+            remedies in place.
     """
 
     def __init__(
@@ -122,13 +125,14 @@ class AmpWatch(Callback):
         name: str | None = None,
         snapshot_every: int = 20,
         snapshot_budget: int | None = None,
+        rollback: bool = True,
     ) -> None:
         super().__init__()
         self.remedies = parse_remediate(remediate)
         if on_unrecoverable not in UNRECOVERABLE_MODES:
             raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
         for flag, value in (("control_replay", control_replay), ("localize", localize),
-                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose)):
+                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose), ("rollback", rollback)):
             if not isinstance(value, bool):
                 raise ValueError(f"{flag}={value!r} is not valid; use True or False")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
@@ -153,9 +157,9 @@ class AmpWatch(Callback):
         self.name = name
         self.snapshot_every = snapshot_every
         self.snapshot_budget = snapshot_budget
+        self.rollback = rollback
 
         self.diagnoses: list[Diagnosis] = []
-        self.applied: list[AppliedRemedy] = []  # every remedy applied in this run, in order (also after resume)
         self.machine: AmpStateMachine | None = None
         self.reporters: Reporters | None = None
         self._loaded_state: dict[str, Any] | None = None
@@ -165,13 +169,13 @@ class AmpWatch(Callback):
     def _reset(self) -> None:
         """Per-fit state: a second ``fit`` with the same instance starts afresh (unless it resumes a checkpoint)."""
         self.diagnoses = []
-        self.applied = []
         self.machine = None
         self.reporters = None
         self._ledger: StepLedger | None = None
         self._investigations: Investigations | None = None
         self._guards = RecipeGuards()
-        self._policy = RemedyPolicy(self.remedies)
+        self._treatment = Treatment(RemedyPolicy(self.remedies), recovery_steps=self.thresholds.recovery_steps,
+                                    rollback=self.rollback)
         self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
         self._log_every = 0
         self._world_size = 1
@@ -187,6 +191,15 @@ class AmpWatch(Callback):
     def state_key(self) -> str:
         # Not the default (which includes the arguments): a resume with other flags keeps its state.
         return "AmpWatch" if self.name is None else f"AmpWatch[{self.name}]"
+
+    @property
+    def applied(self) -> list[AppliedRemedy]:
+        """Every remedy applied in this run, in order (also after a resume)."""
+        return self._treatment.applied
+
+    @applied.setter
+    def applied(self, value: list[AppliedRemedy]) -> None:
+        self._treatment.applied = list(value)
 
     @property
     def event_log(self) -> Any:
@@ -205,7 +218,8 @@ class AmpWatch(Callback):
         loaded, self._loaded_state = self._loaded_state, None
         self._reset()
         info = resolve_precision(trainer.precision_plugin)
-        self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {})
+        self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {},
+                                       early_startup="lower_init_scale" in self.remedies)
         if loaded is not None:
             self._restore(loaded, trainer, pl_module)
             info = resolve_precision(trainer.precision_plugin)  # a restored bf16 fallback swapped the plugin
@@ -322,6 +336,8 @@ class AmpWatch(Callback):
                 self._at_log_step(trainer)
             if self._due:
                 self._treat_due(trainer, pl_module)  # an optimizer-step boundary: safe to change the run
+            if self._treatment.watch is not None:
+                self._check_recovery(trainer, pl_module)
         except AmpWatchError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -354,6 +370,9 @@ class AmpWatch(Callback):
                 self._emit(trainer, diagnosis)
         if self._due:
             self._treat_due(trainer, pl_module)
+        if self._treatment.watch is not None:
+            self._check_recovery(trainer, pl_module)
+        self._treatment.finish()  # still watched: its outcome stays unknown, never assumed
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
         self._detach(pl_module)
@@ -402,37 +421,66 @@ class AmpWatch(Callback):
 
     def _emit(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
-        if diagnosis.is_alarm and self.remedies and any(r in self.remedies for r in ladder_for(diagnosis)):
+        if self._treatment.wants(diagnosis):
             self._due.append(diagnosis)
             return
         self._publish(trainer, diagnosis)
 
     def _treat_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Pick and apply a remedy for each waiting alarm, then publish it (with the remedy, or unrecoverable)."""
+        """At an optimizer-step boundary: a remedy for each waiting alarm (rolled back, applied, then watched),
+        published with the remedy, or as unrecoverable."""
         due, self._due = self._due, []
+        treatment = self._treatment
         for diagnosis in due:
-            self._publish(trainer, self._remediate(trainer, pl_module, diagnosis))
-
-    def _remediate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, diagnosis: Diagnosis) -> Diagnosis:
-        assert self._ledger is not None and self.machine is not None
-        choice = self._policy.choose(diagnosis)
-        if self._world_size > 1 and not diagnosis.finding.is_recipe:
-            # Under a scaler every rank skips the same steps, so every rank reaches the same alarms; without one
-            # the ranks see anomalies at different steps and no single decision can be agreed on.
-            if not self._ledger.scaler_active:
+            ended = treatment.fault_returned(diagnosis)
+            if ended is not None:
+                self._update(trainer, *ended)  # the watched remedy did not hold; the policy escalates this one
+            if self._world_size > 1 and not diagnosis.finding.is_recipe and not self._scaler_active:
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on.
                 self._say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
                                "not remedy them under DDP; it reports them.")
-                return diagnosis
-            choice = trainer.strategy.broadcast(choice, src=0)  # decided once, on rank zero
-        diagnosis, applied = self._policy.apply(self._remedy_context(trainer, pl_module), diagnosis, choice,
-                                                step=trainer.global_step)
-        if applied is not None:
-            self.machine.close_episode(trainer.global_step, f"remedy {applied.name}")
-            self._after_remedy(trainer, pl_module, applied.name)
-            self.applied.append(applied)
-            if self.reporters is not None:
-                self.reporters.record_remedy(applied.step, applied.name)
-        return diagnosis
+                self._publish(trainer, diagnosis)
+                continue
+            self._publish(trainer, treatment.treat(diagnosis, self._site(trainer, pl_module)))
+        self._pause_snapshots()
+
+    def _check_recovery(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """When the watched remedy has run its course: its outcome; a remedy that did not recover gives way to the
+        next rung (rolled back again), and with none left the alarm is unrecoverable."""
+        site = self._site(trainer, pl_module)
+        ended = self._treatment.check(site)
+        if ended is None:
+            return
+        old, judged = ended
+        self._update(trainer, old, judged)
+        if judged.outcome == NOT_RECOVERED:
+            retried = self._treatment.retry(judged, site)
+            if retried is judged:
+                self._unrecoverable(trainer, judged)
+            else:
+                self._update(trainer, judged, retried)
+        self._pause_snapshots()
+
+    def _pause_snapshots(self) -> None:
+        control = self._ledger.trajectory if self._ledger is not None else None
+        if control is not None:
+            control.paused = self._treatment.watching
+
+    @property
+    def _scaler_active(self) -> bool:
+        return self._ledger is not None and self._ledger.scaler_active
+
+    def _site(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Site:
+        assert self._ledger is not None
+        return Site(trainer=trainer, ctx=self._remedy_context(trainer, pl_module), machine=self.machine,
+                    ledger=self._ledger, trajectory=self._ledger.trajectory,
+                    on_effects=functools.partial(self._after_remedy, trainer, pl_module),
+                    decide=functools.partial(self._decide, trainer))
+
+    def _decide(self, trainer: pl.Trainer, value: Any) -> Any:
+        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""
+        return trainer.strategy.broadcast(value, src=0) if self._world_size > 1 else value
 
     def _remedy_context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RemedyContext:
         scaler = self._ledger.precision.scaler if self._ledger is not None else None
@@ -440,10 +488,10 @@ class AmpWatch(Callback):
                              safe_scale=self.machine.max_safe_scale if self.machine is not None else None,
                              guards=self._guards)
 
-    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
-        """Bring AmpWatch's own view in line with what the remedy changed (each remedy declares it)."""
+    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, effects: frozenset[Effect]) -> None:
+        """Bring AmpWatch's own view in line with what a remedy or a rollback changed (each declares it)."""
         assert self._ledger is not None
-        for effect in REGISTRY[name].effects:  # type: ignore[index]
+        for effect in effects:
             if effect is Effect.PRECISION:
                 info = resolve_precision(trainer.precision_plugin)
                 self._ledger.switch_precision(info)
@@ -461,10 +509,25 @@ class AmpWatch(Callback):
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
+        if diagnosis.remedy is not None and self.reporters is not None and self._treatment.applied:
+            self.reporters.record_remedy(self._treatment.applied[-1].step, diagnosis.remedy)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, trainer.loggers)
         if diagnosis.is_alarm and diagnosis.remedy is None:
             self._unrecoverable(trainer, diagnosis)
+
+    def _update(self, trainer: pl.Trainer, old: Diagnosis, new: Diagnosis) -> None:
+        """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
+        record, and the sinks get it once more."""
+        at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
+        if at is None:
+            self.diagnoses.append(new)
+        else:
+            self.diagnoses[at] = new
+        if new.remedy is not None and new.remedy != old.remedy and self.reporters is not None:
+            self.reporters.record_remedy(self._treatment.applied[-1].step, new.remedy)
+        if self.reporters is not None:
+            self.reporters.publish(new, trainer.loggers)
 
     def _unrecoverable(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         if self.on_unrecoverable == "stop":
@@ -491,7 +554,7 @@ class AmpWatch(Callback):
             "diagnoses": [d.to_dict() for d in self.diagnoses],
             "machine": None if self.machine is None else self.machine.state_dict(),
             "applied": [r.to_dict() for r in self.applied],
-            "policy": self._policy.state_dict(),
+            "policy": self._treatment.policy.state_dict(),
         }
 
     @override
@@ -514,7 +577,7 @@ class AmpWatch(Callback):
                                           [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())])),
             ("applied", lambda: setattr(self, "applied",
                                         [AppliedRemedy.from_dict(a) for a in state.get("applied", ())])),
-            ("policy", lambda: self._policy.load_state_dict(state.get("policy", {}))),
+            ("policy", lambda: self._treatment.policy.load_state_dict(state.get("policy", {}))),
             ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
              if state.get("machine") else None),
         ]

@@ -62,29 +62,32 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     verdict = "as expected" if scenario.expected in found else f"expected {scenario.expected}"
     console.print(f"Diagnoses: {', '.join(found) or 'none'} ({verdict}); {len(alarms)} alarm(s).")
     if args.remediate:
-        _say_recovery(watch, logs, console)
+        _say_recovery(watch, console)
     event_log = logs / EVENT_LOG_NAME
     if event_log.is_file():
         console.print(f"Event log: {event_log}", markup=False, soft_wrap=True)
     return 0 if scenario.expected in found else 1
 
 
-def _say_recovery(watch: object, logs: Path, console: Console) -> None:
-    """After a ``--remediate`` demo: what was applied, and how the steps after the last remedy went."""
-    from lightning_ampwatch.timeline import TIMELINE_NAME, read_timeline
+def _say_recovery(watch: object, console: Console) -> None:
+    """After a ``--remediate`` demo: each remedy, where the run went back to, and whether it was verified."""
+    from lightning_ampwatch.summary import remedy_outcome
 
-    applied = getattr(watch, "applied", [])
-    if not applied:
+    remedied = [d for d in getattr(watch, "diagnoses", []) if d.remedy]
+    if not remedied:
         console.print("No remedy was applied (none on this finding's ladder, or none needed).")
         return
-    last = applied[-1]
-    data = read_timeline(logs / TIMELINE_NAME)
-    end = data.of_kind("end")[-1]["step"] if data.of_kind("end") else (data.steps[-1] if data.steps else 0)
-    after = [(step, skipped) for step, skipped in zip(data.steps, data.skipped) if step >= last.step]
-    skipped_after = sum(1 for _, skipped in after if skipped)
-    names = ", ".join(f"{r.name} before step {r.step}" for r in applied)
-    console.print(f"Remedies applied: {names}. From step {last.step} to {end}: {skipped_after} step(s) skipped"
-                  f"{' - recovered' if skipped_after == 0 else ''}.")
+    for d in remedied:
+        console.print(f"Remedy for {d.finding.value} at step {d.step}: {remedy_outcome(d)}.", markup=False,
+                      soft_wrap=True)
+        for earlier in d.evidence.get("remedies_tried", []):
+            console.print(f"  before it: {earlier.get('remedy')}, {earlier.get('outcome')}: {earlier.get('reason')}",
+                          markup=False, soft_wrap=True)
+        for key in ("rollback", "recovery"):
+            value = d.evidence.get(key)
+            text = value.get("reason") if isinstance(value, dict) else value
+            if text:
+                console.print(f"  {key}: {text}", markup=False, soft_wrap=True)
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:

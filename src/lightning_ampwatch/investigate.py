@@ -166,14 +166,16 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     ``unscaled_overflow``: no loss scale helps, whatever the scaler's history suggested. Otherwise the largest
     power of two that keeps the largest gradient under float16's maximum (with a margin) is the measured safe
     scale, in place of the scaler's history, which only knows the scales that once held: the gradients may have
-    grown since. A start-up streak keeps the scale the scaler settled at, measured on these very weights."""
+    grown since. A start-up streak judged when it ended keeps the scale the scaler settled at, measured on these
+    very weights; one decided early (to be remedied at once) has none yet and takes the measured one."""
     if ev.get("replay_unscaled_grads_finite") is False or (
             ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0):
         ev["pattern"] = GradientPattern.UNSCALED_OVERFLOW.value
         ev.pop("safe_scale", None)
         return Finding.GRADIENT_OVERFLOW
     absmax = ev.get("replay_grad_absmax")
-    if finding is Finding.GRADIENT_OVERFLOW and ev.get("pattern") != GradientPattern.STARTUP.value \
+    if finding is Finding.GRADIENT_OVERFLOW and (ev.get("pattern") != GradientPattern.STARTUP.value
+                                                 or "safe_scale" not in ev) \
             and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
         ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
         ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
@@ -369,6 +371,7 @@ class TrajectoryControl:
         self.say = say
         if state.unavailable is not None:
             ring.enabled, ring.reason = False, state.unavailable
+        self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
         self._told = False
 
     def note_step(self, step: int, batches: Sequence[Any], quiet: bool) -> None:
@@ -378,7 +381,7 @@ class TrajectoryControl:
         if not ring.enabled:
             return
         ring.add_batches(step, batches)
-        if quiet:
+        if quiet and not self.paused:
             ring.after_step(step, self.state)
         if not ring.enabled:
             self._tell()
@@ -419,6 +422,7 @@ class TrajectoryControl:
         if batch_verdict not in (None, "control not run"):
             ev["batch_control_verdict"] = batch_verdict
         ev["control_verdict"] = reason
+        ev["trajectory_verdict"] = kind
         ev.update({f"trajectory_{k}": v for k, v in evidence.items() if k not in ("loss_level", "divergence_ratio")})
         finding = _RENAMED_BY.get(TrajectoryKind(kind), diagnosis.finding)
         renamed = finding if finding is not diagnosis.finding else None

@@ -278,10 +278,14 @@ class AmpStateMachine:
     """
 
     def __init__(self, mode: PrecisionMode | str = PrecisionMode.FP16, thresholds: Thresholds | None = None,
-                 scaler_config: Mapping[str, Any] | None = None) -> None:
+                 scaler_config: Mapping[str, Any] | None = None, *, early_startup: bool = False) -> None:
         self.mode = PrecisionMode(mode)
         self.thresholds = thresholds or Thresholds()
         self.scaler_config = dict(scaler_config or {})
+        self.early_startup = early_startup
+        """Raise a start-up overflow at the skip that makes the streak alarm-length, rather than when the streak
+        ends: a remedy can then set the scale at once instead of letting the scaler halve its way down. The scale
+        that holds is not known yet; the adapter measures it from the replay's gradients."""
         self.state = self._fresh_state()
 
     def _fresh_state(self) -> MachineState:
@@ -606,6 +610,9 @@ class AmpStateMachine:
                       onset=streak.first_step)
             return Finding.GRADIENT_OVERFLOW
         if s.streak_from_start:
+            if self.early_startup and streak.count >= t.startup_streak and streak.all_loss_finite:
+                ev.update(pattern=GradientPattern.STARTUP, scale_history=list(streak.scales), onset=streak.first_step)
+                return Finding.GRADIENT_OVERFLOW
             return None  # wait: the streak is judged when it ends and the safe scale is known
         if len(s.growth_skips) >= t.growth_repeats:
             span = max(1, obs.step - s.growth_skips[0] + 1)

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value
-from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes
+from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes, remedy_outcome
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline
 
@@ -34,6 +34,7 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "finding": ((str,), "a string"), "step": ((int,), "an integer"),
     "location": ((str, type(None)), "a string or null"), "evidence": ((dict,), "an object"),
     "advice": ((str,), "a string"), "remedy": ((str, type(None)), "a string or null"),
+    "outcome": ((str, type(None)), "a string or null"),
 }
 
 
@@ -203,7 +204,8 @@ def episodes_table(rows: Sequence[Episode]) -> Table:
         steps = Text(row.steps)
         if row.anomalous is not None and d.is_alarm:
             steps.append(f"\n{row.anomalous} bad step{'s' if row.anomalous != 1 else ''}", style="dim")
-        remedy = Text(_clip(d.remedy), style="green") if d.remedy else Text("none" if d.is_alarm else "-", style="dim")
+        remedy = (Text(_clip(remedy_outcome(d)), style="green" if d.outcome == "recovered" else "yellow") if d.remedy
+                  else Text("none" if d.is_alarm else "-", style="dim"))
         table.add_row(steps, Text(d.finding.value, style="bold red" if d.is_alarm else "blue"),
                       Text(_clip(d.location or "-")), Text(_clip(d.advice)), remedy)
     return table

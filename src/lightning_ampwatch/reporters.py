@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 from torchmetrics.aggregation import SumMetric
 
-from lightning_ampwatch.summary import RunStats, summary_lines
+from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
@@ -67,6 +67,9 @@ def diagnosis_panel(diagnosis: Diagnosis) -> Panel:
     parts: list[Any] = [Text(diagnosis.finding.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
     if diagnosis.remedy:
         parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
+    if diagnosis.outcome is not None:
+        parts.append(Text(f"Outcome: {remedy_outcome(diagnosis)}",
+                          style="green" if diagnosis.outcome == "recovered" else "red"))
     where = f" in {diagnosis.location}" if diagnosis.location else ""
     title = Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}")
     return Panel(Group(*parts), title=title, title_align="left", border_style="red" if diagnosis.is_alarm else "blue",
@@ -86,6 +89,8 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     lines += ["", f"Fix: {diagnosis.advice}"]
     if diagnosis.remedy:
         lines.append(f"Applied: {diagnosis.remedy}")
+    if diagnosis.outcome is not None:
+        lines.append(f"Outcome: {remedy_outcome(diagnosis)}")
     return "\n".join(lines)
 
 
@@ -102,7 +107,7 @@ def _mlflow(logger: Any, diagnosis: Diagnosis) -> None:
                                f"ampwatch/step{diagnosis.step:08d}_{diagnosis.finding.value}.md")
 
 
-WANDB_COLUMNS = ["step", "finding", "location", "advice", "remedy"]
+WANDB_COLUMNS = ["step", "finding", "location", "advice", "remedy", "outcome"]
 _wandb_rows: "weakref.WeakKeyDictionary[Any, list[list[Any]]]" = weakref.WeakKeyDictionary()
 
 
@@ -110,7 +115,7 @@ def _wandb(logger: Any, diagnosis: Diagnosis) -> None:
     """W&B tables are immutable: each diagnosis logs the whole table so far, so the latest version has them all."""
     rows = _wandb_rows.setdefault(logger, [])
     rows.append([diagnosis.step, diagnosis.finding.value, diagnosis.location or "", diagnosis.advice,
-                 diagnosis.remedy or ""])
+                 diagnosis.remedy or "", diagnosis.outcome or ""])
     logger.log_text(key="ampwatch/diagnoses", columns=WANDB_COLUMNS, data=[list(r) for r in rows],
                     step=diagnosis.step)
 

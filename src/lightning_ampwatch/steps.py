@@ -42,6 +42,8 @@ BATCHES_KEPT_AFTER_TRIM = 32
 #: Step losses held unread; the ring is read when it holds this many (or ``log_every_n_steps``, if larger).
 LOSS_RING_STEPS = 64
 LOSS_RING_MAX_STEPS = 1024
+#: Step losses kept once read, for checking a remedy's outcome over the steps after it.
+RECENT_LOSSES = 256
 
 
 class OpenStep:
@@ -123,6 +125,7 @@ class StepLedger:
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
         self.last_loss: float | None = None  # the latest step's loss read (for the timeline at log steps)
+        self.recent_losses: deque[tuple[int, float]] = deque(maxlen=RECENT_LOSSES)  # (step, loss) as read
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
@@ -255,6 +258,7 @@ class StepLedger:
                 machine.observe_clean(step, None, False, lrs, loss)
                 self.log_steps += 1
                 self.last_loss = loss
+                self.recent_losses.append((step, loss))
                 if self.timeline is not None:
                     self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
                 return []
@@ -293,6 +297,8 @@ class StepLedger:
             # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
             loss = opened.tape.read()
         loss_finite = None if loss is None else math.isfinite(loss)
+        if loss is not None:
+            self.recent_losses.append((opened.step, loss))
         self.log_steps += 1
         self.log_skipped += int(skipped)
         batch_stats = None
@@ -331,6 +337,7 @@ class StepLedger:
         if losses:
             self.machine.note_losses(losses)
             self.last_loss = losses[-1][1]
+            self.recent_losses.extend(losses)
         return values[:len(extra)]
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:

@@ -42,6 +42,17 @@ def counts_line(stats: RunStats) -> str:
     return ", ".join(parts)
 
 
+def remedy_outcome(d: Diagnosis) -> str:
+    """What a remedy did, in the words the summary and the report use: "fixed" only for a verified recovery."""
+    recovery = d.evidence.get("recovery") if isinstance(d.evidence.get("recovery"), dict) else {}
+    why = recovery.get("reason") if isinstance(recovery, dict) else None
+    if d.outcome == "recovered":
+        return f"fixed with {d.remedy}, recovery verified"
+    if d.outcome == "not_recovered":
+        return f"{d.remedy} applied, not fixed: {why}" if why else f"{d.remedy} applied, not fixed"
+    return f"{d.remedy} applied; recovery not verified (the run ended first)"
+
+
 def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str | Path | None = None) -> list[str]:
     """The end-of-fit summary: one line for a healthy run, a few for one that had trouble."""
     alarms = [d for d in diagnoses if d.is_alarm]
@@ -53,7 +64,7 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
     for d in diagnoses:
         where = f" in {d.location}" if d.location else ""
         if d.remedy:
-            outcome = f"fixed with {d.remedy}"
+            outcome = remedy_outcome(d)
         elif d.is_alarm:
             outcome = "not fixed: see the advice above"
         else:

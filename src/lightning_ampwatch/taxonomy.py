@@ -126,6 +126,9 @@ class Diagnosis:
     evidence: dict[str, object] = field(default_factory=dict)
     advice: str = ""
     remedy: str | None = None
+    outcome: str | None = None
+    """After a remedy: ``"recovered"`` (verified healthy again) or ``"not_recovered"``; None while it is watched,
+    or when no remedy was applied. The numbers are in ``evidence["recovery"]``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.finding, Finding):
@@ -161,7 +164,8 @@ class Diagnosis:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Diagnosis":
-        known = {k: data[k] for k in ("finding", "step", "location", "evidence", "advice", "remedy") if k in data}
+        known = {k: data[k] for k in ("finding", "step", "location", "evidence", "advice", "remedy", "outcome")
+                 if k in data}
         return cls(**known)
 
     def headline(self) -> str:

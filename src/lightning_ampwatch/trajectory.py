@@ -346,6 +346,13 @@ class SnapshotRing:
                 self._batch_bytes += nbytes
                 self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
 
+    def reset(self) -> None:
+        """Drop every snapshot and batch (after a rollback they belong to abandoned steps). The snapshots' host
+        buffers are not reused, so a snapshot the caller still holds stays intact."""
+        self._snapshots.clear()
+        self._batches.clear()
+        self._batch_bytes = 0
+
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after an optimizer step earlier than ``step``."""
         return next((s for s in reversed(self._snapshots) if s.step < step), None)

@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lightning_ampwatch.remedies.base import Remedy, RemedyContext, RemedyName, register
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
 LR_FACTOR = 0.5
+#: For a run that diverges at full precision with no LR rise to undo: a learning rate that diverges is seldom
+#: only twice too high, so a tenth (and, if that does not recover, a tenth again: the ladder has two rungs).
+UNSTABLE_LR_FACTOR = 0.1
 
 
 def _lr_factor(diagnosis: Diagnosis) -> float:
-    """Back to the level before the rise that set the fault off, when the evidence says what it was; else half."""
+    """Back to the level before the rise that set the fault off, when the evidence says what it was; else half,
+    or a tenth for a run that diverges at full precision."""
     before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
     if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after > 0 and 0 < before < after:
         return min(max(before / after, 0.01), LR_FACTOR)
-    return LR_FACTOR
+    return UNSTABLE_LR_FACTOR if diagnosis.finding is Finding.FP32_UNSTABLE else LR_FACTOR
 
 
 @register
@@ -42,7 +46,10 @@ class ReduceLr(Remedy):
                 sched.base_lrs = [lr * factor for lr in sched.base_lrs]
             if hasattr(sched, "_last_lr"):
                 sched._last_lr = [lr * factor for lr in sched._last_lr]
-        return {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
+        details: dict[str, Any] = {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
+        if isinstance(diagnosis.evidence.get("lr_before"), (int, float)):
+            details["back_to"] = diagnosis.evidence["lr_before"]  # the LR just before the rise
+        return details
 
     def describe(self, details: Mapping[str, Any]) -> str:
         changes = ", ".join(f"{b:g} -> {a:g}" for b, a in zip(details["lr_before"], details["lr_after"]))

@@ -10,13 +10,15 @@ from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
 DEFAULT_REMEDIES = tuple(r for r in RemedyName if r is not RemedyName.REDUCE_LR)  # what remediate=True allows
 
-#: finding -> the remedies to try, in order. Not-AMP findings have none: no AMP knob fixes data or divergence.
+#: finding -> the remedies to try, in order. No AMP knob fixes data or divergence: FP32_UNSTABLE gets only a lower
+#: learning rate (opt-in, as ever), the other not-AMP findings nothing.
 LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
     Finding.GRADIENT_OVERFLOW: (RemedyName.LOWER_INIT_SCALE, RemedyName.BF16_FALLBACK),
     Finding.GROWTH_OVERFLOW: (RemedyName.SLOW_GROWTH, RemedyName.LOWER_INIT_SCALE, RemedyName.BF16_FALLBACK),
     Finding.FORWARD_OVERFLOW: (RemedyName.FP32_ISLAND, RemedyName.BF16_FALLBACK),
     Finding.INPUT_RANGE: (RemedyName.BF16_FALLBACK,),
     Finding.LR_SCHEDULE: (RemedyName.REDUCE_LR,),
+    Finding.FP32_UNSTABLE: (RemedyName.REDUCE_LR, RemedyName.REDUCE_LR),  # never bf16 or an island: not AMP
     Finding.CLIP_BEFORE_UNSCALE: (RemedyName.UNSCALE_BEFORE_CLIP,),
 }
 

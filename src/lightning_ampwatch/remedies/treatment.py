@@ -1,0 +1,234 @@
+"""Treating an alarm: roll the run back to before the onset, apply a remedy, then watch whether it recovered.
+
+"Fixed" is earned here. A remedy is watched for ``recovery_steps`` optimizer steps; only a run that the scaler no
+longer skips (one probe aside) and whose loss is back near its level before the episode counts as recovered. A
+remedy that does not recover gives way to the next rung of its ladder, and with no rung left, to
+``on_unrecoverable``. A remedy applied to weights that had already diverged silences the NaNs without fixing
+anything, so before it is applied the run goes back to the newest snapshot from before the onset (or the newest
+checkpoint file from before it), and the episode's batches are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, Effect, RemedyContext
+from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
+from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.verdicts import NOT_RECOVERED, judge_recovery
+
+
+@dataclass
+class Site:
+    """What a treatment acts on and reads, handed over by the callback at an optimizer-step boundary."""
+
+    trainer: Any
+    ctx: RemedyContext
+    machine: Any  # the AmpStateMachine: the loss level, the step and skip counts, episodes
+    ledger: Any  # the StepLedger: the losses read since a step
+    trajectory: Any  # the TrajectoryControl (its snapshot ring and train state), or None
+    on_effects: Callable[[frozenset[Effect]], None]  # bring AmpWatch's own view in line
+    decide: Callable[[Any], Any]  # rank zero's value, on every rank (identity in one process)
+
+
+@dataclass
+class Watch:
+    """A remedy under watch: the record it was published with and what it is measured against."""
+
+    diagnosis: Diagnosis
+    start: int  # the first optimizer step run with the remedy (trainer.global_step when it was applied)
+    steps_before: int  # the machine's step count then
+    skipped_before: int  # and its skip count
+    reference: float | None  # the loss the run should come back to
+    reference_from: str
+    snapshot: Any = None  # the snapshot the run went back to, kept for the next rung's rollback
+
+
+@dataclass
+class Treatment:
+    """The remedies of one fit: the ladder policy, what was applied, and the remedy being watched."""
+
+    policy: RemedyPolicy
+    recovery_steps: int
+    rollback: bool = True
+    applied: list[AppliedRemedy] = field(default_factory=list)
+    watch: Watch | None = None
+    _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
+
+    def wants(self, diagnosis: Diagnosis) -> bool:
+        """Whether this alarm has an allowed remedy on its ladder (then it waits for the step boundary)."""
+        return diagnosis.is_alarm and any(r in self.policy.allowed for r in ladder_for(diagnosis))
+
+    @property
+    def watching(self) -> bool:
+        return self.watch is not None
+
+    # ------------------------------------------------------------------ applying
+
+    def treat(self, diagnosis: Diagnosis, site: Site) -> Diagnosis:
+        """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
+        comes back with the remedy (and ``remedies_failed``, ``rollback`` evidence), or unchanged without one."""
+        choice = site.decide(self.policy.choose(diagnosis))  # decided once, on rank zero
+        if choice is None:
+            return diagnosis
+        snapshot, where = self._roll_back(diagnosis, site) if self.rollback else (None, "off: applied in place")
+        step = site.trainer.global_step
+        treated, applied = self.policy.apply(site.ctx, diagnosis, choice, step=step)
+        if applied is None:
+            return treated
+        evidence = dict(treated.evidence)
+        evidence["rollback"] = where
+        if applied.name == "lower_init_scale":
+            evidence.update(_skips_saved(applied.details))
+        treated = replace(treated, evidence=evidence, outcome=None)
+        site.machine.close_episode(step, f"remedy {applied.name}")
+        site.on_effects(REGISTRY[applied.name].effects)  # type: ignore[index]
+        self.applied.append(applied)
+        reference, reference_from = _reference(treated, site.machine.loss_level)
+        self.watch = Watch(treated, start=step, steps_before=site.machine.steps_seen,
+                           skipped_before=site.machine.skipped_total, reference=reference,
+                           reference_from=reference_from, snapshot=snapshot)
+        return treated
+
+    def _roll_back(self, diagnosis: Diagnosis, site: Site) -> tuple[Any, str]:
+        """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
+        it. Returns the snapshot (kept for a later rung) and the sentence the evidence carries."""
+        now = site.trainer.global_step
+        control = site.trajectory
+        retry, self._retry = self._retry, None
+        snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
+        if snapshot is None and control is not None and control.ring.enabled:
+            snapshot = control.ring.newest_before(diagnosis.step)
+        target = site.decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
+        if target is not None and snapshot is not None and snapshot.step == target:
+            snapshot.restore(control.state)
+            control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
+            site.on_effects(frozenset({Effect.SCALER}))
+            return snapshot, (f"rolled back from step {now} to step {target + 1} (the in-memory snapshot taken "
+                              f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped")
+        path, ckpt_step = rollback_to_checkpoint(site.trainer, diagnosis.step)
+        if path is not None:
+            site.on_effects(frozenset({Effect.SCALER}))
+            return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
+                          f"batches of steps {ckpt_step}..{now - 1} are skipped")
+        why = "snapshots are off" if control is None or not control.ring.enabled else \
+            f"no snapshot from before step {diagnosis.step} is held"
+        return None, f"none: {why} and no checkpoint file from before it was found, so the remedy is applied in place"
+
+    # ------------------------------------------------------------------ watching
+
+    def check(self, site: Site) -> tuple[Diagnosis, Diagnosis] | None:
+        """At a step boundary: when the watched remedy has run ``recovery_steps`` steps, its outcome, as
+        (the published record, the record with the outcome)."""
+        watch = self.watch
+        if watch is None or site.machine.steps_seen - watch.steps_before < self.recovery_steps:
+            return None
+        site.ledger.read_losses()  # once per remedy: the steps since it are all read
+        losses = [loss for step, loss in site.ledger.recent_losses if step >= watch.start]
+        steps = site.machine.steps_seen - watch.steps_before
+        recovery = site.decide(judge_recovery(losses, steps=steps, skipped=site.machine.skipped_total
+                                              - watch.skipped_before, reference=watch.reference,
+                                              reference_from=watch.reference_from))
+        return self._end(recovery.outcome, recovery.reason, recovery.details)
+
+    def fault_returned(self, diagnosis: Diagnosis) -> tuple[Diagnosis, Diagnosis] | None:
+        """A new alarm of the watched finding: the remedy did not hold (the policy escalates the new alarm)."""
+        watch = self.watch
+        if watch is None or diagnosis.finding is not watch.diagnosis.finding:
+            return None
+        return self._end(NOT_RECOVERED, f"the fault came back at step {diagnosis.step}",
+                         {"came_back_at": diagnosis.step})
+
+    def finish(self) -> None:
+        """The fit ended while a remedy was watched: its outcome stays unknown (None), never assumed."""
+        self.watch = None
+
+    def _end(self, outcome: str | None, reason: str, details: dict[str, Any]) -> tuple[Diagnosis, Diagnosis]:
+        watch, self.watch = self.watch, None
+        assert watch is not None
+        old = watch.diagnosis
+        new = replace(old, outcome=outcome, evidence={**old.evidence, "recovery": {**details, "reason": reason}})
+        if outcome == NOT_RECOVERED:
+            self._retry = (old.step, watch.snapshot)  # the next rung goes back to the same place
+        return old, new
+
+    def retry(self, diagnosis: Diagnosis, site: Site) -> Diagnosis:
+        """The next rung for a remedy that did not recover: the same episode treated again, from its onset. With
+        no rung left the record comes back as it was (not recovered)."""
+        recovery = diagnosis.evidence.get("recovery")
+        tried = [*diagnosis.evidence.get("remedies_tried", []),  # type: ignore[misc]
+                 {"remedy": diagnosis.remedy, "outcome": diagnosis.outcome,
+                  "reason": recovery.get("reason") if isinstance(recovery, dict) else None}]
+        evidence = {k: v for k, v in diagnosis.evidence.items() if k not in ("recovery", "remedy_details", "rollback")}
+        treated = self.treat(replace(diagnosis, remedy=None, outcome=None,
+                                     evidence={**evidence, "remedies_tried": tried}), site)
+        self._retry = None
+        return treated if treated.remedy is not None else diagnosis
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state.get("policy", {}))
+
+
+def _reference(diagnosis: Diagnosis, level: float | None) -> tuple[float | None, str]:
+    """What the loss must come back to. Where the FP32 replay confirmed an AMP fault, what FP32 reached on the
+    episode's own steps (harder batches raise the loss without anything being broken); else the loss level before
+    the episode; with no level yet (a fault at the first steps), the FP32 control's loss on the faulty batch, when
+    it cleared the batch as an AMP fault."""
+    ev = diagnosis.evidence
+    fp32 = ev.get("trajectory_fp32_losses")
+    if ev.get("trajectory_verdict") == "amp_confirmed" and isinstance(fp32, list):
+        finite = [v for v in fp32 if isinstance(v, (int, float)) and math.isfinite(v)]
+        if finite:
+            return max(statistics.median(finite), level or 0.0), "what FP32 reached replaying the episode's steps"
+    if level is not None:
+        return level, "the loss level before the episode"
+    control = ev.get("fp32_control_loss")
+    if isinstance(control, (int, float)) and math.isfinite(control) and \
+            str(ev.get("control_verdict", "")).endswith("an AMP fault"):
+        return control, "the FP32 control's loss on the faulty batch"
+    return None, "nothing: no loss was read before the episode"
+
+
+def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
+    """How many more skips the scaler would have made to halve its way down to the scale now set (about: the
+    scale that holds lies between the set scale and twice it)."""
+    before, after = details.get("scale_before"), details.get("scale_after")
+    if not (isinstance(before, (int, float)) and isinstance(after, (int, float)) and 0 < after < before):
+        return {}
+    return {"skips_saved_estimate": max(0, round(math.log2(before / after)) - 1)}
+
+
+def rollback_to_checkpoint(trainer: Any, onset: int) -> tuple[str | None, int | None]:
+    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``onset``, through Lightning's
+    own checkpoint connector: weights, precision plugin (the scaler), optimizers and schedulers; not the loops,
+    so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
+    candidates: set[str] = set()
+    for cb in getattr(trainer, "checkpoint_callbacks", []):
+        candidates.update(p for p in (getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})) if p)
+        dirpath = getattr(cb, "dirpath", None)
+        if dirpath and os.path.isdir(dirpath):
+            candidates.update(os.path.join(dirpath, f) for f in os.listdir(dirpath) if f.endswith(".ckpt"))
+    connector = trainer._checkpoint_connector
+    for path in sorted((p for p in candidates if os.path.isfile(p)), key=os.path.getmtime, reverse=True):
+        checkpoint = trainer.strategy.load_checkpoint(path)
+        step = checkpoint.get("global_step")
+        if not isinstance(step, int) or step > onset:
+            continue
+        connector._loaded_checkpoint = checkpoint
+        try:
+            connector.restore_model()
+            connector.restore_precision_plugin_state()
+            connector.restore_optimizers_and_schedulers()
+        finally:
+            connector._loaded_checkpoint = {}
+        return path, step
+    return None, None
