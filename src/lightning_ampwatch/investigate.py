@@ -110,8 +110,7 @@ class Investigator:
         ev["control_verdict"] = reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
-        if finding in _BACKWARD:
-            finding = _gradient_scale_evidence(finding, ev)
+        finding = _gradient_scale_evidence(finding, ev)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
         if finding is Finding.DATA_NONFINITE:
@@ -166,17 +165,18 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     ``unscaled_overflow``: no loss scale helps, whatever the scaler's history suggested. Otherwise the largest
     power of two that keeps the largest gradient under float16's maximum (with a margin) is the measured safe
     scale, in place of the scaler's history, which only knows the scales that once held: the gradients may have
-    grown since. A start-up streak judged when it ended keeps the scale the scaler settled at, measured on these
-    very weights; one decided early (to be remedied at once) has none yet and takes the measured one."""
-    if ev.get("replay_unscaled_grads_finite") is False or (
-            ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0):
+    grown since (after an LR rise, say). A start-up streak judged when it ended keeps the scale the scaler settled
+    at, measured on these very weights; one decided early (to be remedied at once) has none yet and takes the
+    measured one."""
+    if finding in _BACKWARD and (ev.get("replay_unscaled_grads_finite") is False or (
+            ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0)):
         ev["pattern"] = GradientPattern.UNSCALED_OVERFLOW.value
         ev.pop("safe_scale", None)
         return Finding.GRADIENT_OVERFLOW
     absmax = ev.get("replay_grad_absmax")
-    if finding is Finding.GRADIENT_OVERFLOW and (ev.get("pattern") != GradientPattern.STARTUP.value
-                                                 or "safe_scale" not in ev) \
-            and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
+    settled = ev.get("pattern") == GradientPattern.STARTUP.value and "safe_scale" in ev
+    wanted = "safe_scale" in ev or finding is Finding.GRADIENT_OVERFLOW
+    if wanted and not settled and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
         ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
         ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
     return finding

@@ -64,7 +64,7 @@ def diagnosis_panel(diagnosis: Diagnosis) -> Panel:
     evidence.add_column()
     for key, value in diagnosis.evidence.items():
         evidence.add_row(Text(str(key)), Text(format_value(value)))
-    parts: list[Any] = [Text(diagnosis.finding.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
+    parts: list[Any] = [Text(diagnosis.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
     if diagnosis.remedy:
         parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
     if diagnosis.outcome is not None:
@@ -84,7 +84,7 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     """The text form sent to loggers that take text."""
     lines = [f"**{diagnosis.finding.value}** at step {diagnosis.step}"
              + (f" in `{diagnosis.location}`" if diagnosis.location else ""),
-             "", diagnosis.finding.summary, "", "| evidence | value |", "|---|---|"]
+             "", diagnosis.summary, "", "| evidence | value |", "|---|---|"]
     lines += [f"| {k} | {format_value(v)} |" for k, v in diagnosis.evidence.items()]
     lines += ["", f"Fix: {diagnosis.advice}"]
     if diagnosis.remedy:
