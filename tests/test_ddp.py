@@ -129,3 +129,36 @@ def test_the_trajectory_control_runs_on_every_rank_and_the_ranks_agree(tmp_path:
     d = next(d for d in rank0 if d["finding"] != Finding.NORMAL_SCALING.value)
     assert d["evidence"]["control_verdict"].endswith(": an AMP fault")
     assert "trajectory_fp32_losses" in d["evidence"]
+
+
+class DumpWeights(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch
+
+        torch.save(pl_module.state_dict(), Path(self.out_dir) / f"weights{trainer.global_rank}.pt")
+
+
+def test_a_rollback_and_its_remedy_leave_the_ranks_with_equal_weights(tmp_path: Path) -> None:
+    import torch
+    from test_recovery_e2e import Classifier
+    from test_trajectory import separable
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=True, snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=30, plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[watch, DumpDiagnoses(watch, str(tmp_path)), DumpWeights(str(tmp_path))],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Classifier(), datamodule=RowsByRank(separable(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1
+    [d] = [d for d in rank0 if d["remedy"]]
+    assert d["evidence"]["rollback"].startswith("rolled back from step ") and d["outcome"] == "recovered"
+    w0, w1 = (torch.load(tmp_path / f"weights{r}.pt") for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)

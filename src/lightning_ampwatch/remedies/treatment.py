@@ -75,7 +75,9 @@ class Treatment:
         choice = site.decide(self.policy.choose(diagnosis))  # decided once, on rank zero
         if choice is None:
             return diagnosis
-        snapshot, where = self._roll_back(diagnosis, site) if self.rollback else (None, "off: applied in place")
+        site.ledger.read_losses()  # the losses up to now, for the level the run goes back to
+        snapshot, where, resumed_at = self._roll_back(diagnosis, site) if self.rollback else \
+            (None, "off: applied in place", None)
         step = site.trainer.global_step
         treated, applied = self.policy.apply(site.ctx, diagnosis, choice, step=step)
         if applied is None:
@@ -88,36 +90,41 @@ class Treatment:
         site.machine.close_episode(step, f"remedy {applied.name}")
         site.on_effects(REGISTRY[applied.name].effects)  # type: ignore[index]
         self.applied.append(applied)
-        reference, reference_from = _reference(treated, site.machine.loss_level)
+        reference, reference_from = _reference(treated, site.machine.loss_level, resumed_at,
+                                               site.ledger.recent_losses, site.machine.thresholds.loss_window)
         self.watch = Watch(treated, start=step, steps_before=site.machine.steps_seen,
                            skipped_before=site.machine.skipped_total, reference=reference,
                            reference_from=reference_from, snapshot=snapshot)
         return treated
 
-    def _roll_back(self, diagnosis: Diagnosis, site: Site) -> tuple[Any, str]:
+    def _roll_back(self, diagnosis: Diagnosis, site: Site) -> tuple[Any, str, int | None]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
-        it. Returns the snapshot (kept for a later rung) and the sentence the evidence carries."""
+        it. Returns the snapshot (kept for a later rung), the sentence the evidence carries, and the step the run
+        went back to (None when it stayed where it was)."""
         now = site.trainer.global_step
         control = site.trajectory
+        before = _last_good_step(diagnosis)
         retry, self._retry = self._retry, None
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
         if snapshot is None and control is not None and control.ring.enabled:
-            snapshot = control.ring.newest_before(diagnosis.step)
+            snapshot = control.ring.newest_before(before)
         target = site.decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
         if target is not None and snapshot is not None and snapshot.step == target:
             snapshot.restore(control.state)
             control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
             site.on_effects(frozenset({Effect.SCALER}))
             return snapshot, (f"rolled back from step {now} to step {target + 1} (the in-memory snapshot taken "
-                              f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped")
-        path, ckpt_step = rollback_to_checkpoint(site.trainer, diagnosis.step)
+                              f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped"), \
+                target + 1
+        path, ckpt_step = rollback_to_checkpoint(site.trainer, before)
         if path is not None:
             site.on_effects(frozenset({Effect.SCALER}))
             return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
-                          f"batches of steps {ckpt_step}..{now - 1} are skipped")
+                          f"batches of steps {ckpt_step}..{now - 1} are skipped"), ckpt_step
         why = "snapshots are off" if control is None or not control.ring.enabled else \
-            f"no snapshot from before step {diagnosis.step} is held"
-        return None, f"none: {why} and no checkpoint file from before it was found, so the remedy is applied in place"
+            f"no snapshot from before step {before} is held"
+        return None, f"none: {why} and no checkpoint file from before it was found, so the remedy is applied in " \
+                     "place", None
 
     # ------------------------------------------------------------------ watching
 
@@ -178,12 +185,28 @@ class Treatment:
         self.policy.load_state_dict(state.get("policy", {}))
 
 
-def _reference(diagnosis: Diagnosis, level: float | None) -> tuple[float | None, str]:
-    """What the loss must come back to. Where the FP32 replay confirmed an AMP fault, what FP32 reached on the
-    episode's own steps (harder batches raise the loss without anything being broken); else the loss level before
-    the episode; with no level yet (a fault at the first steps), the FP32 control's loss on the faulty batch, when
-    it cleared the batch as an AMP fault."""
+def _last_good_step(diagnosis: Diagnosis) -> int:
+    """The step before which the run is surely healthy: the loss at the onset was computed with the weights the
+    previous step's update left, so that update may be the one that did the damage; and an LR rise that set the
+    episode off happened at ``lr_change_step``, earlier still."""
+    step = diagnosis.step - 1
+    lr_change = diagnosis.evidence.get("lr_change_step")
+    return min(step, lr_change) if isinstance(lr_change, int) else step
+
+
+def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None,
+               recent: Any, window: int) -> tuple[float | None, str]:
+    """What the loss must come back to. After a rollback, the loss the run had at the state it went back to (the
+    steps up to it): it cannot be asked to be better than that. Where the FP32 replay confirmed an AMP fault,
+    what FP32 reached on the episode's own steps, if higher (harder batches raise the loss without anything being
+    broken). Else the loss level before the episode; with no level yet (a fault at the first steps), the FP32
+    control's loss on the faulty batch, when it cleared the batch as an AMP fault."""
     ev = diagnosis.evidence
+    if resumed_at is not None:
+        then = [loss for step, loss in recent if resumed_at - window <= step <= resumed_at and math.isfinite(loss)]
+        if then:
+            level = max(statistics.median(then), level or 0.0)
+            return level, f"the loss level where the run went back to (step {resumed_at})"
     fp32 = ev.get("trajectory_fp32_losses")
     if ev.get("trajectory_verdict") == "amp_confirmed" and isinstance(fp32, list):
         finite = [v for v in fp32 if isinstance(v, (int, float)) and math.isfinite(v)]
@@ -207,8 +230,8 @@ def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
     return {"skips_saved_estimate": max(0, round(math.log2(before / after)) - 1)}
 
 
-def rollback_to_checkpoint(trainer: Any, onset: int) -> tuple[str | None, int | None]:
-    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``onset``, through Lightning's
+def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int | None]:
+    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``before`` ran, through Lightning's
     own checkpoint connector: weights, precision plugin (the scaler), optimizers and schedulers; not the loops,
     so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
     candidates: set[str] = set()
@@ -221,7 +244,7 @@ def rollback_to_checkpoint(trainer: Any, onset: int) -> tuple[str | None, int | 
     for path in sorted((p for p in candidates if os.path.isfile(p)), key=os.path.getmtime, reverse=True):
         checkpoint = trainer.strategy.load_checkpoint(path)
         step = checkpoint.get("global_step")
-        if not isinstance(step, int) or step > onset:
+        if not isinstance(step, int) or step > before:  # written after `step` steps: before step `step` ran
             continue
         connector._loaded_checkpoint = checkpoint
         try:

@@ -1,0 +1,177 @@
+"""Remedies that really recover: rolled back before the onset, verified afterwards, never called a fix when the
+run is not healthy again. Real fits: true float16 autocast with a real GradScaler on the CPU."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_trajectory import separable
+from test_trajectory_e2e import LrJump
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.remedies import DEFAULT_REMEDIES
+from lightning_ampwatch.scenarios import SCENARIOS, Regressor, regression_data
+from lightning_ampwatch.summary import RunStats, summary_lines
+
+WITH_LR = [*DEFAULT_REMEDIES, "reduce_lr"]
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.seen.append(float(outputs["loss"]))
+
+    @property
+    def final(self) -> float:
+        return statistics.median(self.seen[-10:])
+
+
+def _fit(tmp_path: Path, model: Callable[[], pl.LightningModule], data: Any, watch: AmpWatch | None,
+         precision: str = "fp16", max_steps: int = 80, scaler: dict[str, Any] | None = None,
+         callbacks: list[Any] = (), **kw: Any) -> tuple[pl.Trainer, pl.LightningModule, Losses]:
+    pl.seed_everything(0, verbose=False)
+    module, losses = model(), Losses()
+    trainer = make_trainer(tmp_path, [losses, *callbacks, *([watch] if watch else [])], precision, scaler,
+                           max_steps=max_steps, **kw)
+    trainer.fit(module, DataLoader(data, batch_size=32))
+    return trainer, module, losses
+
+
+def _remedied(watch: AmpWatch) -> list[Any]:
+    return [d for d in watch.diagnoses if d.remedy]
+
+
+def test_a_too_high_lr_is_rolled_back_and_lowered_and_ends_near_a_healthy_run(tmp_path: Path) -> None:
+    *_, healthy = _fit(tmp_path / "healthy", lambda: Regressor(lr=0.05), regression_data(), None)
+    watch = AmpWatch(verbose=False, remediate=WITH_LR)
+    *_, treated = _fit(tmp_path / "treated", lambda: Regressor(lr=0.5), regression_data(), watch)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy, d.outcome) == (Finding.FP32_UNSTABLE, "reduce_lr", "recovered")
+    assert d.evidence["rollback"].startswith("rolled back from step ")
+    assert d.evidence["remedy_details"]["factor"] == 0.1
+    assert treated.final <= 2 * healthy.final
+
+
+def test_without_reduce_lr_a_diverging_run_is_never_called_fixed(tmp_path: Path, capsys: Any) -> None:
+    watch = AmpWatch(remediate=True)  # every remedy but reduce_lr: no AMP setting may silence a divergence
+    _fit(tmp_path, lambda: Regressor(lr=0.5), regression_data(), watch)
+    alarms = [d for d in watch.diagnoses if d.is_alarm]
+    assert alarms and all(d.remedy is None for d in alarms)
+    assert alarms[0].finding is Finding.FP32_UNSTABLE and "Lower the learning rate" in alarms[0].advice
+    out = capsys.readouterr().out
+    assert "fixed with" not in out and "not fixed: see the advice above" in out
+
+
+class Head(nn.Module):
+    """A softmax written by hand (exp without subtracting the max): its exp overflows float16 once Adam has grown
+    the logits past ~11; float32 has room up to ~88."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.proj(x).exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = Head()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return -self.head(x).gather(1, y[:, None]).float().clamp_min(1e-6).log().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.3)
+
+
+def test_a_forward_overflow_islanded_after_a_rollback_ends_near_the_fp32_run(tmp_path: Path) -> None:
+    *_, fp32 = _fit(tmp_path / "fp32", Classifier, separable(), None, precision="32-true", max_steps=40)
+    watch = AmpWatch(verbose=False, remediate=True, snapshot_every=5)
+    *_, treated = _fit(tmp_path / "fp16", Classifier, separable(), watch, scaler={"init_scale": 2.0**8},
+                       max_steps=40)
+    [d] = _remedied(watch)
+    assert (d.finding, d.location, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "head", "fp32_island",
+                                                            "recovered")
+    assert "the in-memory snapshot taken after step 5" in d.evidence["rollback"]
+    assert d.evidence["recovery"]["skipped"] == 0
+    assert treated.final <= 1.5 * fp32.final
+
+
+def test_lower_init_scale_at_the_first_alarm_cuts_a_startup_collapse_short(tmp_path: Path) -> None:
+    scenario = SCENARIOS["gradient_overflow"]
+    skipped = {}
+    for remediate in (False, ["lower_init_scale"]):
+        watch = AmpWatch(verbose=False, remediate=remediate)
+        pl.seed_everything(0, verbose=False)
+        trainer = make_trainer(tmp_path / str(bool(remediate)), [watch], "fp16", {"init_scale": 2.0**24},
+                               max_steps=30)
+        trainer.fit(scenario.model(), scenario.dataloader())
+        skipped[bool(remediate)] = watch.machine.skipped_total  # type: ignore[union-attr]
+        if remediate:
+            [d] = _remedied(watch)
+            assert d.evidence["pattern"] == "startup" and d.evidence["skipped_in_row"] == 4  # acted at once
+            details = d.evidence["remedy_details"]
+            assert details["scale_after"] == d.evidence["safe_scale"] < details["scale_before"]
+            assert d.evidence["skips_saved_estimate"] >= 4
+    assert skipped[True] <= skipped[False] - 4
+
+
+def test_reduce_lr_after_an_lr_jump_goes_back_to_the_lr_before_it_and_recovers(tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"])
+    trainer, *_ = _fit(tmp_path, LrJump, regression_data(), watch, max_steps=50)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "recovered")
+    assert d.evidence["remedy_details"]["back_to"] == pytest.approx(3e-2)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # the schedule keeps the lower level
+
+
+def test_a_remedy_that_silences_nan_but_leaves_the_loss_high_is_not_recovered_and_escalates(tmp_path: Path) -> None:
+    # No snapshot and no rollback: the remedies act on weights the too-high LR has already ruined, and the
+    # single-batch control alone cannot tell the divergence apart (the replay of one batch stays finite in FP32).
+    watch = AmpWatch(verbose=False, remediate=True, snapshot_every=0, rollback=False)
+    _fit(tmp_path, lambda: Regressor(lr=0.5), regression_data(), watch)
+    outcomes = [(d.remedy, d.outcome) for d in _remedied(watch)]
+    tried = [t for d in _remedied(watch) for t in d.evidence.get("remedies_tried", [])]
+    assert ("recovered" not in [o for _, o in outcomes]), outcomes
+    assert tried and tried[0]["outcome"] == "not_recovered"  # the first remedy was judged, and escalated
+    lines = summary_lines(watch.diagnoses, RunStats(80))
+    assert not any("fixed with" in line for line in lines)
+
+
+def test_rollback_goes_to_a_checkpoint_file_when_snapshots_are_off(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=0)
+    _fit(tmp_path, LrJump, regression_data(), watch, max_steps=50, callbacks=[ckpt], enable_checkpointing=True)
+    [d] = _remedied(watch)
+    assert d.evidence["rollback"].startswith("rolled back from step ")
+    assert "the checkpoint file" in d.evidence["rollback"] and "step=20.ckpt" in d.evidence["rollback"]
+    assert d.outcome == "recovered"
+
+
+def test_resume_after_a_rollback_keeps_the_remedy_and_does_not_announce_it_again(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=10)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"])
+    _fit(tmp_path, LrJump, regression_data(), watch, max_steps=40, callbacks=[ckpt], enable_checkpointing=True)
+    [before] = _remedied(watch)
+    resumed = AmpWatch(verbose=False, remediate=["reduce_lr"])
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [resumed], "fp16", max_steps=60)
+    trainer.fit(LrJump(), DataLoader(regression_data(), batch_size=32), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert [d.to_dict() for d in _remedied(resumed)] == [before.to_dict()]
+    assert [a.name for a in resumed.applied] == ["reduce_lr"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # the lowered LR came back with it
