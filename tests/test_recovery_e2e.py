@@ -175,3 +175,16 @@ def test_resume_after_a_rollback_keeps_the_remedy_and_does_not_announce_it_again
     assert [d.to_dict() for d in _remedied(resumed)] == [before.to_dict()]
     assert [a.name for a in resumed.applied] == ["reduce_lr"]
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # the lowered LR came back with it
+
+
+def test_replay_episode_trains_on_the_episodes_batches_again_with_the_remedy(tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5, replay_episode=True)
+    trainer, *_ = _fit(tmp_path, LrJump, regression_data(), watch, max_steps=50)
+    [d] = _remedied(watch)
+    rollback = d.evidence["rollback"]
+    assert "were trained on again with the remedy (losses " in rollback and "skipped" not in rollback
+    # the snapshot after step 15 (every 5, before the LR change at 20): steps 16.. trained again at the lower LR
+    assert "the in-memory snapshot taken after step 15" in rollback
+    losses = [float(v) for v in rollback.split("(losses ")[1].rstrip(")").split(", ")]
+    assert all(v < 1.0 for v in losses)  # at the LR from before the jump the episode's batches train normally
+    assert d.outcome == "recovered"

@@ -110,6 +110,8 @@ class AmpWatch(Callback):
         rollback: before a remedy is applied, go back to the newest snapshot from before the episode's onset (else
             the newest ``ModelCheckpoint`` file from before it) and skip the episode's batches; ``False`` applies
             remedies in place.
+        replay_episode: after a rollback to a snapshot, train on the episode's batches again with the remedy in
+            effect, instead of skipping them (the practice after a loss spike is to skip them).
     """
 
     def __init__(
@@ -126,13 +128,15 @@ class AmpWatch(Callback):
         snapshot_every: int = 20,
         snapshot_budget: int | None = None,
         rollback: bool = True,
+        replay_episode: bool = False,
     ) -> None:
         super().__init__()
         self.remedies = parse_remediate(remediate)
         if on_unrecoverable not in UNRECOVERABLE_MODES:
             raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
         for flag, value in (("control_replay", control_replay), ("localize", localize),
-                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose), ("rollback", rollback)):
+                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose), ("rollback", rollback),
+                            ("replay_episode", replay_episode)):
             if not isinstance(value, bool):
                 raise ValueError(f"{flag}={value!r} is not valid; use True or False")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
@@ -158,6 +162,7 @@ class AmpWatch(Callback):
         self.snapshot_every = snapshot_every
         self.snapshot_budget = snapshot_budget
         self.rollback = rollback
+        self.replay_episode = replay_episode
 
         self.diagnoses: list[Diagnosis] = []
         self.machine: AmpStateMachine | None = None
@@ -175,7 +180,7 @@ class AmpWatch(Callback):
         self._investigations: Investigations | None = None
         self._guards = RecipeGuards()
         self._treatment = Treatment(RemedyPolicy(self.remedies), recovery_steps=self.thresholds.recovery_steps,
-                                    rollback=self.rollback)
+                                    rollback=self.rollback, replay_episode=self.replay_episode)
         self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
         self._log_every = 0
         self._world_size = 1

@@ -465,6 +465,36 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     )
 
 
+def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> list[float | None]:
+    """Train on ``steps`` again, for real (after a rollback, the episode's batches with the remedy in effect): the
+    run's own precision and scaler, as Lightning's automatic optimization steps. ``self.log`` is silenced and the
+    optimizer step hooks are hidden, since these are not the loop's steps; what they change stays. Returns the
+    losses, read once at the end."""
+    losses: list[Tensor | None] = []
+    with _silenced(state.module), _without_step_hooks(state.optimizers):
+        for _, micro_batches in steps:
+            losses.append(_replay_step(state, _as_micro_batches(micro_batches), state.scaler, True)[0])
+    present = [t.float().reshape(()) for t in losses if t is not None]
+    values = iter(torch.stack(present).tolist() if present else [])
+    return [None if t is None else next(values) for t in losses]
+
+
+@contextlib.contextmanager
+def _silenced(module: Any) -> Iterator[None]:
+    names = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    for name in names:
+        setattr(module, name, _silent)
+    try:
+        yield
+    finally:
+        for name in names:
+            module.__dict__.pop(name, None)
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
                  amp: bool) -> tuple[Tensor | None, Tensor]:
     """One optimizer step as Lightning's automatic optimization runs it: (the step's loss, whether the scaler

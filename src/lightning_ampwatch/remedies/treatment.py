@@ -19,6 +19,7 @@ from typing import Any, Callable
 from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, Effect, RemedyContext
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.trajectory import retrain
 from lightning_ampwatch.verdicts import NOT_RECOVERED, judge_recovery
 
 
@@ -55,6 +56,7 @@ class Treatment:
     policy: RemedyPolicy
     recovery_steps: int
     rollback: bool = True
+    replay_episode: bool = False  # after a rollback, train on the episode's batches again instead of skipping them
     applied: list[AppliedRemedy] = field(default_factory=list)
     watch: Watch | None = None
     _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
@@ -76,12 +78,13 @@ class Treatment:
         if choice is None:
             return diagnosis
         site.ledger.read_losses()  # the losses up to now, for the level the run goes back to
-        snapshot, where, resumed_at = self._roll_back(diagnosis, site) if self.rollback else \
-            (None, "off: applied in place", None)
+        snapshot, where, resumed_at, episode = self._roll_back(diagnosis, site) if self.rollback else \
+            (None, "off: applied in place", None, [])
         step = site.trainer.global_step
         treated, applied = self.policy.apply(site.ctx, diagnosis, choice, step=step)
-        if applied is None:
-            return treated
+        if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
+            return replace(treated, evidence={**treated.evidence, "rollback": where}) if resumed_at is not None \
+                else treated
         evidence = dict(treated.evidence)
         evidence["rollback"] = where
         if applied.name == "lower_init_scale":
@@ -89,6 +92,12 @@ class Treatment:
         treated = replace(treated, evidence=evidence, outcome=None)
         site.machine.close_episode(step, f"remedy {applied.name}")
         site.on_effects(REGISTRY[applied.name].effects)  # type: ignore[index]
+        if episode and site.ledger.trajectory is not None:  # the precision may have changed: the current state
+            losses = retrain(site.ledger.trajectory.state, episode)
+            shown = ", ".join("-" if v is None else f"{v:.4g}" for v in losses)
+            evidence["rollback"] = where.replace("are skipped", f"were trained on again with the remedy (losses "
+                                                                 f"{shown})")
+            treated = replace(treated, evidence=evidence)
         self.applied.append(applied)
         reference, reference_from = _reference(treated, site.machine.loss_level, resumed_at,
                                                site.ledger.recent_losses, site.machine.thresholds.loss_window)
@@ -97,10 +106,10 @@ class Treatment:
                            reference_from=reference_from, snapshot=snapshot)
         return treated
 
-    def _roll_back(self, diagnosis: Diagnosis, site: Site) -> tuple[Any, str, int | None]:
+    def _roll_back(self, diagnosis: Diagnosis, site: Site) -> tuple[Any, str, int | None, list[Any]]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
-        it. Returns the snapshot (kept for a later rung), the sentence the evidence carries, and the step the run
-        went back to (None when it stayed where it was)."""
+        it. Returns the snapshot (kept for a later rung), the sentence the evidence carries, the step the run went
+        back to (None when it stayed where it was), and, with ``replay_episode``, the episode's held batches."""
         now = site.trainer.global_step
         control = site.trajectory
         before = _last_good_step(diagnosis)
@@ -110,21 +119,24 @@ class Treatment:
             snapshot = control.ring.newest_before(before)
         target = site.decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
         if target is not None and snapshot is not None and snapshot.step == target:
+            episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
+            if len(episode) != (now - 1 - target):
+                episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
             snapshot.restore(control.state)
             control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
             site.on_effects(frozenset({Effect.SCALER}))
             return snapshot, (f"rolled back from step {now} to step {target + 1} (the in-memory snapshot taken "
                               f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped"), \
-                target + 1
+                target + 1, episode
         path, ckpt_step = rollback_to_checkpoint(site.trainer, before)
         if path is not None:
             site.on_effects(frozenset({Effect.SCALER}))
             return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
-                          f"batches of steps {ckpt_step}..{now - 1} are skipped"), ckpt_step
+                          f"batches of steps {ckpt_step}..{now - 1} are skipped"), ckpt_step, []
         why = "snapshots are off" if control is None or not control.ring.enabled else \
             f"no snapshot from before step {before} is held"
         return None, f"none: {why} and no checkpoint file from before it was found, so the remedy is applied in " \
-                     "place", None
+                     "place", None, []
 
     # ------------------------------------------------------------------ watching
 
