@@ -169,7 +169,7 @@ class AmpWatch(Callback):
         self.reporters: Reporters | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._reset()
-        _bring_results_home()
+        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def _reset(self) -> None:
         """Per-fit state: a second ``fit`` with the same instance starts afresh (unless it resumes a checkpoint)."""
@@ -190,7 +190,15 @@ class AmpWatch(Callback):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        _bring_results_home()  # a ddp_spawn worker unpickles the callback: its launcher must send results home
+        # a ddp_spawn worker unpickles the callback: its launcher must send the results home
+        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
+
+    def _spawn_results(self) -> dict[str, Any]:
+        return {"diagnoses": [d.to_dict() for d in self.diagnoses], "applied": [a.to_dict() for a in self.applied]}
+
+    def _take_spawn_results(self, results: dict[str, Any]) -> None:
+        self.diagnoses = [Diagnosis.from_dict(d) for d in results["diagnoses"]]
+        self.applied = [AppliedRemedy.from_dict(a) for a in results["applied"]]
 
     @property
     def state_key(self) -> str:
@@ -626,40 +634,6 @@ class AmpWatch(Callback):
         if key not in self._said and self.reporters is not None:
             self._said.add(key)
             self.reporters.say(message)
-
-
-def _bring_results_home() -> None:
-    """Under ``ddp_spawn`` the fit runs in worker processes and the user's AmpWatch in the main process never sees
-    a hook. Lightning sends results home through its launcher's ``get_extra_results`` and
-    ``update_main_process_results``; AmpWatch's diagnoses and remedies ride along there (installed once)."""
-    try:
-        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    except ImportError:  # pragma: no cover - another Lightning: the worker's event log still has everything
-        return
-    if getattr(_MultiProcessingLauncher, "_ampwatch_results", False):
-        return
-    send, receive = _MultiProcessingLauncher.get_extra_results, _MultiProcessingLauncher.update_main_process_results
-
-    @functools.wraps(send)
-    def get_extra_results(self: Any, trainer: pl.Trainer) -> dict[str, Any]:
-        extra = send(self, trainer)
-        extra["ampwatch"] = {cb.state_key: {"diagnoses": [d.to_dict() for d in cb.diagnoses],
-                                            "applied": [a.to_dict() for a in cb.applied]}
-                             for cb in trainer.callbacks if isinstance(cb, AmpWatch)}
-        return extra
-
-    @functools.wraps(receive)
-    def update_main_process_results(self: Any, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        receive(self, trainer, extra)
-        results = extra.get("ampwatch", {})
-        for cb in trainer.callbacks:
-            if isinstance(cb, AmpWatch) and cb.state_key in results:
-                cb.diagnoses = [Diagnosis.from_dict(d) for d in results[cb.state_key]["diagnoses"]]
-                cb.applied = [AppliedRemedy.from_dict(a) for a in results[cb.state_key]["applied"]]
-
-    _MultiProcessingLauncher.get_extra_results = get_extra_results  # type: ignore[method-assign]
-    _MultiProcessingLauncher.update_main_process_results = update_main_process_results  # type: ignore[method-assign]
-    _MultiProcessingLauncher._ampwatch_results = True  # type: ignore[attr-defined]
 
 
 class _StepSchedulers:
