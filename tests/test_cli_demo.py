@@ -59,3 +59,13 @@ def test_demo_prints_a_root_dir_with_brackets_as_written(tmp_path: Path, capsys:
 def test_demo_rejects_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "no_such_thing"]) == 2
     assert "Unknown scenario 'no_such_thing'" in capsys.readouterr().out
+
+
+def test_demo_remediate_shows_the_rollback_and_the_verified_outcome(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "lr_schedule", "--remediate", "--root-dir", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Remedy for LR_SCHEDULE at step 31: fixed with reduce_lr, recovery verified." in out
+    assert "rollback: rolled back from step 37 to step 21 (the in-memory snapshot taken after step 20)" in out
+    assert "recovery: 8 steps after it: 0 skipped" in out
+    assert "LR_SCHEDULE in head.weight (fixed with reduce_lr, recovery verified)" in out  # the summary agrees

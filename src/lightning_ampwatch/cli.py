@@ -36,6 +36,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         return 2
     _quiet_lightning()
     from lightning_ampwatch.callback import AmpWatch
+    from lightning_ampwatch.remedies import RemedyName
     from lightning_ampwatch.scenarios import run_scenario
 
     scenario = SCENARIOS[args.scenario]
@@ -52,7 +53,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.print(scenario.description)
     console.print(f"Precision: {scenario.precision} on the CPU, {steps} optimizer steps, logs in {root}\n",
                   markup=False, soft_wrap=True)  # never break a path across lines
-    watch = AmpWatch(remediate=args.remediate)
+    watch = AmpWatch(remediate=[r.value for r in RemedyName] if args.remediate else False)  # reduce_lr included
     run_scenario(args.scenario, str(root), watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
     console.print()
@@ -70,14 +71,17 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def _say_recovery(watch: object, console: Console) -> None:
-    """After a ``--remediate`` demo: each remedy, where the run went back to, and whether it was verified."""
+    """After a ``--remediate`` demo: each alarm's remedy, where the run went back to, and whether it was verified;
+    or why it got none."""
+    from lightning_ampwatch.remedies import ladder_for
     from lightning_ampwatch.summary import remedy_outcome
 
-    remedied = [d for d in getattr(watch, "diagnoses", []) if d.remedy]
-    if not remedied:
-        console.print("No remedy was applied (none on this finding's ladder, or none needed).")
-        return
-    for d in remedied:
+    for d in [d for d in getattr(watch, "diagnoses", []) if d.is_alarm]:
+        if d.remedy is None:
+            ladder = ", ".join(ladder_for(d))
+            why = f"its ladder ({ladder}) did not apply here" if ladder else "no AMP setting fixes it"
+            console.print(f"{d.finding.value} at step {d.step}: no remedy, {why}.", markup=False, soft_wrap=True)
+            continue
         console.print(f"Remedy for {d.finding.value} at step {d.step}: {remedy_outcome(d)}.", markup=False,
                       soft_wrap=True)
         for earlier in d.evidence.get("remedies_tried", []):
@@ -137,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small model on the CPU with true float16 AMP until it breaks")
     demo.add_argument("scenario", nargs="?", default="gradient_overflow", help="which fault (see --list)")
     demo.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    demo.add_argument("--remediate", action="store_true", help="let AmpWatch apply its fixes mid-run")
+    demo.add_argument("--remediate", action="store_true",
+                      help="let AmpWatch apply its fixes mid-run (every remedy, reduce_lr included)")
     demo.add_argument("--root-dir", default=None, help="where logs go (default: a new temporary directory)")
     report = sub.add_parser("report", help="summarise a run's diagnoses; draw its timeline with --plot/--html")
     report.add_argument("path", help="a run or log directory, an ampwatch/ directory, or a diagnoses.jsonl")

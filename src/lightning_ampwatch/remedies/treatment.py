@@ -133,6 +133,9 @@ class Treatment:
             site.on_effects(frozenset({Effect.SCALER}))
             return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
                           f"batches of steps {ckpt_step}..{now - 1} are skipped"), ckpt_step, []
+        if before < 0:
+            return None, (f"none: the episode began at step {diagnosis.step}, before any state could be kept, so the "
+                          "remedy is applied in place"), None, []
         why = "snapshots are off" if control is None or not control.ring.enabled else \
             f"no snapshot from before step {before} is held"
         return None, f"none: {why} and no checkpoint file from before it was found, so the remedy is applied in " \
