@@ -87,10 +87,10 @@ class ForwardProbe:
         self._handles.clear()
 
     def _hook(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        outs = [t for t in _tensors(output) if t.is_floating_point()]
+        outs = [t for t in tensors_in(output) if t.is_floating_point()]
         if not outs:
             return
-        ins = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]  # keyword tensors are inputs too
+        ins = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]  # keyword tensors are inputs too
         with torch.no_grad():
             out_finite = torch.stack([torch.isfinite(t).all() for t in outs]).all()
             out_absmax = torch.stack([_finite_absmax(t) for t in outs]).max()
@@ -124,18 +124,18 @@ def _finite_absmax(t: Tensor) -> Tensor:
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).abs().amax().float()
 
 
-def _tensors(obj: Any) -> Iterator[Tensor]:
+def tensors_in(obj: Any) -> Iterator[Tensor]:
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
-def _loss_of(output: Any) -> Tensor | None:
+def loss_of(output: Any) -> Tensor | None:
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict):
@@ -159,14 +159,10 @@ def no_trace(module: nn.Module) -> Iterator[None]:
     modes = [(m, m.training) for m in module.modules()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    silenced = [name for name in ("log", "log_dict") if hasattr(module, name)]
-    for name in silenced:
-        setattr(module, name, _silent)
     try:
-        yield
+        with silenced_log(module):
+            yield
     finally:
-        for name in silenced:
-            module.__dict__.pop(name, None)
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)
@@ -196,6 +192,19 @@ def _metric_restore(metric: Metric, snapshot: tuple[dict[str, Any], tuple[Any, .
         setattr(metric, name, value)
     for name, value in zip(_METRIC_CACHES, caches):
         setattr(metric, name, value)
+
+
+@contextlib.contextmanager
+def silenced_log(module: nn.Module) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing while steps that are not the loop's run ``training_step``."""
+    names = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    for name in names:
+        setattr(module, name, _silent)
+    try:
+        yield
+    finally:
+        for name in names:
+            module.__dict__.pop(name, None)
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -229,7 +238,7 @@ class Replayer:
                     torch.cuda.set_rng_state(mb.cuda_rng, self.device)
                 ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
                 with ctx:
-                    loss = _loss_of(self.module.training_step(mb.batch, mb.batch_idx))
+                    loss = loss_of(self.module.training_step(mb.batch, mb.batch_idx))
                 if loss is None:
                     continue
                 loss = loss.float() / len(micro_batches)

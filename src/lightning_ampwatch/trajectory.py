@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch.probes import MicroBatch, _loss_of, _tensors, no_trace
+from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 
 PRECISIONS = ("fp32", "amp")
 BUDGET_FRACTION = 0.1  # the default budget: a tenth of the host's RAM ...
@@ -251,7 +251,7 @@ def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any
 
 
 def _nbytes(micro_batches: Sequence[Any]) -> int:
-    return sum(t.nbytes for mb in micro_batches for t in _tensors(mb[0]))
+    return sum(t.nbytes for mb in micro_batches for t in tensors_in(mb[0]))
 
 
 def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
@@ -471,28 +471,12 @@ def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> li
     optimizer step hooks are hidden, since these are not the loop's steps; what they change stays. Returns the
     losses, read once at the end."""
     losses: list[Tensor | None] = []
-    with _silenced(state.module), _without_step_hooks(state.optimizers):
+    with silenced_log(state.module), _without_step_hooks(state.optimizers):
         for _, micro_batches in steps:
             losses.append(_replay_step(state, _as_micro_batches(micro_batches), state.scaler, True)[0])
     present = [t.float().reshape(()) for t in losses if t is not None]
     values = iter(torch.stack(present).tolist() if present else [])
     return [None if t is None else next(values) for t in losses]
-
-
-@contextlib.contextmanager
-def _silenced(module: Any) -> Iterator[None]:
-    names = [name for name in ("log", "log_dict") if hasattr(module, name)]
-    for name in names:
-        setattr(module, name, _silent)
-    try:
-        yield
-    finally:
-        for name in names:
-            module.__dict__.pop(name, None)
-
-
-def _silent(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
@@ -508,7 +492,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
         if mb.cuda_rng is not None:
             torch.cuda.set_rng_state(mb.cuda_rng, state.device)
         with state.forward_context() if amp else torch.autocast(state.device.type, enabled=False):
-            loss = _loss_of(state.module.training_step(mb.batch, mb.batch_idx))
+            loss = loss_of(state.module.training_step(mb.batch, mb.batch_idx))
         if loss is None:
             continue
         loss = loss / state.accumulate
