@@ -23,12 +23,7 @@ class PrecisionInfo:
 
     mode: PrecisionMode
     scaler: Any = None  # torch.amp.GradScaler (or ShardedGradScaler) when one is active
-    plugin_name: str = ""
     note: str | None = None  # said once to the user when there is something we cannot watch
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        return {PrecisionMode.FP16: torch.float16, PrecisionMode.BF16: torch.bfloat16}.get(self.mode)
 
 
 def resolve_precision(plugin: Any) -> PrecisionInfo:
@@ -39,18 +34,18 @@ def resolve_precision(plugin: Any) -> PrecisionInfo:
     if scaler is not None and hasattr(scaler, "is_enabled") and not scaler.is_enabled():
         scaler = None
     if "deepspeed" in name.lower():
-        return PrecisionInfo(PrecisionMode.FP16 if precision.startswith("16") else PrecisionMode.BF16, None, name,
+        return PrecisionInfo(PrecisionMode.FP16 if precision.startswith("16") else PrecisionMode.BF16, None,
                              "DeepSpeed keeps its loss scale inside its engine; only loss finiteness is watched.")
     if precision.startswith("16-mixed") or precision == "16":
         if scaler is None:
-            return PrecisionInfo(PrecisionMode.FP16, None, name,
+            return PrecisionInfo(PrecisionMode.FP16, None,
                                  "float16 autocast without a GradScaler: no loss scale to watch.")
-        return PrecisionInfo(PrecisionMode.FP16, scaler, name)
+        return PrecisionInfo(PrecisionMode.FP16, scaler)
     if precision.startswith("bf16"):
-        return PrecisionInfo(PrecisionMode.BF16, None, name, "bf16 needs no loss scaler: there is no scale to watch.")
+        return PrecisionInfo(PrecisionMode.BF16, None, "bf16 needs no loss scaler: there is no scale to watch.")
     if precision.startswith("16-true"):
-        return PrecisionInfo(PrecisionMode.HALF, None, name, "16-true has no loss scaler: there is no scale to watch.")
-    return PrecisionInfo(PrecisionMode.FP32, None, name,
+        return PrecisionInfo(PrecisionMode.HALF, None, "16-true has no loss scaler: there is no scale to watch.")
+    return PrecisionInfo(PrecisionMode.FP32, None,
                          "The run is in full precision: there is no loss scaler to watch; loss finiteness is watched.")
 
 
@@ -119,9 +114,6 @@ class LossTape(list):  # type: ignore[type-arg]
     """
 
     __slots__ = ()
-
-    def add(self, loss: Tensor, scale: float) -> None:
-        self.append((loss, scale))
 
     def total(self) -> Tensor:
         """The step's (unscaled) loss as a device scalar; no read."""

@@ -12,10 +12,11 @@ from itertools import islice
 from pathlib import Path
 from typing import Sequence
 
+from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
 from lightning_ampwatch.timeline import TimelineData
 
-RECOVERY_GAP = 8  # clean steps that end an episode's span; the machine's default ``recovery_steps``
+RECOVERY_GAP = Thresholds().recovery_steps  # clean steps that end an episode's span, as in the machine
 
 
 @dataclass(frozen=True)
