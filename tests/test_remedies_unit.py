@@ -374,3 +374,17 @@ def test_fp32_island_is_described_put_back_on_resume_and_removable() -> None:
     assert "forward" not in net.block[0].__dict__ and not hasattr(net.block[0], ISLAND_ATTR)
     with torch.autocast("cpu", dtype=torch.float16):
         assert net.block[0](torch.randn(2, 4)).dtype == torch.float16  # an ordinary autocast layer again
+
+
+def test_a_second_reduce_lr_after_one_that_did_not_recover_compounds_with_it(tmp_path: Path) -> None:
+    trainer, net = make_trainer(tmp_path, []), nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    trainer.strategy.optimizers = [opt]
+    ctx = RemedyContext(trainer=trainer, module=net, scaler=None, device=torch.device("cpu"))
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    first = unit.apply(ctx, _diag(Finding.FP32_UNSTABLE))
+    assert first["factor"] == 0.1 and opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    opt.param_groups[0]["lr"] = 1.0  # the rollback before the next rung brings the snapshot's LR back
+    tried = [{"remedy": "reduce_lr", "outcome": "not_recovered", "reason": "..."}]
+    second = unit.apply(ctx, _diag(Finding.FP32_UNSTABLE, remedies_tried=tried))
+    assert second["factor"] == pytest.approx(0.01) and opt.param_groups[0]["lr"] == pytest.approx(0.01)

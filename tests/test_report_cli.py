@@ -305,3 +305,20 @@ def test_a_huge_log_is_read_in_seconds_and_printed_in_a_screenful(tmp_path: Path
     assert f"... {n_diagnoses - 50} more episodes, all in {logs / 'diagnoses.jsonl'}" in out
     assert advice not in out.replace("\n", "") and "..." in out
     assert (tmp_path / "r.html").stat().st_size < 2_000_000
+
+
+def test_a_remedied_alarm_is_one_row_with_its_verified_outcome(tmp_path: Path) -> None:
+    scenario = SCENARIOS["lr_schedule"]
+    pl.seed_everything(0, verbose=False)
+    trainer = build_trainer(scenario, [AmpWatch(verbose=False, remediate=["reduce_lr"])], str(tmp_path),
+                            max_steps=60)
+    trainer.fit(scenario.model(), scenario.dataloader())
+    lines = (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"LR_SCHEDULE"' in line]) == 2  # the remedy, then its outcome
+    code, out, err = report(str(tmp_path), "--html", str(tmp_path / "r.html"))
+    assert code == 0, err
+    text = " ".join(out.replace("│", " ").split())
+    assert text.count("LR_SCHEDULE") == 1 and "1 alarm" in text
+    assert "fixed with reduce_lr, recovery" in text and "verified" in text  # the cell wraps over two lines
+    assert "not verified" not in text
+    assert "fixed with reduce_lr, recovery verified" in (tmp_path / "r.html").read_text(encoding="utf-8")

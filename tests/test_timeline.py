@@ -237,13 +237,18 @@ def test_summary_lines_for_normal_scaling_and_a_fixed_alarm() -> None:
              Diagnosis(Finding.FORWARD_OVERFLOW, 30, remedy="bf16_fallback", outcome="not_recovered",
                        evidence={"recovery": {"reason": "the NaNs are gone, but the loss is 390x the loss level "
                                                         "before the episode (351 against 0.9)"}}),
-             Diagnosis(Finding.GROWTH_OVERFLOW, 50, remedy="slow_growth")]
+             Diagnosis(Finding.GROWTH_OVERFLOW, 50, remedy="slow_growth"),
+             Diagnosis(Finding.INPUT_RANGE, 55, remedy="bf16_fallback",
+                       evidence={"recovery": {"reason": "a GROWTH_OVERFLOW alarm at step 57 was treated before this "
+                                                        "remedy could be judged"}})]
     lines = summary_lines(fixed, RunStats(60, skipped=6, scale=2.0**10), log_dir="/runs/a")
     assert lines[1] == "  step      0  GRADIENT_OVERFLOW (fixed with lower_init_scale, recovery verified)"
     assert lines[2] == ("  step     30  FORWARD_OVERFLOW (bf16_fallback applied, not fixed: the NaNs are gone, but the "
                         "loss is 390x the loss level before the episode (351 against 0.9))")
     assert lines[3] == "  step     50  GROWTH_OVERFLOW (slow_growth applied; recovery not verified (the run ended first))"
-    assert lines[4].endswith("ampwatch report /runs/a --plot timeline.png")
+    assert lines[4] == ("  step     55  INPUT_RANGE (bf16_fallback applied; recovery not verified: a GROWTH_OVERFLOW "
+                        "alarm at step 57 was treated before this remedy could be judged)")
+    assert lines[5].endswith("ampwatch report /runs/a --plot timeline.png")
 
 
 def test_a_cut_short_last_line_is_left_out_with_a_warning(tmp_path: Path) -> None:

@@ -254,6 +254,11 @@ class AmpWatch(Callback):
         if info.note:
             self._say_once(info.note)
         self._attach_guards(trainer, pl_module)
+        if self.replay_episode and self._world_size > 1:
+            # a rerun outside the loop has no gradient all-reduce: the ranks' weights would drift apart
+            self._treatment.replay_episode = False
+            self._say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
+                           "gradients); the episode's batches are skipped after a rollback.")
         if self.hold_lr_on_skip:
             HoldLrOnSkip.install(pl_module, self._ledger.last_step_skipped, _StepSchedulers(trainer))
 
@@ -445,9 +450,9 @@ class AmpWatch(Callback):
         due, self._due = self._due, []
         treatment = self._treatment
         for diagnosis in due:
-            ended = treatment.fault_returned(diagnosis)
+            ended = treatment.interrupted(diagnosis)
             if ended is not None:
-                self._update(trainer, *ended)  # the watched remedy did not hold; the policy escalates this one
+                self._update(trainer, *ended)  # the watched remedy did not hold, or is overtaken by this one
             if self._world_size > 1 and not diagnosis.finding.is_recipe and not self._scaler_active:
                 # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
                 # see anomalies at different steps and no single decision can be agreed on.

@@ -78,9 +78,15 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
     path = Path(path)
     out = LoggedDiagnoses()
     earliest: list[tuple[int, int, Diagnosis]] = []  # a max-heap (negated) of the ``keep`` earliest by step
+    seen: set[tuple[Finding, int]] = set()
     for lineno, row in jsonl_rows(path, "an AmpWatch diagnosis", "an AmpWatch event log"):
         try:
             finding = _finding(row)
+            key = (finding, row["step"])
+            if key in seen:  # a later fact about a record already read (a remedy's outcome, the next rung, a
+                _replace(earliest, key, Diagnosis.from_dict(row))  # withdrawal): it takes the record's place
+                continue
+            seen.add(key)
             out.total += 1
             if finding.is_alarm:
                 out.alarm_steps.append(row["step"])
@@ -94,6 +100,13 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
     out.shown = [d for _, _, d in sorted(earliest, reverse=True)]
     out.alarm_steps.sort()
     return out
+
+
+def _replace(heap: list[tuple[int, int, Diagnosis]], key: tuple[Finding, int], updated: Diagnosis) -> None:
+    for i, (step, lineno, d) in enumerate(heap):
+        if (d.finding, d.step) == key:
+            heap[i] = (step, lineno, updated)  # same order keys: the heap stays a heap
+            return
 
 
 # ---------------------------------------------------------------------------- `ampwatch report`
@@ -399,7 +412,7 @@ def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: LoggedD
                          f"<td class=\"{'alarm' if d.is_alarm else 'normal'}\">{d.finding.value}</td>"
                          f"<td>{html.escape(_clip(d.location or '-'))}</td><td>{_evidence_html(d.evidence)}</td>"
                          f"<td>{html.escape(_clip(d.advice))}</td>"
-                         f"<td>{html.escape(_clip(d.remedy or ('none' if d.is_alarm else '-')))}</td></tr>")
+                         f"<td>{html.escape(_clip(remedy_outcome(d) if d.remedy else ('none' if d.is_alarm else '-')))}</td></tr>")
         parts.append("</table>")
         if diagnoses.hidden:
             parts.append(f"<p>{html.escape(more_line(diagnoses, files))}</p>")

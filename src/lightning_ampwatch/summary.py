@@ -51,7 +51,8 @@ def remedy_outcome(d: Diagnosis) -> str:
         return f"fixed with {d.remedy}, recovery verified"
     if d.outcome == "not_recovered":
         return f"{d.remedy} applied, not fixed: {why}" if why else f"{d.remedy} applied, not fixed"
-    return f"{d.remedy} applied; recovery not verified (the run ended first)"
+    return f"{d.remedy} applied; recovery not verified: {why}" if why else \
+        f"{d.remedy} applied; recovery not verified (the run ended first)"
 
 
 def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str | Path | None = None) -> list[str]:

@@ -15,11 +15,17 @@ UNSTABLE_LR_FACTOR = 0.1
 
 def _lr_factor(diagnosis: Diagnosis) -> float:
     """Back to the level before the rise that set the fault off, when the evidence says what it was; else half,
-    or a tenth for a run that diverges at full precision."""
+    or a tenth for a run that diverges at full precision. A rung after an earlier ``reduce_lr`` that did not
+    recover compounds with it: the rollback before it brought the earlier learning rate back."""
     before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
     if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after > 0 and 0 < before < after:
-        return min(max(before / after, 0.01), LR_FACTOR)
-    return UNSTABLE_LR_FACTOR if diagnosis.finding is Finding.FP32_UNSTABLE else LR_FACTOR
+        factor = min(max(before / after, 0.01), LR_FACTOR)
+    else:
+        factor = UNSTABLE_LR_FACTOR if diagnosis.finding is Finding.FP32_UNSTABLE else LR_FACTOR
+    tried = diagnosis.evidence.get("remedies_tried")
+    earlier = sum(1 for t in tried if isinstance(t, dict) and t.get("remedy") == RemedyName.REDUCE_LR) \
+        if isinstance(tried, list) else 0
+    return factor ** (1 + earlier)
 
 
 @register

@@ -157,13 +157,18 @@ class Treatment:
                                               reference_from=watch.reference_from))
         return self._end(recovery.outcome, recovery.reason, recovery.details)
 
-    def fault_returned(self, diagnosis: Diagnosis) -> tuple[Diagnosis, Diagnosis] | None:
-        """A new alarm of the watched finding: the remedy did not hold (the policy escalates the new alarm)."""
+    def interrupted(self, diagnosis: Diagnosis) -> tuple[Diagnosis, Diagnosis] | None:
+        """A new alarm, about to be treated, while a remedy is watched. Of the same finding: the remedy did not
+        hold (the policy escalates the new alarm). Of another: the watch ends unverified, since the next remedy
+        (and its rollback) changes what it would measure."""
         watch = self.watch
-        if watch is None or diagnosis.finding is not watch.diagnosis.finding:
+        if watch is None:
             return None
-        return self._end(NOT_RECOVERED, f"the fault came back at step {diagnosis.step}",
-                         {"came_back_at": diagnosis.step})
+        if diagnosis.finding is watch.diagnosis.finding:
+            return self._end(NOT_RECOVERED, f"the fault came back at step {diagnosis.step}",
+                             {"came_back_at": diagnosis.step})
+        return self._end(None, f"a {diagnosis.finding.value} alarm at step {diagnosis.step} was treated before "
+                               "this remedy could be judged", {"interrupted_at": diagnosis.step})
 
     def finish(self) -> None:
         """The fit ended while a remedy was watched: its outcome stays unknown (None), never assumed."""
