@@ -418,7 +418,11 @@ class AmpWatch(Callback):
                 undo()
             except Exception as err:  # noqa: BLE001
                 self._internal_failure("clean-up", err)
-        self._investigations = None  # it holds the trainer: the instance pickles after fit (ddp_spawn)
+        # What holds the trainer, the model or snapshots goes: the instance pickles after fit, and small (ddp_spawn)
+        self._investigations = None
+        if self._ledger is not None:
+            self._ledger.trajectory = None
+        self._treatment.forget_states()
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 

@@ -174,6 +174,12 @@ class Treatment:
         """The fit ended while a remedy was watched: its outcome stays unknown (None), never assumed."""
         self.watch = None
 
+    def forget_states(self) -> None:
+        """After the fit: drop the snapshots kept for a next rung (they hold copies of the whole model)."""
+        self._retry = None
+        if self.watch is not None:
+            self.watch = replace(self.watch, snapshot=None)
+
     def _end(self, outcome: str | None, reason: str, details: dict[str, Any]) -> tuple[Diagnosis, Diagnosis]:
         watch, self.watch = self.watch, None
         assert watch is not None
