@@ -618,7 +618,8 @@ class AmpWatch(Callback):
 
     def _warn_state(self, why: str, part: str | None) -> None:
         if part == "machine" and self.machine is not None:
-            self.machine = AmpStateMachine(self.machine.mode, self.thresholds, self.machine.scaler_config)
+            self.machine = AmpStateMachine(self.machine.mode, self.thresholds, self.machine.scaler_config,
+                                           early_startup=self.machine.early_startup)
         warnings.warn(f"AmpWatch could not use the checkpoint's {self.state_key!r} state: {why}. "
                       + ("It keeps watching without it." if part is None else
                          f"It keeps watching without the {part!r} part."), RuntimeWarning, stacklevel=2)
