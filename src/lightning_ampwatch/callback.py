@@ -40,7 +40,6 @@ from lightning_ampwatch.signals import resolve_precision, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
-from lightning_ampwatch.verdicts import NOT_RECOVERED
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
@@ -181,7 +180,6 @@ class AmpWatch(Callback):
         self._guards = RecipeGuards()
         self._treatment = Treatment(RemedyPolicy(self.remedies), recovery_steps=self.thresholds.recovery_steps,
                                     rollback=self.rollback, replay_episode=self.replay_episode)
-        self._due: list[Diagnosis] = []  # alarms waiting for the next optimizer-step boundary to be treated
         self._log_every = 0
         self._world_size = 1
         self._disabled = False
@@ -352,10 +350,9 @@ class AmpWatch(Callback):
                 self._take(trainer, resolved)
             if self._log_every and ledger.step_index % self._log_every == 0:
                 self._at_log_step(trainer)
-            if self._due:
-                self._treat_due(trainer, pl_module)  # an optimizer-step boundary: safe to change the run
-            if self._treatment.watch is not None:
-                self._check_recovery(trainer, pl_module)
+            treatment = self._treatment
+            if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
+                treatment.at_step_boundary(self._site(trainer, pl_module))
         except AmpWatchError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -386,10 +383,8 @@ class AmpWatch(Callback):
         if self._investigations is not None:
             for diagnosis in self._investigations.finish_probe():  # the fit ended before the armed step
                 self._emit(trainer, diagnosis)
-        if self._due:
-            self._treat_due(trainer, pl_module)
-        if self._treatment.watch is not None:
-            self._check_recovery(trainer, pl_module)
+        if self._treatment.due or self._treatment.watch is not None:
+            self._treatment.at_step_boundary(self._site(trainer, pl_module))
         self._treatment.finish()  # still watched: its outcome stays unknown, never assumed
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
@@ -444,61 +439,23 @@ class AmpWatch(Callback):
     def _emit(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
         if self._treatment.wants(diagnosis):
-            self._due.append(diagnosis)
-            return
-        self._publish(trainer, diagnosis)
-
-    def _treat_due(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At an optimizer-step boundary: a remedy for each waiting alarm (rolled back, applied, then watched),
-        published with the remedy, or as unrecoverable."""
-        due, self._due = self._due, []
-        treatment = self._treatment
-        for diagnosis in due:
-            ended = treatment.interrupted(diagnosis)
-            if ended is not None:
-                self._update(trainer, *ended)  # the watched remedy did not hold, or is overtaken by this one
-            if self._world_size > 1 and not diagnosis.finding.is_recipe and not self._scaler_active:
-                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
-                # see anomalies at different steps and no single decision can be agreed on.
-                self._say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
-                               "not remedy them under DDP; it reports them.")
-                self._publish(trainer, diagnosis)
-                continue
-            self._publish(trainer, treatment.treat(diagnosis, self._site(trainer, pl_module)))
-        self._pause_snapshots()
-
-    def _check_recovery(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """When the watched remedy has run its course: its outcome; a remedy that did not recover gives way to the
-        next rung (rolled back again), and with none left the alarm is unrecoverable."""
-        site = self._site(trainer, pl_module)
-        ended = self._treatment.check(site)
-        if ended is None:
-            return
-        old, judged = ended
-        self._update(trainer, old, judged)
-        if judged.outcome == NOT_RECOVERED:
-            retried = self._treatment.retry(judged, site)
-            if retried is judged:
-                self._unrecoverable(trainer, judged)
-            else:
-                self._update(trainer, judged, retried)
-        self._pause_snapshots()
-
-    def _pause_snapshots(self) -> None:
-        control = self._ledger.trajectory if self._ledger is not None else None
-        if control is not None:
-            control.paused = self._treatment.watching
+            self._treatment.due.append(diagnosis)
+        else:
+            self._publish(trainer, diagnosis)
 
     @property
     def _scaler_active(self) -> bool:
         return self._ledger is not None and self._ledger.scaler_active
 
     def _site(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Site:
+        """What a treatment acts on at this step boundary, and how it reports back."""
         assert self._ledger is not None
         return Site(trainer=trainer, ctx=self._remedy_context(trainer, pl_module), machine=self.machine,
-                    ledger=self._ledger, trajectory=self._ledger.trajectory,
-                    on_effects=functools.partial(self._after_remedy, trainer, pl_module),
-                    decide=functools.partial(self._decide, trainer))
+                    ledger=self._ledger, on_effects=functools.partial(self._after_remedy, trainer, pl_module),
+                    decide=functools.partial(self._decide, trainer), agreed=self._world_size == 1 or
+                    self._scaler_active, publish=functools.partial(self._publish, trainer),
+                    update=functools.partial(self._update, trainer),
+                    unrecoverable=functools.partial(self._unrecoverable, trainer), say=self._say_once)
 
     def _decide(self, trainer: pl.Trainer, value: Any) -> Any:
         """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""

@@ -25,15 +25,25 @@ from lightning_ampwatch.verdicts import NOT_RECOVERED, judge_recovery
 
 @dataclass
 class Site:
-    """What a treatment acts on and reads, handed over by the callback at an optimizer-step boundary."""
+    """What a treatment acts on and reads, and how it reports back, handed over by the callback at an
+    optimizer-step boundary."""
 
     trainer: Any
     ctx: RemedyContext
     machine: Any  # the AmpStateMachine: the loss level, the step and skip counts, episodes
-    ledger: Any  # the StepLedger: the losses read since a step
-    trajectory: Any  # the TrajectoryControl (its snapshot ring and train state), or None
+    ledger: Any  # the StepLedger: the losses read since a step; its ``trajectory`` (snapshots), or None
     on_effects: Callable[[frozenset[Effect]], None]  # bring AmpWatch's own view in line
     decide: Callable[[Any], Any]  # rank zero's value, on every rank (identity in one process)
+    agreed: bool  # the ranks meet alarms together (one process, or a scaler): a decision can be shared
+    publish: Callable[[Diagnosis], None]  # a new record to every sink (an alarm without a remedy: unrecoverable)
+    update: Callable[[Diagnosis, Diagnosis], None]  # a record that changed (old, new)
+    unrecoverable: Callable[[Diagnosis], None]  # on_unrecoverable for a record already published
+    say: Callable[[str], None]  # one line, once
+
+    @property
+    def trajectory(self) -> Any:
+        """The TrajectoryControl now in use (a remedy that swaps the precision makes a new one), or None."""
+        return self.ledger.trajectory
 
 
 @dataclass
@@ -59,6 +69,7 @@ class Treatment:
     replay_episode: bool = False  # after a rollback, train on the episode's batches again instead of skipping them
     applied: list[AppliedRemedy] = field(default_factory=list)
     watch: Watch | None = None
+    due: list[Diagnosis] = field(default_factory=list)  # alarms waiting for the next optimizer-step boundary
     _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
 
     def wants(self, diagnosis: Diagnosis) -> bool:
@@ -68,6 +79,37 @@ class Treatment:
     @property
     def watching(self) -> bool:
         return self.watch is not None
+
+    # ------------------------------------------------------------------ at a step boundary
+
+    def at_step_boundary(self, site: Site) -> None:
+        """A remedy for each waiting alarm (rolled back, applied, then watched), published with it or as
+        unrecoverable; then the watched remedy's outcome, once it has run its course."""
+        due, self.due = self.due, []
+        for diagnosis in due:
+            ended = self.interrupted(diagnosis)
+            if ended is not None:
+                site.update(*ended)  # the watched remedy did not hold, or is overtaken by this one
+            if not site.agreed and not diagnosis.finding.is_recipe:
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on.
+                site.say("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does not "
+                         "remedy them under DDP; it reports them.")
+                site.publish(diagnosis)
+                continue
+            site.publish(self.treat(diagnosis, site))
+        ended = self.check(site)
+        if ended is not None:
+            old, judged = ended
+            site.update(old, judged)
+            if judged.outcome == NOT_RECOVERED:
+                retried = self.retry(judged, site)
+                if retried is judged:
+                    site.unrecoverable(judged)
+                else:
+                    site.update(judged, retried)
+        if site.trajectory is not None:
+            site.trajectory.paused = self.watching  # no snapshot of a run not yet known to be healthy
 
     # ------------------------------------------------------------------ applying
 
