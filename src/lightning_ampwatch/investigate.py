@@ -15,14 +15,8 @@ import torch
 from lightning_ampwatch import distributed
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
-from lightning_ampwatch.trajectory import (
-    SnapshotRing,
-    TrainState,
-    TrajectoryKind,
-    judge_trajectory,
-    replay_trajectory,
-)
-from lightning_ampwatch.verdicts import AMP_BLAMING, judge_control
+from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
+from lightning_ampwatch.verdicts import AMP_BLAMING, TrajectoryKind, judge_control, judge_trajectory
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.

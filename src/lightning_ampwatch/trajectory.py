@@ -16,13 +16,13 @@ import math
 import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
+from lightning_ampwatch.verdicts import TrajectoryResult
 
 PRECISIONS = ("fp32", "amp")
 BUDGET_FRACTION = 0.1  # the default budget: a tenth of the host's RAM ...
@@ -394,32 +394,6 @@ class SnapshotRing:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class TrajectoryResult:
-    """What one replay of a window measured, as plain Python values."""
-
-    precision: str  # "fp32" or "amp"
-    from_step: int  # the snapshot's step: the replay starts after it
-    steps: list[int]
-    losses: list[float | None]  # each step's loss as Lightning reports it (None: training_step returned None)
-    skipped: list[bool]  # the scaler skipped the step (always False without one)
-    params_finite: bool  # the weights after the last replayed step
-
-    @property
-    def first_nonfinite(self) -> int | None:
-        """The first step whose loss is non-finite (or the last step, when only the weights it left are)."""
-        bad = next((s for s, loss in zip(self.steps, self.losses) if loss is not None and not math.isfinite(loss)),
-                   None)
-        if bad is None and not self.params_finite and self.steps:
-            return self.steps[-1]
-        return bad
-
-    @property
-    def faulted(self) -> bool:
-        """A non-finite loss or weight, or a step the scaler skipped, anywhere in the window."""
-        return self.first_nonfinite is not None or any(self.skipped)
-
-
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
                       precision: str) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
@@ -544,97 +518,3 @@ def _without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator
         for opt, pre, post in saved:
             opt._optimizer_step_pre_hooks = pre
             opt._optimizer_step_post_hooks = post
-
-
-# --------------------------------------------------------------------------------------------
-# The verdict (pure)
-# --------------------------------------------------------------------------------------------
-
-
-class TrajectoryKind(str, Enum):
-    """What the trajectory control concluded."""
-
-    AMP_CONFIRMED = "amp_confirmed"  # FP32 training over the window is fine; the fault is reduced precision's
-    FP32_DIVERGES = "fp32_diverges"  # FP32 training climbs far above the level before the onset
-    FP32_NONFINITE = "fp32_nonfinite"  # FP32 training goes non-finite too
-    NOT_REPRODUCED = "not_reproduced"  # the run's own precision, replayed from the snapshot, does not fault
-
-
-@dataclass(frozen=True)
-class TrajectoryVerdict:
-    """The trajectory control's conclusion, why in a sentence, and the numbers it rests on."""
-
-    kind: TrajectoryKind
-    reason: str  # plain words, for the diagnosis
-    evidence: dict[str, Any]  # JSON-ready: non-finite losses are strings
-
-
-def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_level: float | None,
-                     divergence_ratio: float) -> TrajectoryVerdict:
-    """What the FP32 trajectory (and, when run, the replay at the run's precision) says about the fault.
-
-    FP32 going non-finite, or above ``divergence_ratio`` x ``loss_level`` (the loss before the onset), clears AMP.
-    Otherwise an amp replay that does not fault again means the fault did not reproduce: AMP is not blamed either.
-    """
-    if not (isinstance(divergence_ratio, (int, float)) and divergence_ratio > 1):
-        raise ValueError(f"divergence_ratio={divergence_ratio!r}: expected a number above 1")
-    window = f"steps {fp32.steps[0]}-{fp32.steps[-1]}" if len(fp32.steps) > 1 else f"step {fp32.steps[0]}"
-    start = f"from the snapshot after step {fp32.from_step}"
-    evidence: dict[str, Any] = {
-        "window": [fp32.steps[0], fp32.steps[-1]], "snapshot_step": fp32.from_step,
-        "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": _json_float(loss_level),
-        "divergence_ratio": divergence_ratio,
-    }
-    if amp is not None:
-        evidence["amp_losses"] = [_json_float(v) for v in amp.losses]
-        evidence["amp_skipped"] = amp.skipped
-    finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
-    peak = max(finite, default=None)
-    bad = fp32.first_nonfinite
-    if bad is not None:
-        return TrajectoryVerdict(TrajectoryKind.FP32_NONFINITE, (
-            f"FP32 training {start} goes non-finite too, at step {bad}: not an AMP fault"), evidence)
-    has_level = loss_level is not None and loss_level > 0 and math.isfinite(loss_level)
-    climb = _fp32_climb(fp32, loss_level, divergence_ratio) if has_level else None
-    if climb is not None:
-        (cross_at, cross), (peak_at, peak) = climb
-        return TrajectoryVerdict(TrajectoryKind.FP32_DIVERGES, (
-            f"FP32 training {start} passes {divergence_ratio:g}x the level {loss_level:.4g} before the onset at "
-            f"step {cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}: the "
-            "optimisation diverges without reduced precision, so it is not an AMP fault"), evidence)
-    level_words = (f"at most {peak / loss_level:.3g}x the level {loss_level:.4g} before the onset" if has_level
-                   and peak is not None else "no loss level before the onset to compare with")
-    fp32_words = f"FP32 training {start} stays finite over {window} ({level_words})"
-    if amp is not None and not amp.faulted:
-        return TrajectoryVerdict(TrajectoryKind.NOT_REPRODUCED, (
-            f"{fp32_words}, and replayed at the run's own precision the same steps stay finite with no skipped "
-            "step: the fault did not reproduce, so it is not blamed on AMP"), evidence)
-    if amp is None:
-        amp_words = "; the run's own precision was not replayed"
-    else:
-        again = amp.first_nonfinite if amp.first_nonfinite is not None else amp.steps[amp.skipped.index(True)]
-        amp_words = f"; at the run's own precision the fault comes back at step {again}"
-    return TrajectoryVerdict(TrajectoryKind.AMP_CONFIRMED, f"{fp32_words}{amp_words}: an AMP fault", evidence)
-
-
-#: After the FP32 loss passes ``divergence_ratio`` x its level it must climb this much further within the window to
-#: count as diverging: a loss that jumps once and stays (harder batches, a shift in the data) is not a divergence.
-CLIMB_AFTER_CROSSING = 2.0
-
-
-def _fp32_climb(fp32: TrajectoryResult, loss_level: float, divergence_ratio: float
-                ) -> tuple[tuple[int, float], tuple[int, float]] | None:
-    """((step, loss) where the FP32 loss first passed ``divergence_ratio`` x the level, (step, loss) of a later
-    loss ``CLIMB_AFTER_CROSSING`` x higher still), or None when the FP32 run did not keep climbing."""
-    points = [(s, v) for s, v in zip(fp32.steps, fp32.losses) if v is not None and math.isfinite(v)]
-    cross = next(((i, p) for i, p in enumerate(points) if p[1] > divergence_ratio * loss_level), None)
-    if cross is None:
-        return None
-    later = max(points[cross[0] + 1:], key=lambda p: p[1], default=None)
-    if later is None or later[1] < CLIMB_AFTER_CROSSING * cross[1][1]:
-        return None
-    return cross[1], later
-
-
-def _json_float(value: float | None) -> float | str | None:
-    return value if value is None or math.isfinite(value) else str(value)
