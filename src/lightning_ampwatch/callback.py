@@ -368,11 +368,8 @@ class AmpWatch(Callback):
         metrics = reporters.metric_tensors(trainer, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
         reporters.log_metrics(trainer, values, skipped_total=machine.skipped_total, scale=scale)
-        reporters.flush(self._last_loss)
-
-    def _last_loss(self) -> float:
-        loss = self._ledger.last_loss if self._ledger is not None else None
-        return float("nan") if loss is None else loss
+        loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
+        reporters.flush(None if loss is None else lambda: loss)
 
     @override
     @_guarded

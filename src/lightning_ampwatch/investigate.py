@@ -294,7 +294,8 @@ class Investigations:
                                                                agree=scaler_active)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
-                self.trajectory = None
+                # off where it is shared: the ledger stops keeping snapshots and batches for it too
+                self.trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
                 self.on_failure("the FP32 trajectory control", err)
         if renamed is not None:
             self.machine.revise(renamed)
@@ -364,9 +365,8 @@ class TrajectoryControl:
         self.divergence_ratio = divergence_ratio
         self.say = say
         if state.unavailable is not None:
-            ring.enabled, ring.reason = False, state.unavailable
+            ring.turn_off(state.unavailable)  # said in the evidence of each alarm it would have judged
         self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
-        self._told = False
 
     def note_step(self, step: int, batches: Sequence[Any], quiet: bool) -> None:
         """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
@@ -377,13 +377,8 @@ class TrajectoryControl:
         ring.add_batches(step, batches)
         if quiet and not self.paused:
             ring.after_step(step, self.state)
-        if not ring.enabled:
-            self._tell()
-
-    def _tell(self) -> None:
-        if not self._told:
-            self._told = True
-            self.say(f"{self.ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
+        if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
+            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
                      "loss trend still separates divergence from overflow.")
 
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,

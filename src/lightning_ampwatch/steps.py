@@ -124,7 +124,6 @@ class StepLedger:
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
-        self.last_loss: float | None = None  # the latest step's loss read (for the timeline at log steps)
         self.recent_losses: deque[tuple[int, float]] = deque(maxlen=RECENT_LOSSES)  # (step, loss) as read
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
@@ -257,7 +256,6 @@ class StepLedger:
             if math.isfinite(loss):
                 machine.observe_clean(step, None, False, lrs, loss)
                 self.log_steps += 1
-                self.last_loss = loss
                 self.recent_losses.append((step, loss))
                 if self.timeline is not None:
                     self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
@@ -311,9 +309,7 @@ class StepLedger:
                 # every rank skipped this step together: agree on one view of it (the only collective we make)
                 records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
                 loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
-        elif loss is not None:
-            self.last_loss = loss  # the Observation carries it to the machine's loss level
-        else:
+        elif loss is None:  # read later with the others (a read Observation loss feeds the machine's level)
             self.losses.append(opened.step, opened.tape)
         obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
                           scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
@@ -323,6 +319,12 @@ class StepLedger:
         return ResolvedStep(obs, opened, fault_ranks)
 
     # ------------------------------------------------------------------ reads
+
+    @property
+    def last_loss(self) -> float | None:
+        """The loss of the latest step read so far (the timeline samples it at log steps)."""
+        recent = self.recent_losses
+        return max(recent, key=lambda pair: pair[0])[1] if recent else None
 
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
         """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values."""
@@ -336,7 +338,6 @@ class StepLedger:
         losses = self.losses.settle(values[len(extra):])
         if losses:
             self.machine.note_losses(losses)
-            self.last_loss = losses[-1][1]
             self.recent_losses.extend(losses)
         return values[:len(extra)]
 

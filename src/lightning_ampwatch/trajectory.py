@@ -319,13 +319,13 @@ class SnapshotRing:
         if not self.enabled or step % self.every:
             return
         if state.unavailable is not None:
-            self._turn_off(state.unavailable)
+            self.turn_off(state.unavailable)
             return
         self._count_batches()
         live, parts = _gather(state, grads=False)
         self.bytes_per_snapshot = sum(t.nbytes for t in live)
         if not self._fits():
-            self._turn_off()
+            self.turn_off()
             return
         spare: list[Tensor] | None = None
         while self._snapshots and (len(self._snapshots) >= self.keep
@@ -375,7 +375,8 @@ class SnapshotRing:
         for step in [s for s in self._batches if s <= keep_after]:
             self._batch_bytes -= max(self._batches.pop(step)[1], 0)
 
-    def _turn_off(self, reason: str | None = None) -> None:
+    def turn_off(self, reason: str | None = None) -> None:
+        """Off for the rest of the run, everything held dropped; ``reason`` (else the budget's) says why."""
         if reason is None:
             need = self.bytes_per_snapshot + self.every * self._step_batch_bytes
             reason = (f"the snapshot ring is off for this run: one snapshot ({self.bytes_per_snapshot} bytes) "
@@ -384,9 +385,7 @@ class SnapshotRing:
                       f"{need} bytes would hold them")
         self.enabled = False
         self.reason = reason
-        self._snapshots.clear()
-        self._batches.clear()
-        self._batch_bytes = 0
+        self.reset()
 
 
 # --------------------------------------------------------------------------------------------
