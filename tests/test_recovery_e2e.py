@@ -21,6 +21,7 @@ from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.remedies import DEFAULT_REMEDIES
 from lightning_ampwatch.scenarios import SCENARIOS, Regressor, regression_data
 from lightning_ampwatch.summary import RunStats, summary_lines
+from lightning_ampwatch.timeline import read_timeline
 
 WITH_LR = [*DEFAULT_REMEDIES, "reduce_lr"]
 
@@ -138,6 +139,11 @@ def test_reduce_lr_after_an_lr_jump_goes_back_to_the_lr_before_it_and_recovers(t
     assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "recovered")
     assert d.evidence["remedy_details"]["back_to"] == pytest.approx(3e-2)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # the schedule keeps the lower level
+    # the first step run with the remedy is recorded at the LR it really ran with, not the one before the rollback
+    timeline = read_timeline(tmp_path / "ampwatch" / "timeline.jsonl")
+    lr_at = dict(zip(timeline.steps, timeline.lrs))
+    first = watch.applied[0].step
+    assert lr_at[first] == tuple(watch.applied[0].details["lr_after"]) != lr_at[first - 1]
 
 
 def test_a_remedy_that_silences_nan_but_leaves_the_loss_high_is_not_recovered_and_escalates(tmp_path: Path) -> None:

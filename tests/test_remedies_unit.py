@@ -238,6 +238,7 @@ def test_every_remedy_name_has_one_unit_that_declares_what_to_re_read() -> None:
         RemedyName.LOWER_INIT_SCALE: {Effect.SCALER},
         RemedyName.SLOW_GROWTH: {Effect.SCALER},
         RemedyName.BF16_FALLBACK: {Effect.PRECISION},
+        RemedyName.REDUCE_LR: {Effect.OPTIMIZERS},
     }
     # names compare, hash and print as the plain strings users write and the event log holds
     assert RemedyName.REDUCE_LR == "reduce_lr" and "reduce_lr" in {RemedyName.REDUCE_LR}

@@ -477,6 +477,8 @@ class AmpWatch(Callback):
                 self._start_trajectory(trainer, pl_module)  # snapshots of the old arithmetic replay no more
             elif effect is Effect.SCALER:
                 self._ledger.mirror_scaler()
+            elif effect is Effect.OPTIMIZERS:
+                self._ledger.read_param_groups(trainer.optimizers, lrs_now=True)
 
     def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal

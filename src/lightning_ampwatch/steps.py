@@ -177,10 +177,13 @@ class StepLedger:
         self.machine.reconfigure(mode=precision.mode, scaler_config={})
         self.mirror_scaler()
 
-    def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """The param groups whose LRs are read every step, and whether they are all plain numbers."""
+    def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer], lrs_now: bool = False) -> None:
+        """The param groups whose LRs are read every step, and whether they are all plain numbers. ``lrs_now``:
+        the LRs changed since the last step was taken in (a remedy, a rollback), so the next step's are read again."""
         self._param_groups = [g for opt in optimizers for g in opt.param_groups]
         self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
+        if lrs_now:
+            self._lrs = current_lrs(optimizers)
 
     def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)

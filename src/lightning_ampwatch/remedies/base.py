@@ -45,6 +45,7 @@ class Effect(Enum):
 
     SCALER = "scaler"  # the scaler's scale or growth settings: mirror them again
     PRECISION = "precision"  # the trainer's precision plugin: a new mode, maybe no scaler
+    OPTIMIZERS = "optimizers"  # the learning rates (or the param groups themselves): read them again
 
 
 class RemedyError(RuntimeError):

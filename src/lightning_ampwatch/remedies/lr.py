@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lightning_ampwatch.remedies.base import Remedy, RemedyContext, RemedyName, register
+from lightning_ampwatch.remedies.base import Effect, Remedy, RemedyContext, RemedyName, register
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
 LR_FACTOR = 0.5
@@ -34,6 +34,7 @@ class ReduceLr(Remedy):
     lower level instead of undoing it on its next step): back to the level before the rise, at least halved."""
 
     name = RemedyName.REDUCE_LR
+    effects = frozenset({Effect.OPTIMIZERS})
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         factor = _lr_factor(diagnosis)

@@ -23,6 +23,10 @@ from lightning_ampwatch.trajectory import retrain
 from lightning_ampwatch.verdicts import NOT_RECOVERED, judge_recovery
 
 
+#: What a rollback changes under AmpWatch's feet: the scaler's state and the optimizers' (their learning rates).
+ROLLED_BACK = frozenset({Effect.SCALER, Effect.OPTIMIZERS})
+
+
 @dataclass
 class Site:
     """What a treatment acts on and reads, and how it reports back, handed over by the callback at an
@@ -166,13 +170,13 @@ class Treatment:
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
             snapshot.restore(control.state)
             control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
-            site.on_effects(frozenset({Effect.SCALER}))
+            site.on_effects(ROLLED_BACK)
             return snapshot, (f"rolled back from step {now} to step {target + 1} (the in-memory snapshot taken "
                               f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped"), \
                 target + 1, episode
         path, ckpt_step = rollback_to_checkpoint(site.trainer, before)
         if path is not None:
-            site.on_effects(frozenset({Effect.SCALER}))
+            site.on_effects(ROLLED_BACK)
             return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
                           f"batches of steps {ckpt_step}..{now - 1} are skipped"), ckpt_step, []
         if before < 0:
