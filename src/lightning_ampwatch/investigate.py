@@ -49,8 +49,9 @@ class Investigator:
     """Replays a faulty step's batches with probes (under autocast) and without autocast (the control)."""
 
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
-                 localize: bool, control: bool, automatic: bool) -> None:
-        self.replayer = Replayer(module, forward_context, device)
+                 localize: bool, control: bool, automatic: bool,
+                 step_loss: Callable[[Any, int], Any] | None = None) -> None:
+        self.replayer = Replayer(module, forward_context, device, step_loss)
         self.module = module
         self.mode = mode
         self.localize = localize

@@ -7,6 +7,7 @@ alone, so a full disk or a broken logger costs that sink and never the run.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import warnings
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -28,6 +28,8 @@ from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 EVENT_LOG_NAME = "diagnoses.jsonl"
+#: Where a line goes without an adapter's own ``say``: the logger Lightning's ``rank_zero_info`` writes to.
+_RANK_ZERO_LOG = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 LOG_WINDOWS = 4  # the skip rate is a running mean over this many log intervals
 
 
@@ -195,8 +197,9 @@ class Reporters:
     (naming the sink, and the path for files) and never stops the other sinks or the caller."""
 
     def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool, precision: str,
-                 device: torch.device, world_size: int = 1) -> None:
+                 device: torch.device, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
         self.dir = Path(log_dir) / "ampwatch"
+        self._say = say or _RANK_ZERO_LOG.info  # the adapter's rank-zero info line
         self.is_global_zero = is_global_zero
         self.verbose = verbose
         self.event_log = EventLog(log_dir)
@@ -266,7 +269,7 @@ class Reporters:
     def say(self, message: str) -> None:
         """One plain line on rank zero, prefixed with "AmpWatch: " unless it already names AmpWatch."""
         if self.is_global_zero:
-            rank_zero_info(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
+            self._say(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
 
     def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int) -> list[torch.Tensor]:
         """Under DDP, the cross-rank non-finite count as a device scalar, not read: it joins the log step's one
@@ -280,7 +283,8 @@ class Reporters:
         self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=self._nonfinite_sum.device))
         return [self._nonfinite_sum.compute()]
 
-    def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None) -> None:
+    def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None,
+                    send: Callable[[dict[str, float]], None] | None = None) -> None:
         """The ``ampwatch/*`` metrics (``values``: what :meth:`metric_tensors` gave, read), only when there is a
         logger, through Lightning's logger connector at the step Lightning logs at (see ``_StepMetrics``). Not
         ``self.log``: its bookkeeping costs milliseconds per call."""
@@ -296,7 +300,7 @@ class Reporters:
         }
         if scale is not None:
             metrics["ampwatch/scale"] = float(scale)
-        self._sink("loggers", lambda: self._hold_metrics(trainer, metrics))
+        self._sink("loggers", lambda: send(metrics) if send is not None else self._hold_metrics(trainer, metrics))
 
     def _hold_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
         connector = trainer._logger_connector

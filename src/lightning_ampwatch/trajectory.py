@@ -58,6 +58,7 @@ class TrainState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_context: Callable[[], Any] = contextlib.nullcontext  # the precision plugin's: the amp replay's autocast
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
+    step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
     @classmethod
     def from_trainer(cls, trainer: Any, pl_module: Any) -> "TrainState":
@@ -465,7 +466,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
         if mb.cuda_rng is not None:
             torch.cuda.set_rng_state(mb.cuda_rng, state.device)
         with state.forward_context() if amp else torch.autocast(state.device.type, enabled=False):
-            loss = loss_of(state.module.training_step(mb.batch, mb.batch_idx))
+            loss = loss_of((state.step_loss or state.module.training_step)(mb.batch, mb.batch_idx))
         if loss is None:
             continue
         loss = loss / state.accumulate

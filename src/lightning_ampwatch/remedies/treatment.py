@@ -32,7 +32,7 @@ class Site:
     """What a treatment acts on and reads, and how it reports back, handed over by the callback at an
     optimizer-step boundary."""
 
-    trainer: Any
+    host: Any  # the adapter's core.Host: the step count, the checkpoint rollback
     ctx: RemedyContext
     machine: Any  # the AmpStateMachine: the loss level, the step and skip counts, episodes
     ledger: Any  # the StepLedger: the losses read since a step; its ``trajectory`` (snapshots), or None
@@ -126,7 +126,7 @@ class Treatment:
         site.ledger.read_losses()  # the losses up to now, for the level the run goes back to
         snapshot, where, resumed_at, episode = self._roll_back(diagnosis, site) if self.rollback else \
             (None, "off: applied in place", None, [])
-        step = site.trainer.global_step
+        step = site.host.global_step
         treated, applied = self.policy.apply(site.ctx, diagnosis, choice, step=step)
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
             return replace(treated, evidence={**treated.evidence, "rollback": where}) if resumed_at is not None \
@@ -156,7 +156,7 @@ class Treatment:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
         it. Returns the snapshot (kept for a later rung), the sentence the evidence carries, the step the run went
         back to (None when it stayed where it was), and, with ``replay_episode``, the episode's held batches."""
-        now = site.trainer.global_step
+        now = site.host.global_step
         control = site.trajectory
         before = _last_good_step(diagnosis)
         retry, self._retry = self._retry, None
@@ -174,7 +174,7 @@ class Treatment:
             return snapshot, (f"rolled back from step {now} to step {target + 1} (the in-memory snapshot taken "
                               f"after step {target}); the batches of steps {target + 1}..{now - 1} are skipped"), \
                 target + 1, episode
-        path, ckpt_step = rollback_to_checkpoint(site.trainer, before)
+        path, ckpt_step = site.host.rollback_to_checkpoint(before)
         if path is not None:
             site.on_effects(ROLLED_BACK)
             return None, (f"rolled back from step {now} to step {ckpt_step} (the checkpoint file {path}); the "
