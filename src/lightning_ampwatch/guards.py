@@ -392,7 +392,10 @@ class RecipeGuards:
         self._report = report_callback
         self._trainer = trainer
         self._module = pl_module
-        self._automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        # a loss returned from training_step (Lightning's automatic optimization) has one call site, its return;
+        # a hand-written loop (manual optimization, a Fabric loop) calls backward where the user wrote it
+        self._automatic = bool(getattr(pl_module, "automatic_optimization", True)) and hasattr(pl_module,
+                                                                                                "training_step")
         self._automatic_checked = False
         self._checked_sites.clear()
         self._active = True

@@ -491,7 +491,11 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
         if (last_batch_idx + 1) % frequency == 0:  # Lightning's rule for step-interval schedulers
             # the class's hook (the user's override, if any), not an instance-level stand-in such as
             # hold_lr_on_skip's, which answers for the live run's last step
-            type(state.module).lr_scheduler_step(state.module, scheduler, None)
+            step = getattr(type(state.module), "lr_scheduler_step", None)
+            if step is None:  # a plain module (a Fabric loop): the loop steps its schedulers itself
+                type(scheduler).step(scheduler)  # the class's, not an instance-level stand-in
+            else:
+                step(state.module, scheduler, None)
     return total, skipped
 
 

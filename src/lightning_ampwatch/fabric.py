@@ -1,0 +1,528 @@
+"""``FabricWatch``: the Fabric adapter. A hand-written Fabric loop's calls become
+:class:`~lightning_ampwatch.core.RunWatcher` calls; :class:`FabricHost` answers what only Fabric knows.
+
+Fabric has no hooks of its own to feed a watch, so the adapter takes what the loop does anyway:
+
+- ``fabric.backward(loss)``: the precision plugin's ``backward`` is wrapped on the plugin instance (the one patch;
+  put back by :meth:`FabricWatch.close`), so the watch sees the loss exactly as Fabric hands it to autograd,
+  scaled by the GradScaler, once per micro-batch, at the user's line;
+- ``optimizer.step()``: Fabric's optimizer wrapper steps the raw optimizer through the precision plugin's scaler,
+  and the watch's step hook on the raw optimizer learns, without a read, whether the scaler took the step;
+- ``watch.step(batch, loss)``: the optimizer-step boundary, once per optimizer step.
+
+Fabric's own ways are taken into account: ``fabric.setup`` runs the module's forward under autocast and casts
+float inputs to the precision's dtype, so the FP32 control calls the user's ``loss_fn`` on the unwrapped module
+with autocast off; a replay at the run's precision calls it on the unwrapped module dressed the way Fabric calls it
+(inputs cast, forward under autocast, outputs cast back), without Fabric's backward hook, which refuses gradients
+not taken through ``fabric.backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, Callable, ContextManager, Iterable, Literal, Sequence, Union
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.wrappers import is_wrapped
+from torch import Tensor, nn
+
+from lightning_ampwatch.config import WatchConfig
+from lightning_ampwatch.core import RunWatcher
+from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.machine import AmpStateMachine, Thresholds
+from lightning_ampwatch.probes import uses_rng
+from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
+from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
+from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.trajectory import TrainState
+
+#: Optimizer steps between two log steps (metrics to ``fabric.loggers``, one packed read), as Lightning's default.
+DEFAULT_LOG_EVERY_N_STEPS = 50
+#: What ``clip_grad_norm_`` says when ``error_if_nonfinite=True`` meets an overflowed step.
+_NONFINITE_CLIP_ERROR = "is non-finite, so it cannot be clipped"
+
+
+class FabricWatch:
+    r"""Watch a Lightning Fabric loop under mixed precision and name the cause when it goes wrong; the same
+    diagnoses, remedies, event log and console output as :class:`~lightning_ampwatch.AmpWatch`, from the same core.
+
+    .. code-block:: python
+
+        watch = FabricWatch(fabric, loss_fn=step_loss)   # step_loss(model, batch) -> loss
+        watch.attach(model, optimizer, scheduler)          # once, after fabric.setup
+        for batch in loader:
+            loss = step_loss(model, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            watch.step(batch, loss)                        # once per optimizer step, after it
+        watch.close()                                      # or: with FabricWatch(...) as watch:
+
+    Args:
+        fabric: the :class:`~lightning.fabric.Fabric` the loop runs on.
+        loss_fn: ``loss_fn(model, batch) -> loss``, how one micro-batch's loss is computed. Replays call it with the
+            weights of a faulty step: with the model as Fabric runs it, and for the FP32 control with the unwrapped
+            model and autocast off. It must not step an optimizer or call backward.
+        log_every_n_steps: optimizer steps between two log steps, where the ``ampwatch/*`` metrics go to
+            ``fabric.loggers`` and the timeline is written; ``0``: never.
+
+    Every other keyword is :class:`~lightning_ampwatch.AmpWatch`'s, with the same meaning and the same checks.
+    ``log_dir`` defaults to the first logger's ``log_dir``, else the working directory (``./ampwatch/``).
+    With ``on_unrecoverable="stop"`` the watch sets :attr:`should_stop`; the loop ends when it sees it.
+    """
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        loss_fn: Callable[[Any, Any], Any],
+        *,
+        remediate: Union[bool, str, Iterable[str]] = False,
+        on_unrecoverable: Literal["warn", "stop", "raise"] = "warn",
+        control_replay: bool = True,
+        localize: bool = True,
+        hold_lr_on_skip: bool = False,
+        verbose: bool = True,
+        thresholds: Thresholds | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        snapshot_every: int = 20,
+        snapshot_budget: int | None = None,
+        rollback: bool = True,
+        replay_episode: bool = False,
+        log_every_n_steps: int = DEFAULT_LOG_EVERY_N_STEPS,
+    ) -> None:
+        config = WatchConfig(remediate, on_unrecoverable, control_replay, localize, hold_lr_on_skip, verbose,
+                             thresholds, log_dir, name, snapshot_every, snapshot_budget, rollback, replay_episode)
+        if not isinstance(fabric, Fabric):
+            raise ValueError(f"fabric={fabric!r} is not valid; use the lightning.fabric.Fabric the loop runs on")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn={loss_fn!r} is not valid; use a function loss_fn(model, batch) -> loss")
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 0:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not valid; use a whole number of optimizer "
+                             "steps (0: never)")
+        self.fabric = fabric
+        self.loss_fn = loss_fn
+        self.config = config
+        self.log_every_n_steps = log_every_n_steps
+        self.hold_lr_on_skip = hold_lr_on_skip
+        # The core's own hold_lr_on_skip stands in for LightningModule.lr_scheduler_step; a Fabric loop steps its
+        # schedulers itself, so the adapter holds them (see FabricHost.hold_schedulers).
+        self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
+        self.should_stop = False
+        self._host: FabricHost | None = None
+        self._finished = False
+
+    # ------------------------------------------------------------------ what the user reads
+
+    @property
+    def diagnoses(self) -> list[Diagnosis]:
+        """Every diagnosis of the run, in order; a remedy's outcome updates its record in place."""
+        return self.watcher.diagnoses
+
+    @property
+    def applied(self) -> list[AppliedRemedy]:
+        """Every remedy applied in this run, in order."""
+        return self.watcher.applied
+
+    @property
+    def machine(self) -> AmpStateMachine | None:
+        return self.watcher.machine
+
+    @property
+    def event_log(self) -> Any:
+        """The event log (its ``path`` and ``dir``), or None before :meth:`attach`."""
+        return self.watcher.event_log
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps seen so far (``watch.step`` calls): the step a diagnosis made now would carry."""
+        return self._host.global_step if self._host is not None else 0
+
+    # ------------------------------------------------------------------ the loop's calls
+
+    def attach(self, model: Any, optimizer: Any, scheduler: Any = None) -> "FabricWatch":
+        """Start watching; once, after ``fabric.setup``. ``optimizer`` and ``scheduler`` may be one or a list; the
+        schedulers are those the loop steps once per optimizer step (snapshots hold their state, ``reduce_lr``
+        lowers their base rates, ``hold_lr_on_skip`` holds them)."""
+        if self._host is not None:
+            raise RuntimeError("this FabricWatch is already attached; make one FabricWatch per loop")
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) \
+            else [scheduler]
+        if not is_wrapped(model) or not hasattr(model, "module"):
+            raise ValueError(f"attach() needs the model fabric.setup returned, got a {type(model).__name__}; call "
+                             "model, optimizer = fabric.setup(model, optimizer) first")
+        for opt in optimizers:
+            if not is_wrapped(opt) or not hasattr(opt, "optimizer"):
+                raise ValueError(f"attach() needs the optimizer fabric.setup returned, got a {type(opt).__name__}; "
+                                 "call model, optimizer = fabric.setup(model, optimizer) first")
+        self._finished = False
+        self.should_stop = False
+        host = FabricHost(self, model, [opt.optimizer for opt in optimizers], schedulers)
+        self._host = host
+        self.watcher.start(host)
+        self.watcher.begin_training()
+        host.install()
+        return self
+
+    def accumulate(self, batch: Any) -> None:
+        """Gradient accumulation: a micro-batch whose gradients wait for the next optimizer step. Call it after
+        ``fabric.backward`` for every micro-batch but the last one of a step, whose batch goes to :meth:`step`."""
+        host = self._need_host()
+        self.watcher.batch_end(batch, host.next_batch_index())
+        host.micro_batches += 1
+        host.batch_over()
+
+    def step(self, batch: Any, loss: Tensor | None = None) -> None:
+        """The optimizer step is over (after ``optimizer.step()``, ``zero_grad()`` and the schedulers' ``step()``):
+        take it in. ``batch`` is what ``loss_fn`` gets again if the step has to be replayed; ``loss`` the loss the
+        loop computed (the watch reads the one handed to ``fabric.backward``; this one tells a loop that called
+        ``loss.backward()`` instead)."""
+        host = self._need_host()
+        if not host.backward_seen and loss is not None:
+            host.say_once("watch.step() got a loss but fabric.backward() was not called since the last step: call "
+                          "fabric.backward(loss), not loss.backward(). Under 16-mixed the GradScaler divides "
+                          "gradients it never multiplied, and AmpWatch cannot read such a step.")
+        watcher = self.watcher
+        watcher.before_optimizer_step(host.optimizers[0])
+        host.steps += 1
+        host.accumulated(host.micro_batches + 1)
+        watcher.batch_end(batch, host.next_batch_index())
+        host.micro_batches = 0
+        host.batch_over()
+
+    def close(self) -> None:
+        """The end of the loop: what is in flight resolved, the summary printed, every hook and patch removed.
+        Idempotent; ``with FabricWatch(...) as watch:`` calls it."""
+        host = self._host
+        if host is None:
+            return
+        host.batch_over()
+        host.in_loop = False  # forwards from here on are replays: no RNG state to keep for them
+        try:
+            if not self._finished:
+                self._finished = True
+                self.watcher.finish()  # calls watcher.close()
+        finally:
+            self.watcher.close()
+            host.uninstall()
+            self._host = None
+
+    def __enter__(self) -> "FabricWatch":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        host = self._host
+        if host is not None and isinstance(exc, RuntimeError) and _NONFINITE_CLIP_ERROR in str(exc) \
+                and host.precision().scaler is not None:
+            host.say("fabric.clip_gradients(..., error_if_nonfinite=True) raised on a step whose gradients "
+                     "overflowed. Under 16-mixed the GradScaler skips such steps by design: pass "
+                     "error_if_nonfinite=False and let it skip them.")
+        # the loop failed: leave the run as found, keep what was written; no summary for a run that did not end
+        self._finished = True
+        try:
+            self.watcher.close()
+        finally:
+            if host is not None:
+                host.uninstall()
+            self._host = None
+
+    def _need_host(self) -> "FabricHost":
+        host = self._host
+        if host is None:
+            raise RuntimeError("call watch.attach(model, optimizer) once, after fabric.setup, before watch.step()")
+        return host
+
+    def __repr__(self) -> str:
+        return f"FabricWatch(remediate={sorted(r.value for r in self.config.remedies)}, steps={self.steps})"
+
+
+class _AsFabricRunsIt:
+    """The unwrapped module, called the way Fabric's module wrapper calls it: inputs cast by the precision plugin,
+    the forward under its autocast, outputs cast back. Without the wrapper's backward hook, which refuses a gradient
+    not taken through ``fabric.backward`` (replays take theirs with ``torch.autograd.grad``), and without DDP's
+    forward, which would expect an all-reduce the replay never makes. Attributes are the module's."""
+
+    def __init__(self, module: nn.Module, precision: Any) -> None:
+        self.__dict__["_module"] = module
+        self.__dict__["_precision"] = precision
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        precision = self._precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            output = self._module(*args, **kwargs)
+        return precision.convert_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _PrecisionSlot:
+    """``strategy.precision_plugin`` for the remedies: Fabric's strategy's ``precision``. The bf16 fallback hands a
+    Lightning (Trainer) plugin; the Fabric plugin of the same precision goes in its place."""
+
+    def __init__(self, fabric: Fabric, device: torch.device) -> None:
+        self._fabric = fabric
+        self._device = device
+
+    @property
+    def precision_plugin(self) -> Any:
+        return self._fabric.strategy.precision
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        from lightning.fabric.plugins import MixedPrecision
+
+        precision = str(getattr(plugin, "precision", ""))
+        if precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(f"FabricWatch cannot switch a Fabric run to precision {precision!r}")
+        self._fabric.strategy.precision = MixedPrecision(precision, self._device.type)  # type: ignore[arg-type]
+
+
+class FabricHost:
+    """What only Fabric knows, for the :class:`~lightning_ampwatch.core.Host` protocol, and the two things the
+    adapter installs on the run: the backward watch on the precision plugin and, for models that draw random
+    numbers, a forward pre-hook that keeps the RNG state a replay needs."""
+
+    automatic = True  # one loss_fn per micro-batch, stepped by the loop: a step replays from its batches alone
+
+    def __init__(self, watch: FabricWatch, model: Any, optimizers: list[torch.optim.Optimizer],
+                 schedulers: list[Any]) -> None:
+        fabric = watch.fabric
+        self._watch = watch
+        self._fabric = fabric
+        self.module: nn.Module = model.module  # the user's module, unwrapped (under DDP too)
+        self.device = fabric.device
+        self.is_global_zero = fabric.is_global_zero
+        self.world_size = fabric.world_size
+        self.steps = 0  # watch.step calls so far: Diagnosis.step counts them from 0
+        self.backward_seen = False
+        self._optimizers = optimizers
+        self._schedulers = schedulers
+        self.micro_batches = 0  # handed to accumulate() since the last step
+        self._batch_index = 0  # micro-batches taken in so far (a replay's batch_idx)
+        self._state: TrainState | None = None
+        self._patched: list[tuple[Any, str, Any]] = []  # (object, attribute, the wrapper put there)
+        self._rng_hook: Any = None
+        self._batch_started = False
+        self.in_loop = True
+        self._said: set[str] = set()
+        self._remedy_target = SimpleNamespace(
+            optimizers=optimizers,
+            lr_scheduler_configs=[SimpleNamespace(scheduler=s, interval="step", frequency=1) for s in schedulers],
+            strategy=_PrecisionSlot(fabric, self.device),
+        )
+
+    # ------------------------------------------------------------------ Host: what the core reads
+
+    @property
+    def global_step(self) -> int:
+        return self.steps
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        return self._fabric.loggers
+
+    @property
+    def log_every(self) -> int:
+        return self._watch.log_every_n_steps
+
+    @property
+    def log_dir(self) -> str:
+        for logger in self._fabric.loggers:
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir:
+                if self.is_global_zero:
+                    # the logger makes its directory before ours goes in it (a CSV logger warns about a directory
+                    # it finds not empty); it would make it at its first log anyway
+                    with contextlib.suppress(Exception):
+                        logger.experiment  # noqa: B018
+                return str(log_dir)
+        return os.getcwd()
+
+    def precision(self) -> PrecisionInfo:
+        """The run's precision now; the backward watch follows the plugin (a bf16 fallback swaps it)."""
+        plugin = self._fabric.strategy.precision
+        if self._patched and not any(obj is plugin for obj, _, _ in self._patched):
+            self._watch_backward(plugin)
+        return resolve_precision(plugin)
+
+    def forward_context(self) -> ContextManager[Any]:
+        return self._fabric.strategy.precision.forward_context()
+
+    def step_loss(self, batch: Any, batch_idx: int) -> Any:
+        """``loss_fn`` on a micro-batch again. Under autocast (a replay at the run's precision) the model is called as
+        Fabric calls it and the rest of ``loss_fn`` runs outside autocast, as in the loop; with autocast off (the
+        FP32 control) the unwrapped model sees the batch as it is, in float32."""
+        if torch.is_autocast_enabled(self.device.type):
+            model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision)
+            with torch.autocast(self.device.type, enabled=False):
+                return self._watch.loss_fn(model, batch)
+        return self._watch.loss_fn(self.module, batch)
+
+    def train_state(self) -> TrainState:
+        unavailable = None
+        if any(p.dtype in (torch.float16, torch.bfloat16) for p in self.module.parameters()):
+            unavailable = ("the trajectory control is not available: the weights themselves are half precision "
+                           "(a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        self._state = TrainState(
+            module=self.module, optimizers=list(self._optimizers),
+            scaler=getattr(self._fabric.strategy.precision, "scaler", None),
+            schedulers=[(s, 1) for s in self._schedulers], clip_val=None,
+            accumulate=self._state.accumulate if self._state is not None else 1,
+            device=self.device, forward_context=self.forward_context, unavailable=unavailable,
+            step_loss=self.step_loss,
+        )
+        return self._state
+
+    def step_schedulers(self) -> list[Any]:
+        return list(self._schedulers)
+
+    def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        return RemedyContext(trainer=self._remedy_target, module=self.module, scaler=scaler, device=self.device,
+                             safe_scale=safe_scale, guards=guards)
+
+    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
+        """A Fabric loop saves its checkpoints itself, where the watch cannot know: only snapshots roll back."""
+        return None, None
+
+    def broadcast(self, value: Any) -> Any:
+        return self._fabric.broadcast(value, src=0)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        self._fabric.log_dict(metrics, step=self.steps)
+
+    def stop(self) -> None:
+        self._watch.should_stop = True
+
+    def say(self, message: str) -> None:
+        if self.is_global_zero:
+            rank_zero_info(message)
+
+    def say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self.say(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
+
+    # ------------------------------------------------------------------ the adapter's own bookkeeping
+
+    def next_batch_index(self) -> int:
+        """The micro-batch's index in the run (what a replay passes on as ``batch_idx``)."""
+        index = self._batch_index
+        self._batch_index += 1
+        return index
+
+    def accumulated(self, micro_batches: int) -> None:
+        """The step being taken in ran on this many micro-batches: the trajectory replay divides each loss by it,
+        as the loop did before ``fabric.backward``."""
+        if self._state is not None:
+            self._state.accumulate = micro_batches
+
+    def batch_over(self) -> None:
+        """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
+        self._batch_started = False
+        self.backward_seen = False
+
+    # ------------------------------------------------------------------ what is installed on the run
+
+    def install(self) -> None:
+        self._watch_backward(self._fabric.strategy.precision)
+        if self._watch.hold_lr_on_skip:
+            for scheduler in self._schedulers:
+                self._patch(scheduler, "step", _HeldStep(scheduler.step, self))
+        if uses_rng(self.module):  # only a model that draws random numbers needs the RNG state of each batch
+            self._rng_hook = self.module.register_forward_pre_hook(self._before_forward)
+
+    def uninstall(self) -> None:
+        """Put back everything :meth:`install` changed; a wrapper someone put on top of ours since stays."""
+        for obj, name, wrapper in reversed(self._patched):
+            if obj.__dict__.get(name) is wrapper:
+                del obj.__dict__[name]
+        self._patched.clear()
+        if self._rng_hook is not None:
+            self._rng_hook.remove()
+            self._rng_hook = None
+
+    def _patch(self, obj: Any, name: str, wrapper: Any) -> None:
+        obj.__dict__[name] = wrapper
+        self._patched.append((obj, name, wrapper))
+
+    def _watch_backward(self, plugin: Any) -> None:
+        self._patch(plugin, "backward", _WatchedBackward(plugin, self))
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._batch_started and self.in_loop:
+            self._batch_started = True
+            watcher = self._watch.watcher
+            if watcher.wants_batch_start:
+                watcher.batch_start()
+
+    def skipped(self) -> bool:
+        ledger = self._watch.watcher.ledger
+        return ledger is not None and ledger.last_step_skipped()
+
+
+class _WatchedBackward:
+    """Stands in for the precision plugin's ``backward`` (on the instance): the loss goes to the watch as Fabric
+    hands it to autograd, scaled by the plugin's GradScaler when there is one. The scaler's ``scale`` is looked at
+    only for the length of the call. A callable object, not a closure, so the plugin still pickles."""
+
+    def __init__(self, plugin: Any, host: FabricHost) -> None:
+        self.original = type(plugin).backward.__get__(plugin)
+        self.__wrapped__ = self.original  # Fabric asks whether the plugin overrides backward: it still does
+        self.plugin = plugin
+        self.host = host
+
+    def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        host = self.host
+        host.backward_seen = True
+        watcher = host._watch.watcher
+        scaler = getattr(self.plugin, "scaler", None)
+        if scaler is None:
+            watcher.before_backward(tensor)
+            return self.original(tensor, *args, **kwargs)
+        seen: list[Tensor] = []
+        scale = type(scaler).scale
+
+        def scaled(outputs: Any) -> Any:
+            out = scale(scaler, outputs)
+            if isinstance(out, Tensor) and not seen:
+                seen.append(out)
+                watcher.before_backward(out)
+            return out
+
+        scaler.scale = scaled
+        try:
+            return self.original(tensor, *args, **kwargs)
+        finally:
+            scaler.__dict__.pop("scale", None)
+            if not seen:
+                watcher.before_backward(tensor)
+
+
+class _HeldStep:
+    """``hold_lr_on_skip``: stands in for a scheduler's ``step`` (on the instance), which does nothing when the
+    GradScaler skipped the optimizer step it follows (as accelerate and DeepSpeed do)."""
+
+    def __init__(self, original: Callable[..., Any], host: FabricHost) -> None:
+        self.original = original
+        self.host = host
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.host.skipped():
+            return None
+        return self.original(*args, **kwargs)

@@ -1,0 +1,392 @@
+"""FabricWatch on real Fabric loops: true float16 autocast with a real GradScaler on the CPU, hand-written loops
+shaped like LitGPT's, one family of fault per test, asserting what a Fabric user sees."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from itertools import cycle
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.plugins import MixedPrecision
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ampwatch import AmpWatch, Diagnosis, Finding
+from lightning_ampwatch.fabric import FabricWatch
+from lightning_ampwatch.scenarios import ExpAttention, regression_data
+
+# --------------------------------------------------------------------------------------------- models and losses
+
+
+class Net(nn.Module):
+    """The scenarios' regressor as a plain module (the names ``encoder.0``, ``attention``, ``head`` match theirs)."""
+
+    def __init__(self, dim: int = 16, attention: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(dim, 32), nn.ReLU(), nn.Linear(32, dim))
+        self.attention = ExpAttention(dim) if attention else None
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.encoder(x)
+        if self.attention is not None:
+            h = self.attention(h)
+        return self.head(h).squeeze(-1)
+
+
+class Head(nn.Module):
+    """A softmax written by hand (exp without subtracting the max): it overflows float16 once Adam has grown the
+    logits past ~11; float32 has room up to ~88."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e = self.proj(x).exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = Head()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x)
+
+
+def mse(model: nn.Module, batch: Any) -> Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def mse_summed(model: nn.Module, batch: Any) -> Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y, reduction="sum")
+
+
+def nll(model: nn.Module, batch: Any) -> Tensor:
+    x, y = batch
+    return -model(x).gather(1, y[:, None]).float().clamp_min(1e-6).log().mean()
+
+
+def separable(n: int = 256, dim: int = 8, classes: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, dim, generator=g)
+    return TensorDataset(x, (x @ torch.randn(dim, classes, generator=g)).argmax(-1))
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+
+def fp16_fabric(loggers: Any = None, strategy: str = "auto", devices: int = 1, **scaler: Any) -> Fabric:
+    """Real float16 autocast with a real GradScaler on the CPU (``precision="16-mixed"`` would mean bf16 there)."""
+    return Fabric(accelerator="cpu", devices=devices, strategy=strategy, loggers=loggers,
+                  plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **scaler))])
+
+
+def train(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, data: Any, watch: FabricWatch | None,
+          loss_fn: Callable[[nn.Module, Any], Tensor], steps: int, *, scheduler: Any = None,
+          clip: Callable[[nn.Module, Any], None] | None = None, batch_size: int = 32) -> list[float]:
+    """A hand-written loop as a Fabric user writes one; returns each step's loss."""
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=batch_size, shuffle=False))
+    losses: list[float] = []
+    for _, batch in zip(range(steps), cycle(loader)):
+        loss = loss_fn(model, batch)
+        fabric.backward(loss)
+        if clip is not None:
+            clip(model, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        if watch is not None:
+            watch.step(batch, loss)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def run(tmp_path: Path, model: Callable[[], nn.Module], data: Any, loss_fn: Callable[[nn.Module, Any], Tensor],
+        steps: int, *, lr: float = 1e-2, adam: bool = False, scaler: dict[str, Any] | None = None, fp32: bool = False,
+        watch_kwargs: dict[str, Any] | None = None, watched: bool = True, **loop: Any) -> tuple[FabricWatch, list[float]]:
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true") if fp32 else fp16_fabric(**(scaler or {}))
+    module = model()
+    optimizer = torch.optim.Adam(module.parameters(), lr=lr) if adam else torch.optim.SGD(module.parameters(), lr=lr)
+    module, optimizer = fabric.setup(module, optimizer)
+    kwargs = dict(verbose=False, log_dir=tmp_path)
+    kwargs.update(watch_kwargs or {})
+    if not watched:
+        return None, train(fabric, module, optimizer, data, None, loss_fn, steps, **loop)  # type: ignore[return-value]
+    with FabricWatch(fabric, loss_fn=loss_fn, **kwargs) as watch:
+        watch.attach(module, optimizer)
+        losses = train(fabric, module, optimizer, data, watch, loss_fn, steps, **loop)
+    return watch, losses
+
+
+def alarms(watch: FabricWatch) -> list[Diagnosis]:
+    return [d for d in watch.diagnoses if d.is_alarm]
+
+
+def event_log(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------- one family per test
+
+
+def test_a_forward_overflow_is_located_in_its_module_and_the_fp32_control_stays_finite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    watch, _ = run(tmp_path, lambda: Net(attention=True), regression_data(x_scale=10.0), mse, 8,
+                   watch_kwargs={"verbose": True})
+    [d] = alarms(watch)
+    assert d.finding is Finding.FORWARD_OVERFLOW
+    assert d.location == "attention"  # ExpAttention: its q/k/v Linears are finite, its exp() is not
+    assert d.step == 0  # the first watch.step call: optimizer steps count from 0
+    assert math.isfinite(d.evidence["fp32_control_loss"])  # the control ran around Fabric's autocast and casts
+    assert not math.isfinite(float(d.evidence["replay_loss"]))  # the replay under Fabric's autocast did not
+    assert "control finite" in d.evidence["control_verdict"]
+    assert "autocast" in d.advice
+    out = capsys.readouterr().out
+    assert out.count("AmpWatch: FORWARD_OVERFLOW at step 0 in attention") == 1  # said once, on the console
+    assert [Diagnosis.from_dict(line) for line in event_log(tmp_path)] == watch.diagnoses
+
+
+def test_a_startup_gradient_overflow_names_the_scale_the_scaler_settled_at(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(y_scale=4.0), mse_summed, 30, lr=1e-4)
+    [d] = alarms(watch)
+    assert d.finding is Finding.GRADIENT_OVERFLOW
+    assert d.step == 0 and d.evidence["pattern"] == "startup"
+    assert d.evidence["init_scale"] == 2.0**16
+    skipped = d.evidence["skipped_in_row"]
+    assert skipped >= 3  # the scaler halved its way down, one skipped step at a time
+    assert d.evidence["safe_scale"] == 2.0**16 / 2**skipped  # the scale of the first step that went through
+    assert f"init_scale=2**{16 - skipped}" in d.advice
+    assert d.location is not None and d.location.endswith(".weight")  # the first parameter that overflowed
+    assert watch.applied == []  # diagnose only
+
+
+def test_nan_rows_are_data_nonfinite_at_their_step_with_the_row_named(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(nan_rows=(200,)), mse, 12)
+    [d] = alarms(watch)
+    assert d.finding is Finding.DATA_NONFINITE
+    assert d.step == 6  # row 200, batch size 32: the seventh watch.step call
+    assert d.evidence["nonfinite_where"] == "batch[0] rows [8]"
+    assert d.evidence["fp32_control_loss"] == "nan"
+    assert d.evidence["control_verdict"] == "control failed too"
+
+
+def test_a_learning_rate_too_high_for_fp32_too_is_not_blamed_on_fp16(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(), mse, 30, lr=0.5, watch_kwargs={"snapshot_every": 5})
+    d = alarms(watch)[0]
+    assert d.finding is Finding.FP32_UNSTABLE
+    assert "Lower the learning rate" in d.advice
+    assert "trajectory_fp32_losses" in d.evidence  # the FP32 trajectory ran from a snapshot, through loss_fn
+    assert "not an AMP fault" in d.evidence["control_verdict"]
+
+
+CLIP_LINE = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the mistake"
+
+
+def raw_clip(model: nn.Module, optimizer: Any) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the mistake
+
+
+def fabric_clip(fabric: Fabric) -> Callable[[nn.Module, Any], None]:
+    def clip(model: nn.Module, optimizer: Any) -> None:
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+
+    return clip
+
+
+def test_a_raw_clip_after_fabric_backward_is_clip_before_unscale_at_the_users_line(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(), mse, 6, clip=raw_clip)
+    [d] = alarms(watch)
+    assert d.finding is Finding.CLIP_BEFORE_UNSCALE
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if text.strip() == CLIP_LINE)
+    path, _, at = str(d.location).rpartition(":")
+    assert os.path.samefile(path, __file__) and at == str(line)
+    assert d.evidence["code"] == CLIP_LINE
+    assert d.evidence["scale"] == 2.0**16 and d.evidence["limit_in_real_units"] == 1.0 / 2**16
+    assert "fabric.clip_gradients" in d.advice or "unscale_" in d.advice
+
+
+def test_fabric_clip_gradients_unscales_first_and_is_not_flagged(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        train(fabric, module, optimizer, regression_data(), watch, mse, 6, clip=fabric_clip(fabric))
+    assert alarms(watch) == []
+
+
+def test_a_remedy_is_applied_after_a_rollback_and_its_recovery_verified(tmp_path: Path) -> None:
+    _, fp32 = run(tmp_path / "fp32", Classifier, separable(), nll, 40, lr=0.3, adam=True, watched=False, fp32=True)
+    watch, treated = run(tmp_path / "fp16", Classifier, separable(), nll, 40, lr=0.3, adam=True,
+                         scaler={"init_scale": 2.0**8}, watch_kwargs={"remediate": True, "snapshot_every": 5})
+    [d] = [d for d in watch.diagnoses if d.remedy]
+    assert (d.finding, d.location, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "head", "fp32_island",
+                                                            "recovered")
+    assert d.evidence["rollback"].startswith("rolled back from step ")
+    assert "the in-memory snapshot taken after step 5" in d.evidence["rollback"]
+    assert d.evidence["recovery"]["skipped"] == 0
+    assert [a.name.value for a in watch.applied] == ["fp32_island"]
+    assert statistics.median(treated[-10:]) <= 1.5 * statistics.median(fp32[-10:])
+    # the event log has the record with the remedy, then one more line with its outcome
+    logged = [line for line in event_log(tmp_path / "fp16") if line["remedy"] == "fp32_island"]
+    assert [line["outcome"] for line in logged] == [None, "recovered"]
+
+
+# --------------------------------------------------------------------------------------------- the Fabric surface
+
+
+def test_metrics_go_to_the_loggers_fabric_was_given_and_the_event_log_to_its_log_dir(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    logger = CSVLogger(str(tmp_path), name="run")
+    fabric = fp16_fabric(loggers=[logger])
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_every_n_steps=5) as watch:
+        watch.attach(module, optimizer)
+        train(fabric, module, optimizer, regression_data(nan_rows=(70,)), watch, mse, 10)
+    logger.finalize("success")
+    assert watch.event_log.path == Path(logger.log_dir) / "ampwatch" / "diagnoses.jsonl"
+    assert [json.loads(x)["finding"] for x in watch.event_log.path.read_text().splitlines()] == \
+        [d.finding.value for d in watch.diagnoses] == [Finding.DATA_NONFINITE.value]
+    with open(Path(logger.log_dir) / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    scales = [float(r["ampwatch/scale"]) for r in rows if r.get("ampwatch/scale")]
+    assert scales and all(s == 2.0**16 / 2 for s in scales)  # one skip (the NaN batch), one halving
+    skipped = [float(r["ampwatch/skipped_steps"]) for r in rows if r.get("ampwatch/skipped_steps")]
+    assert skipped and max(skipped) == 1
+
+
+def test_every_ampwatch_flag_is_accepted_and_a_bad_one_named() -> None:
+    fabric = fp16_fabric()
+    FabricWatch(fabric, loss_fn=mse, remediate=["lower_init_scale", "reduce_lr"], on_unrecoverable="raise", control_replay=False,
+                localize=False, hold_lr_on_skip=True, verbose=False, log_dir="~/x", name="a", snapshot_every=0,
+                snapshot_budget=2**20, rollback=False, replay_episode=True)
+    for kwargs in ({"remediate": "magic"}, {"on_unrecoverable": "panic"}, {"snapshot_every": -1},
+                   {"verbose": "yes"}):
+        with pytest.raises(ValueError) as fabric_err:
+            FabricWatch(fabric, loss_fn=mse, **kwargs)
+        with pytest.raises(ValueError) as lightning_err:
+            AmpWatch(**kwargs)
+        assert str(fabric_err.value) == str(lightning_err.value)  # one validation, shared
+    with pytest.raises(ValueError, match="loss_fn"):
+        FabricWatch(fabric, loss_fn="mse")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Fabric"):
+        FabricWatch(object(), loss_fn=mse)  # type: ignore[arg-type]
+
+
+def test_attach_wants_what_fabric_setup_returned(tmp_path: Path) -> None:
+    fabric = fp16_fabric()
+    module = Net()
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-2)
+    watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path)
+    with pytest.raises(ValueError, match="fabric.setup"):
+        watch.attach(module, optimizer)
+
+
+def test_close_leaves_the_run_as_it_found_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net(attention=True)
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    clip_before = torch.nn.utils.clip_grad_norm_
+    inner = optimizer.optimizer
+    hooks_before = (dict(inner._optimizer_step_pre_hooks), dict(inner._optimizer_step_post_hooks))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        assert torch.nn.utils.clip_grad_norm_ is not clip_before  # the clipping guard is on while attached
+        train(fabric, module, optimizer, regression_data(x_scale=10.0), watch, mse, 4)
+    assert alarms(watch)  # something was investigated (probes, replays) ...
+    assert torch.nn.utils.clip_grad_norm_ is clip_before  # ... and nothing of the watch is left behind
+    assert (dict(inner._optimizer_step_pre_hooks), dict(inner._optimizer_step_post_hooks)) == hooks_before
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+    assert fabric.strategy.precision.backward.__func__ is MixedPrecision.backward  # type: ignore[attr-defined]
+
+
+def test_a_healthy_run_pays_no_read_and_reports_no_alarm(tmp_path: Path) -> None:
+    watch, losses = run(tmp_path, Net, regression_data(), mse, 40, scaler={"init_scale": 2.0**10})
+    assert alarms(watch) == []
+    assert losses[-1] < losses[0]
+    # the same loop without the watch trains bit-identically: the watch only looked
+    _, bare = run(tmp_path / "bare", Net, regression_data(), mse, 40, scaler={"init_scale": 2.0**10}, watched=False)
+    assert losses == bare
+
+
+def test_on_unrecoverable_raise_stops_the_loop_with_the_diagnosis(tmp_path: Path) -> None:
+    from lightning_ampwatch import AmpWatchError
+
+    with pytest.raises(AmpWatchError) as err:
+        run(tmp_path, Net, regression_data(nan_rows=(40,)), mse, 8, watch_kwargs={"on_unrecoverable": "raise"})
+    assert err.value.diagnosis.finding is Finding.DATA_NONFINITE and err.value.diagnosis.step == 1
+
+
+# --------------------------------------------------------------------------------------------- two processes
+
+
+def _rank_main(local_rank: int, port: int, out_dir: str) -> None:
+    """One rank, started the way torchrun starts it (LOCAL_RANK set): Fabric's own ``ddp`` joins the group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(local_rank),
+                      NODE_RANK="0", WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    fabric = fp16_fabric(strategy="ddp", devices=2)
+    fabric.launch()
+    torch.manual_seed(0)
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    # Fabric's distributed sampler gives rank r the rows r, r + 2, ... in order: row 67 is rank 1's 34th row, in its
+    # batch 2 (batch size 16), row 1 within it; rank 0 never sees it
+    data = regression_data(n=256, nan_rows=(67,))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=out_dir) as watch:
+        watch.attach(module, optimizer)
+        train(fabric, module, optimizer, data, watch, mse, 6, batch_size=16)
+    Path(out_dir, f"rank{fabric.global_rank}.json").write_text(json.dumps([d.to_dict() for d in watch.diagnoses]))
+    torch.save(module.state_dict(), Path(out_dir, f"weights{fabric.global_rank}.pt"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_gloo_ranks_agree_on_a_nan_that_only_rank_one_saw(tmp_path: Path) -> None:
+    context = mp.get_context("fork")
+    port = _free_port()
+    ranks = [context.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1, "both ranks must reach the same diagnoses"
+    [d] = [d for d in rank0 if d["finding"] != Finding.NORMAL_SCALING.value]
+    assert d["finding"] == Finding.DATA_NONFINITE.value and d["step"] == 2
+    assert d["evidence"]["fault_ranks"] == [1] and d["evidence"]["investigated_on_rank"] == 1
+    assert d["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
+    # rank zero alone writes the event log, with the agreed diagnosis
+    assert [line["finding"] for line in event_log(tmp_path)] == [x["finding"] for x in rank0]
+    w0, w1 = (torch.load(tmp_path / f"weights{r}.pt") for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # the watch kept the ranks in step
