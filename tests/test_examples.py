@@ -47,8 +47,9 @@ ALL_EXAMPLES: dict[str, Finding] = {
     "recipe_manual_prescale": Finding.MANUAL_PRESCALE,
     "recipe_fp16_parameters": Finding.FP16_PARAMETERS,
     "recipe_eps_underflow": Finding.EPS_UNDERFLOW,
+    "fabric_loop": Finding.FORWARD_OVERFLOW,  # a LitGPT-shaped Fabric loop under FabricWatch
 }
-SUBSET = ("gradient_overflow", "data_nonfinite", "fp32_unstable")
+SUBSET = ("gradient_overflow", "data_nonfinite", "fp32_unstable", "fabric_loop")
 SELECTED = tuple(ALL_EXAMPLES) if os.environ.get("AMPWATCH_ALL_EXAMPLES") == "1" else SUBSET
 BENCHMARK_ARGS = ("--quick", "--steps", "8", "--warmup", "2", "--rounds", "1")
 
