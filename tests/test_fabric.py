@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import statistics
@@ -337,6 +338,201 @@ def test_on_unrecoverable_raise_stops_the_loop_with_the_diagnosis(tmp_path: Path
     with pytest.raises(AmpWatchError) as err:
         run(tmp_path, Net, regression_data(nan_rows=(40,)), mse, 8, watch_kwargs={"on_unrecoverable": "raise"})
     assert err.value.diagnosis.finding is Finding.DATA_NONFINITE and err.value.diagnosis.step == 1
+
+
+@pytest.fixture
+def said() -> Any:
+    """The lines FabricWatch says once, through Fabric's rank-zero logger."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("lightning.fabric.utilities.rank_zero")
+    handler, level = Collect(level=logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_gradient_accumulation_counts_optimizer_steps_and_replays_every_micro_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(nan_rows=(200,)), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for i, batch in enumerate(loader):  # two micro-batches per optimizer step, LitGPT's way
+            if i == 16:
+                break
+            accumulating = i % 2 == 0
+            with fabric.no_backward_sync(module, enabled=accumulating):
+                loss = mse(module, batch)
+                fabric.backward(loss / 2)
+            if accumulating:
+                watch.accumulate(batch)
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step(batch, loss)
+    assert watch.steps == 8
+    [d] = alarms(watch)
+    assert d.finding is Finding.DATA_NONFINITE
+    assert d.step == 3  # micro-batch 6 (row 200) is the first of optimizer step 3
+    assert d.evidence["batch_idx"] == [6, 7]  # both micro-batches of the step were kept and replayed
+    assert d.evidence["nonfinite_where"] == "micro_batch[0][0] rows [8]"  # its x, row 8
+
+
+def test_a_raw_optimizer_step_past_the_scaler_is_named_at_its_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for _, batch in zip(range(3), loader):
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.optimizer.step()  # past the scaler
+            optimizer.zero_grad()
+            watch.step(batch, loss)
+    [d] = [d for d in watch.diagnoses if d.finding is Finding.STEP_OUTSIDE_SCALER]
+    assert d.evidence["code"] == "optimizer.optimizer.step()  # past the scaler"
+    assert Path(d.location.rpartition(":")[0]).samefile(__file__)
+
+
+def test_a_loss_scaled_by_hand_before_fabric_backward_is_named_at_its_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-4))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for _, batch in zip(range(3), loader):
+            loss = mse(module, batch)
+            fabric.backward(loss * 1024.0)  # scaled by hand
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step(batch, loss)
+    [d] = [d for d in watch.diagnoses if d.finding is Finding.MANUAL_PRESCALE]
+    assert d.evidence["code"] == "fabric.backward(loss * 1024.0)  # scaled by hand"
+    assert d.evidence["factor"] == 1024.0 and d.step == 0
+
+
+def test_hold_lr_on_skip_holds_the_loops_own_scheduler_on_a_skipped_step(tmp_path: Path) -> None:
+    epochs = {}
+    for hold in (False, True):
+        torch.manual_seed(0)
+        fabric = fp16_fabric()
+        module = Net()
+        module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path / str(hold),
+                         hold_lr_on_skip=hold) as watch:
+            watch.attach(module, optimizer, scheduler)
+            train(fabric, module, optimizer, regression_data(nan_rows=(200,)), watch, mse, 12, scheduler=scheduler)
+        assert watch.machine.skipped_total == 1  # the NaN batch: the scaler skipped that step
+        epochs[hold] = scheduler.last_epoch
+        assert "step" not in vars(scheduler)  # the stand-in is gone after close
+    assert epochs == {False: 12, True: 11}
+
+
+def test_bf16_fallback_switches_fabrics_precision_and_drops_the_scaler(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net(attention=True)
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, remediate=["bf16_fallback"]) as watch:
+        watch.attach(module, optimizer)
+        losses = train(fabric, module, optimizer, regression_data(x_scale=10.0), watch, mse, 12)
+    [d] = [d for d in watch.diagnoses if d.remedy]
+    assert (d.finding, d.remedy) == (Finding.FORWARD_OVERFLOW, "bf16_fallback")
+    plugin = fabric.strategy.precision
+    assert plugin.precision == "bf16-mixed" and plugin.scaler is None
+    assert all(math.isfinite(v) for v in losses[-5:])  # the model's forward runs in bfloat16 from then on
+    assert "backward" not in vars(plugin)  # the backward watch followed the plugin, and is gone after close
+
+
+def test_on_unrecoverable_stop_asks_the_loop_to_stop(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(nan_rows=(40,)), batch_size=32))
+    steps = 0
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, on_unrecoverable="stop") as watch:
+        watch.attach(module, optimizer)
+        for batch in loader:
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step(batch, loss)
+            steps += 1
+            if watch.should_stop:
+                break
+    assert steps == 2 and alarms(watch)[0].step == 1
+
+
+def test_a_full_precision_loop_is_still_watched_for_loss_finiteness(tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(nan_rows=(200,)), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for _, batch in zip(range(8), loader):
+            loss = mse(module, batch)
+            loss.backward()  # Fabric allows it without a scaler: the watch reads the loss handed to step()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step(batch, loss)
+    [d] = alarms(watch)
+    assert (d.finding, d.step) == (Finding.DATA_NONFINITE, 6)
+    assert sum("full precision" in line for line in said) == 1  # said once: there is no scaler to watch
+
+
+def test_a_loop_that_calls_loss_backward_under_a_scaler_is_refused_and_the_watch_lets_go(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    clip = torch.nn.utils.clip_grad_norm_
+    with pytest.raises(RuntimeError, match="fabric.backward"):  # Fabric's own check refuses it ...
+        with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+            watch.attach(module, optimizer)
+            assert torch.nn.utils.clip_grad_norm_ is not clip
+            for _, batch in zip(range(3), loader):
+                mse(module, batch).backward()
+    assert torch.nn.utils.clip_grad_norm_ is clip  # ... and the watch leaves the run as it found it
+    assert "backward" not in vars(fabric.strategy.precision)
+
+
+def test_fabric_clip_gradients_raising_on_an_overflow_is_explained(tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-4))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(y_scale=4.0), batch_size=32))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        with FabricWatch(fabric, loss_fn=mse_summed, verbose=False, log_dir=tmp_path) as watch:
+            watch.attach(module, optimizer)
+            for _, batch in zip(range(3), loader):
+                loss = mse_summed(module, batch)
+                fabric.backward(loss)
+                fabric.clip_gradients(module, optimizer, max_norm=1.0)  # error_if_nonfinite=True by default
+                optimizer.step()
+                optimizer.zero_grad()
+                watch.step(batch, loss)
+    assert any("error_if_nonfinite=False" in line for line in said)
 
 
 # --------------------------------------------------------------------------------------------- two processes

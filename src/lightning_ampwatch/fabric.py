@@ -20,6 +20,8 @@ not taken through ``fabric.backward``.
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 import os
 from dataclasses import replace
 from types import SimpleNamespace
@@ -27,7 +29,6 @@ from typing import Any, Callable, ContextManager, Iterable, Literal, Sequence, U
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor, nn
 
@@ -43,6 +44,9 @@ from lightning_ampwatch.trajectory import TrainState
 
 #: Optimizer steps between two log steps (metrics to ``fabric.loggers``, one packed read), as Lightning's default.
 DEFAULT_LOG_EVERY_N_STEPS = 50
+#: Fabric's rank-zero info log (its ``rank_zero_info`` writes to whichever of Fabric's and Lightning's loggers was
+#: imported last; a Fabric user's lines belong in Fabric's, which shows INFO on the console by default)
+_FABRIC_LOG = logging.getLogger("lightning.fabric.utilities.rank_zero")
 #: What ``clip_grad_norm_`` says when ``error_if_nonfinite=True`` meets an overflowed step.
 _NONFINITE_CLIP_ERROR = "is non-finite, so it cannot be clipped"
 
@@ -115,6 +119,7 @@ class FabricWatch:
         # schedulers itself, so the adapter holds them (see FabricHost.hold_schedulers).
         self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
         self.should_stop = False
+        self.steps = 0  # optimizer steps taken in (watch.step calls): Diagnosis.step counts them from 0
         self._host: FabricHost | None = None
         self._finished = False
 
@@ -139,11 +144,6 @@ class FabricWatch:
         """The event log (its ``path`` and ``dir``), or None before :meth:`attach`."""
         return self.watcher.event_log
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps seen so far (``watch.step`` calls): the step a diagnosis made now would carry."""
-        return self._host.global_step if self._host is not None else 0
-
     # ------------------------------------------------------------------ the loop's calls
 
     def attach(self, model: Any, optimizer: Any, scheduler: Any = None) -> "FabricWatch":
@@ -164,6 +164,7 @@ class FabricWatch:
                                  "call model, optimizer = fabric.setup(model, optimizer) first")
         self._finished = False
         self.should_stop = False
+        self.steps = 0
         host = FabricHost(self, model, [opt.optimizer for opt in optimizers], schedulers)
         self._host = host
         self.watcher.start(host)
@@ -175,9 +176,13 @@ class FabricWatch:
         """Gradient accumulation: a micro-batch whose gradients wait for the next optimizer step. Call it after
         ``fabric.backward`` for every micro-batch but the last one of a step, whose batch goes to :meth:`step`."""
         host = self._need_host()
-        self.watcher.batch_end(batch, host.next_batch_index())
-        host.micro_batches += 1
-        host.batch_over()
+        host.in_step = True
+        try:
+            self.watcher.batch_end(batch, host.next_batch_index())
+        finally:
+            host.in_step = False
+            host.micro_batches += 1
+            host.batch_over()
 
     def step(self, batch: Any, loss: Tensor | None = None) -> None:
         """The optimizer step is over (after ``optimizer.step()``, ``zero_grad()`` and the schedulers' ``step()``):
@@ -185,17 +190,20 @@ class FabricWatch:
         loop computed (the watch reads the one handed to ``fabric.backward``; this one tells a loop that called
         ``loss.backward()`` instead)."""
         host = self._need_host()
-        if not host.backward_seen and loss is not None:
-            host.say_once("watch.step() got a loss but fabric.backward() was not called since the last step: call "
-                          "fabric.backward(loss), not loss.backward(). Under 16-mixed the GradScaler divides "
-                          "gradients it never multiplied, and AmpWatch cannot read such a step.")
-        watcher = self.watcher
-        watcher.before_optimizer_step(host.optimizers[0])
-        host.steps += 1
-        host.accumulated(host.micro_batches + 1)
-        watcher.batch_end(batch, host.next_batch_index())
-        host.micro_batches = 0
-        host.batch_over()
+        if not host.backward_seen and isinstance(loss, Tensor):
+            host.unseen_backward(loss)
+        host.in_step = True
+        try:
+            host.put_back_held_schedulers()
+            watcher = self.watcher
+            watcher.before_optimizer_step(host.optimizers[0])
+            self.steps += 1
+            host.accumulated(host.micro_batches + 1)
+            watcher.batch_end(batch, host.next_batch_index())
+        finally:
+            host.in_step = False
+            host.micro_batches = 0
+            host.batch_over()
 
     def close(self) -> None:
         """The end of the loop: what is in flight resolved, the summary printed, every hook and patch removed.
@@ -305,8 +313,8 @@ class FabricHost:
         self.device = fabric.device
         self.is_global_zero = fabric.is_global_zero
         self.world_size = fabric.world_size
-        self.steps = 0  # watch.step calls so far: Diagnosis.step counts them from 0
         self.backward_seen = False
+        self.in_step = False  # inside watch.step/accumulate: what runs now (replays, remedies) is the watch's own
         self._optimizers = optimizers
         self._schedulers = schedulers
         self.micro_batches = 0  # handed to accumulate() since the last step
@@ -314,6 +322,7 @@ class FabricHost:
         self._state: TrainState | None = None
         self._patched: list[tuple[Any, str, Any]] = []  # (object, attribute, the wrapper put there)
         self._rng_hook: Any = None
+        self._held: tuple[list[tuple[Any, dict[str, Any]]], list[list[Any]]] | None = None
         self._batch_started = False
         self.in_loop = True
         self._said: set[str] = set()
@@ -327,7 +336,7 @@ class FabricHost:
 
     @property
     def global_step(self) -> int:
-        return self.steps
+        return self._watch.steps
 
     @property
     def optimizers(self) -> Sequence[torch.optim.Optimizer]:
@@ -404,14 +413,14 @@ class FabricHost:
         return self._fabric.broadcast(value, src=0)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
-        self._fabric.log_dict(metrics, step=self.steps)
+        self._fabric.log_dict(metrics, step=self._watch.steps)
 
     def stop(self) -> None:
         self._watch.should_stop = True
 
     def say(self, message: str) -> None:
         if self.is_global_zero:
-            rank_zero_info(message)
+            _FABRIC_LOG.info(message)
 
     def say_once(self, message: str) -> None:
         if message not in self._said:
@@ -441,9 +450,9 @@ class FabricHost:
 
     def install(self) -> None:
         self._watch_backward(self._fabric.strategy.precision)
-        if self._watch.hold_lr_on_skip:
-            for scheduler in self._schedulers:
-                self._patch(scheduler, "step", _HeldStep(scheduler.step, self))
+        scaler = getattr(self._fabric.strategy.precision, "scaler", None)
+        if self._watch.hold_lr_on_skip and scaler is not None and self._schedulers:
+            self._patch(scaler, "update", _AfterScalerUpdate(scaler, self))
         if uses_rng(self.module):  # only a model that draws random numbers needs the RNG state of each batch
             self._rng_hook = self.module.register_forward_pre_hook(self._before_forward)
 
@@ -471,9 +480,41 @@ class FabricHost:
             if watcher.wants_batch_start:
                 watcher.batch_start()
 
-    def skipped(self) -> bool:
+    # ------------------------------------------------------------------ hold_lr_on_skip
+
+    def after_scaler_update(self) -> None:
+        """``hold_lr_on_skip``: the scaler has just updated after the loop's optimizer step. If it skipped that step,
+        keep the schedulers' state (and the LRs they set) from before the loop steps them, to be put back in
+        ``watch.step``. Only skipped steps cost anything; the skip is the step hook's host flag, no device read."""
         ledger = self._watch.watcher.ledger
-        return ledger is not None and ledger.last_step_skipped()
+        if self.in_step or ledger is None or not ledger.last_step_skipped():
+            return
+        self._held = ([(s, copy.deepcopy(s.state_dict())) for s in self._schedulers],
+                      [[group["lr"] for group in opt.param_groups] for opt in self._optimizers])
+
+    def put_back_held_schedulers(self) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            return
+        states, lrs = held
+        for scheduler, state in states:
+            scheduler.load_state_dict(state)
+        for opt, group_lrs in zip(self._optimizers, lrs):
+            for group, lr in zip(opt.param_groups, group_lrs):
+                group["lr"] = lr
+
+    # ------------------------------------------------------------------ a loop without fabric.backward
+
+    def unseen_backward(self, loss: Tensor) -> None:
+        """``watch.step`` got a loss that did not go through ``fabric.backward`` (``loss.backward()``, which Fabric
+        allows only without a scaler): without a scaler it is the step's loss as it is; with one it cannot be read."""
+        if getattr(self._fabric.strategy.precision, "scaler", None) is None:
+            self._watch.watcher.before_backward(loss)
+            self.backward_seen = True
+        else:
+            self.say_once("watch.step() got a loss, but fabric.backward() was not called since the last step; "
+                          "under a GradScaler the watch reads each step in fabric.backward, so this step is not "
+                          "counted. Call fabric.backward(loss).")
 
 
 class _WatchedBackward:
@@ -514,15 +555,16 @@ class _WatchedBackward:
                 watcher.before_backward(tensor)
 
 
-class _HeldStep:
-    """``hold_lr_on_skip``: stands in for a scheduler's ``step`` (on the instance), which does nothing when the
-    GradScaler skipped the optimizer step it follows (as accelerate and DeepSpeed do)."""
+class _AfterScalerUpdate:
+    """Stands in for the GradScaler's ``update`` (on the instance; the scaler's ``state_dict`` lists its fields, so a
+    checkpoint never holds this): after the real update, ``hold_lr_on_skip`` looks at whether the step was
+    skipped, before the loop steps its schedulers."""
 
-    def __init__(self, original: Callable[..., Any], host: FabricHost) -> None:
-        self.original = original
+    def __init__(self, scaler: Any, host: FabricHost) -> None:
+        self.original = type(scaler).update.__get__(scaler)
         self.host = host
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.host.skipped():
-            return None
-        return self.original(*args, **kwargs)
+        out = self.original(*args, **kwargs)
+        self.host.after_scaler_update()
+        return out
