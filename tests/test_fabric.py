@@ -535,6 +535,42 @@ def test_fabric_clip_gradients_raising_on_an_overflow_is_explained(tmp_path: Pat
     assert any("error_if_nonfinite=False" in line for line in said)
 
 
+@pytest.mark.parametrize("load_before_attach", [True, False], ids=["load-then-attach", "attach-then-load"])
+def test_fabric_save_and_load_resume_the_watch_with_its_remedy_back_on(tmp_path: Path,
+                                                                        load_before_attach: bool) -> None:
+    from lightning_ampwatch.remedies import ISLAND_ATTR
+
+    watch, _ = run(tmp_path / "first", Classifier, separable(), nll, 40, lr=0.3, adam=True,
+                   scaler={"init_scale": 2.0**8}, watch_kwargs={"remediate": True, "snapshot_every": 5})
+    [fixed] = [d for d in watch.diagnoses if d.remedy]
+    assert fixed.remedy == "fp32_island"
+    # the first run's last state, saved the way a Fabric loop saves it
+    torch.manual_seed(0)
+    fabric = fp16_fabric(init_scale=2.0**8)
+    module = Classifier()
+    module, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=0.3))
+    fabric.save(tmp_path / "ckpt.pt", {"model": module, "optimizer": optimizer, "watch": watch})
+
+    fabric = fp16_fabric(init_scale=2.0**8)
+    module = Classifier()
+    module, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=0.3))
+    resumed = FabricWatch(fabric, loss_fn=nll, verbose=False, log_dir=tmp_path / "second", remediate=True)
+    state = {"model": module, "optimizer": optimizer, "watch": resumed}
+    if load_before_attach:
+        fabric.load(tmp_path / "ckpt.pt", state)
+        resumed.attach(module, optimizer)
+    else:
+        resumed.attach(module, optimizer)
+        fabric.load(tmp_path / "ckpt.pt", state)
+    assert getattr(module.module.head, ISLAND_ATTR, None) is not None  # the island is back on the new model
+    assert resumed.diagnoses == watch.diagnoses and [a.name for a in resumed.applied] == ["fp32_island"]
+    assert resumed.steps == 40  # the step count goes on
+    with resumed:
+        train(fabric, module, optimizer, separable(), resumed, nll, 5)
+    assert resumed.steps == 45
+    assert resumed.diagnoses == watch.diagnoses  # nothing new, nothing announced again
+
+
 # --------------------------------------------------------------------------------------------- two processes
 
 

@@ -120,6 +120,7 @@ class FabricWatch:
         self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
         self.should_stop = False
         self.steps = 0  # optimizer steps taken in (watch.step calls): Diagnosis.step counts them from 0
+        self._resume_steps: int | None = None  # the step count of a checkpoint loaded before attach()
         self._host: FabricHost | None = None
         self._finished = False
 
@@ -164,8 +165,8 @@ class FabricWatch:
                                  "call model, optimizer = fabric.setup(model, optimizer) first")
         self._finished = False
         self.should_stop = False
-        self.steps = 0
-        host = FabricHost(self, model, [opt.optimizer for opt in optimizers], schedulers)
+        self.steps, self._resume_steps = self._resume_steps or 0, None  # a resumed run counts on
+        host = FabricHost(self, model, optimizers, schedulers)
         self._host = host
         self.watcher.start(host)
         self.watcher.begin_training()
@@ -221,6 +222,28 @@ class FabricWatch:
             self.watcher.close()
             host.uninstall()
             self._host = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the diagnoses, the machine, the remedies applied and the step count. Put the
+        watch in the state ``fabric.save`` writes (``state = {"model": model, ..., "watch": watch}``)."""
+        return {**self.watcher.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """From ``fabric.load``, before or after :meth:`attach`: the diagnoses come back, the remedies applied are put
+        back on the run (a checkpoint holds weights, not an FP32 island or a swapped precision), the step count
+        goes on from where it was."""
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+            self._resume_steps = steps
+        self.watcher.load_state_dict(state)
+        host = self._host
+        if host is not None:  # attached already: start the rooms again from the checkpoint's state
+            self.watcher.close()
+            host.uninstall()
+            self._host = None
+            self.attach(host.model, host.wrapped_optimizers, host.step_schedulers())
 
     def __enter__(self) -> "FabricWatch":
         return self
@@ -304,9 +327,11 @@ class FabricHost:
 
     automatic = True  # one loss_fn per micro-batch, stepped by the loop: a step replays from its batches alone
 
-    def __init__(self, watch: FabricWatch, model: Any, optimizers: list[torch.optim.Optimizer],
-                 schedulers: list[Any]) -> None:
+    def __init__(self, watch: FabricWatch, model: Any, wrapped_optimizers: list[Any], schedulers: list[Any]) -> None:
         fabric = watch.fabric
+        optimizers = [opt.optimizer for opt in wrapped_optimizers]  # the raw torch optimizers
+        self.model = model  # what fabric.setup returned, as attach() got them
+        self.wrapped_optimizers = wrapped_optimizers
         self._watch = watch
         self._fabric = fabric
         self.module: nn.Module = model.module  # the user's module, unwrapped (under DDP too)
