@@ -152,7 +152,7 @@ def fit(fabric: Fabric, train: TrainArgs, config: Config, out_dir: str) -> Fabri
     # remediate=True: a fault FabricWatch can fix is fixed mid-run (from a snapshot taken before it), then verified
     watch = FabricWatch(fabric, loss_fn=step_loss, remediate=True, snapshot_every=5, log_dir=out_dir,
                         log_every_n_steps=train.log_interval)
-    watch.attach(model, optimizer, scheduler)
+    watch.attach(model, optimizer, scheduler, gradient_clip_val=train.max_norm)  # the replays clip as the loop does
 
     iter_num = step_count = 0
     for batch in CycleIterator(loader):

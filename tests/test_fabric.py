@@ -295,13 +295,23 @@ def test_every_ampwatch_flag_is_accepted_and_a_bad_one_named() -> None:
         FabricWatch(object(), loss_fn=mse)  # type: ignore[arg-type]
 
 
-def test_attach_wants_what_fabric_setup_returned(tmp_path: Path) -> None:
+def test_attach_wants_what_fabric_setup_returned_and_a_valid_clip(tmp_path: Path) -> None:
     fabric = fp16_fabric()
     module = Net()
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-2)
     watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path)
     with pytest.raises(ValueError, match="fabric.setup"):
         watch.attach(module, optimizer)
+    module, optimizer = fabric.setup(module, optimizer)
+    with pytest.raises(ValueError, match="gradient_clip_val=0"):
+        watch.attach(module, optimizer, gradient_clip_val=0)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='l2'"):
+        watch.attach(module, optimizer, gradient_clip_algorithm="l2")  # type: ignore[arg-type]
+    with watch.attach(module, optimizer, gradient_clip_val=1.0):
+        state = watch.watcher.ledger.trajectory.state  # what the FP32 trajectory replay steps with
+        assert (state.clip_val, state.clip_algorithm) == (1.0, "norm")
+        with pytest.raises(RuntimeError, match="already attached"):
+            watch.attach(module, optimizer)
 
 
 def test_close_leaves_the_run_as_it_found_it(tmp_path: Path) -> None:

@@ -147,10 +147,20 @@ class FabricWatch:
 
     # ------------------------------------------------------------------ the loop's calls
 
-    def attach(self, model: Any, optimizer: Any, scheduler: Any = None) -> "FabricWatch":
+    def attach(self, model: Any, optimizer: Any, scheduler: Any = None, *, gradient_clip_val: float | None = None,
+               gradient_clip_algorithm: Literal["norm", "value"] = "norm") -> "FabricWatch":
         """Start watching; once, after ``fabric.setup``. ``optimizer`` and ``scheduler`` may be one or a list; the
         schedulers are those the loop steps once per optimizer step (snapshots hold their state, ``reduce_lr``
-        lowers their base rates, ``hold_lr_on_skip`` holds them)."""
+        lowers their base rates, ``hold_lr_on_skip`` holds them). ``gradient_clip_val`` and
+        ``gradient_clip_algorithm`` say how the loop clips (``fabric.clip_gradients(max_norm=...)`` is ``"norm"``,
+        ``clip_val=...`` is ``"value"``), so that the FP32 trajectory replay steps the way the loop does."""
+        if gradient_clip_val is not None and (isinstance(gradient_clip_val, bool)
+                                              or not isinstance(gradient_clip_val, (int, float))
+                                              or gradient_clip_val <= 0):
+            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} is not valid; use a positive number or None")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; use 'norm' or "
+                             "'value'")
         if self._host is not None:
             raise RuntimeError("this FabricWatch is already attached; make one FabricWatch per loop")
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -166,7 +176,7 @@ class FabricWatch:
         self._finished = False
         self.should_stop = False
         self.steps, self._resume_steps = self._resume_steps or 0, None  # a resumed run counts on
-        host = FabricHost(self, model, optimizers, schedulers)
+        host = FabricHost(self, model, optimizers, schedulers, (gradient_clip_val, gradient_clip_algorithm))
         self._host = host
         self.watcher.start(host)
         self.watcher.begin_training()
@@ -243,7 +253,8 @@ class FabricWatch:
             self.watcher.close()
             host.uninstall()
             self._host = None
-            self.attach(host.model, host.wrapped_optimizers, host.step_schedulers())
+            self.attach(host.model, host.wrapped_optimizers, host.step_schedulers(), gradient_clip_val=host.clipping[0],
+                        gradient_clip_algorithm=host.clipping[1])  # type: ignore[arg-type]
 
     def __enter__(self) -> "FabricWatch":
         return self
@@ -327,8 +338,10 @@ class FabricHost:
 
     automatic = True  # one loss_fn per micro-batch, stepped by the loop: a step replays from its batches alone
 
-    def __init__(self, watch: FabricWatch, model: Any, wrapped_optimizers: list[Any], schedulers: list[Any]) -> None:
+    def __init__(self, watch: FabricWatch, model: Any, wrapped_optimizers: list[Any], schedulers: list[Any],
+                 clipping: tuple[float | None, str] = (None, "norm")) -> None:
         fabric = watch.fabric
+        self.clipping = clipping
         optimizers = [opt.optimizer for opt in wrapped_optimizers]  # the raw torch optimizers
         self.model = model  # what fabric.setup returned, as attach() got them
         self.wrapped_optimizers = wrapped_optimizers
@@ -416,7 +429,8 @@ class FabricHost:
         self._state = TrainState(
             module=self.module, optimizers=list(self._optimizers),
             scaler=getattr(self._fabric.strategy.precision, "scaler", None),
-            schedulers=[(s, 1) for s in self._schedulers], clip_val=None,
+            schedulers=[(s, 1) for s in self._schedulers], clip_val=self.clipping[0],
+            clip_algorithm=self.clipping[1],
             accumulate=self._state.accumulate if self._state is not None else 1,
             device=self.device, forward_context=self.forward_context, unavailable=unavailable,
             step_loss=self.step_loss,
