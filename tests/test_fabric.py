@@ -584,24 +584,46 @@ def test_fabric_save_and_load_resume_the_watch_with_its_remedy_back_on(tmp_path:
 # --------------------------------------------------------------------------------------------- two processes
 
 
-def _rank_main(local_rank: int, port: int, out_dir: str) -> None:
+def _rank_main(local_rank: int, port: int, out_dir: str, scenario: str) -> None:
     """One rank, started the way torchrun starts it (LOCAL_RANK set): Fabric's own ``ddp`` joins the group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(local_rank),
                       NODE_RANK="0", WORLD_SIZE="2")
     torch.set_num_threads(1)
-    fabric = fp16_fabric(strategy="ddp", devices=2)
+    if scenario == "nan":
+        # Fabric's distributed sampler gives rank r the rows r, r + 2, ... in order: row 67 is rank 1's 34th row, in
+        # its batch 2 (batch size 16), row 1 within it; rank 0 never sees it
+        fabric, model, data, loss_fn, lr, steps, kwargs = fp16_fabric(strategy="ddp", devices=2), Net, \
+            regression_data(n=256, nan_rows=(67,)), mse, 1e-2, 6, {}
+    else:  # the hand-written softmax overflows once Adam has grown the logits: islanded after a rollback
+        fabric, model, data, loss_fn, lr, steps, kwargs = fp16_fabric(strategy="ddp", devices=2, init_scale=2.0**8), \
+            Classifier, separable(n=1024), nll, 0.3, 30, {"remediate": True, "snapshot_every": 5}
     fabric.launch()
     torch.manual_seed(0)
-    module = Net()
-    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
-    # Fabric's distributed sampler gives rank r the rows r, r + 2, ... in order: row 67 is rank 1's 34th row, in its
-    # batch 2 (batch size 16), row 1 within it; rank 0 never sees it
-    data = regression_data(n=256, nan_rows=(67,))
-    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=out_dir) as watch:
+    module = model()
+    optimizer = torch.optim.Adam(module.parameters(), lr=lr) if scenario != "nan" else \
+        torch.optim.SGD(module.parameters(), lr=lr)
+    module, optimizer = fabric.setup(module, optimizer)
+    with FabricWatch(fabric, loss_fn=loss_fn, verbose=False, log_dir=out_dir, **kwargs) as watch:
         watch.attach(module, optimizer)
-        train(fabric, module, optimizer, data, watch, mse, 6, batch_size=16)
+        train(fabric, module, optimizer, data, watch, loss_fn, steps, batch_size=16)
     Path(out_dir, f"rank{fabric.global_rank}.json").write_text(json.dumps([d.to_dict() for d in watch.diagnoses]))
     torch.save(module.state_dict(), Path(out_dir, f"weights{fabric.global_rank}.pt"))
+
+
+def _two_ranks(out_dir: Path, scenario: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    context = mp.get_context("fork")
+    port = _free_port()
+    ranks = [context.Process(target=_rank_main, args=(r, port, str(out_dir), scenario)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == rank1, "both ranks must reach the same diagnoses"
+    w0, w1 = (torch.load(out_dir / f"weights{r}.pt") for r in range(2))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the ranks' weights must stay equal"
+    return rank0, rank1
 
 
 def _free_port() -> int:
@@ -614,21 +636,18 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_gloo_ranks_agree_on_a_nan_that_only_rank_one_saw(tmp_path: Path) -> None:
-    context = mp.get_context("fork")
-    port = _free_port()
-    ranks = [context.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=120)
-    assert [p.exitcode for p in ranks] == [0, 0]
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert rank0 == rank1, "both ranks must reach the same diagnoses"
+    rank0, _ = _two_ranks(tmp_path, "nan")
     [d] = [d for d in rank0 if d["finding"] != Finding.NORMAL_SCALING.value]
     assert d["finding"] == Finding.DATA_NONFINITE.value and d["step"] == 2
     assert d["evidence"]["fault_ranks"] == [1] and d["evidence"]["investigated_on_rank"] == 1
     assert d["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
     # rank zero alone writes the event log, with the agreed diagnosis
     assert [line["finding"] for line in event_log(tmp_path)] == [x["finding"] for x in rank0]
-    w0, w1 = (torch.load(tmp_path / f"weights{r}.pt") for r in range(2))
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # the watch kept the ranks in step
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_gloo_ranks_roll_back_and_remedy_together(tmp_path: Path) -> None:
+    rank0, _ = _two_ranks(tmp_path, "remedy")
+    [d] = [d for d in rank0 if d["remedy"]]
+    assert (d["finding"], d["remedy"], d["outcome"]) == (Finding.FORWARD_OVERFLOW.value, "fp32_island", "recovered")
+    assert d["evidence"]["rollback"].startswith("rolled back from step ")
