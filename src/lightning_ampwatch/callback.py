@@ -16,14 +16,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import compat, distributed
 from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: F401 - re-exported
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
-from lightning_ampwatch.remedies.treatment import rollback_to_checkpoint
-from lightning_ampwatch.reporters import _StepMetrics
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import TrainState
@@ -40,7 +38,7 @@ class LightningHost:
         self.automatic = bool(pl_module.automatic_optimization)
         self.is_global_zero = trainer.is_global_zero
         self.world_size = distributed.world_size()
-        self._metrics: _StepMetrics | None = None
+        self._metrics: compat.StepMetrics | None = None
 
     @property
     def global_step(self) -> int:
@@ -83,17 +81,17 @@ class LightningHost:
                              safe_scale=safe_scale, guards=guards)
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
-        return rollback_to_checkpoint(self.trainer, before)
+        return compat.rollback_to_checkpoint(self.trainer, before)
 
     def broadcast(self, value: Any) -> Any:
         return self.trainer.strategy.broadcast(value, src=0)
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Through Lightning's logger connector, in the same call as the step's own ``self.log`` values."""
-        connector = self.trainer._logger_connector
+        connector = compat.logger_connector(self.trainer)
         if self._metrics is None or self._metrics.connector is not connector:
-            self._metrics = _StepMetrics(connector)
-        self._metrics.hold(self.trainer.fit_loop.epoch_loop._batches_that_stepped, metrics)
+            self._metrics = compat.StepMetrics(connector)
+        self._metrics.hold(compat.batches_that_stepped(self.trainer), metrics)
 
     def release_metrics(self) -> None:
         metrics, self._metrics = self._metrics, None
@@ -168,12 +166,12 @@ class AmpWatch(Callback):
         self.rollback, self.replay_episode = rollback, replay_episode
         self.watcher = RunWatcher(config)
         self._host: LightningHost | None = None
-        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
+        compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         # a ddp_spawn worker unpickles the callback: its launcher must send the results home
-        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
+        compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def _spawn_results(self) -> dict[str, Any]:
         return {"diagnoses": [d.to_dict() for d in self.diagnoses], "applied": [a.to_dict() for a in self.applied]}

@@ -56,6 +56,7 @@ from lightning_ampwatch.investigate import Investigations, Investigator, Traject
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.probes import uses_rng
 from lightning_ampwatch.remedies import (
+    REGISTRY,
     AppliedRemedy,
     Effect,
     HoldLrOnSkip,
@@ -63,13 +64,14 @@ from lightning_ampwatch.remedies import (
     RemedyPolicy,
     reapply_all,
 )
-from lightning_ampwatch.remedies.treatment import Site, Treatment
+from lightning_ampwatch.records import Outcome
+from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState
+from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
 
 #: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
 STATE_VERSION = 2
@@ -133,8 +135,10 @@ class Host(Protocol):
         """The LR schedulers stepped every optimizer step (``hold_lr_on_skip`` holds them on a skipped step)."""
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
-        """What a remedy acts on: ``RemedyContext.trainer`` must offer ``optimizers``, ``lr_scheduler_configs``
-        (``.scheduler``/``.interval``) and ``strategy.precision_plugin`` (settable: the bf16 fallback)."""
+        """What a remedy acts on (the module, the scaler, the device, the guards, as given). ``trainer`` is the
+        object whose ``optimizers`` and ``lr_scheduler_configs`` (``.scheduler``) ``reduce_lr`` changes and whose
+        ``strategy.precision_plugin.precision`` names the run's precision; ``switch_precision`` swaps the precision
+        for the bf16 fallback (None: ``trainer`` is a Lightning Trainer, whose plugin is replaced)."""
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
         """Load the newest checkpoint file written before step ``before`` ran (weights, scaler, optimizers,
@@ -350,7 +354,7 @@ class RunWatcher:
                 self._at_log_step()
             treatment = self.treatment
             if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
-                treatment.at_step_boundary(self._site())
+                self._at_step_boundary()
         except AmpWatchError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -378,7 +382,7 @@ class RunWatcher:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self._emit(diagnosis)
         if self.treatment.due or self.treatment.watch is not None:
-            self.treatment.at_step_boundary(self._site())
+            self._at_step_boundary()
         self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
@@ -430,13 +434,71 @@ class RunWatcher:
         else:
             self._publish(diagnosis)
 
-    def _site(self) -> Site:
-        """What a treatment acts on at this step boundary, and how it reports back."""
-        assert self.ledger is not None and self.host is not None
-        return Site(host=self.host, ctx=self.remedy_context(), machine=self.machine, ledger=self.ledger,
-                    on_effects=self._after_remedy, decide=self._decide,
-                    agreed=self.world_size == 1 or self.ledger.scaler_active, publish=self._publish,
-                    update=self._update, unrecoverable=self._unrecoverable, say=self.say_once)
+    # ------------------------------------------------------------------ remedies, at an optimizer-step boundary
+
+    def _at_step_boundary(self) -> None:
+        """A remedy for each waiting alarm (rolled back, applied, then watched), published with it or as
+        unrecoverable; then the watched remedy's outcome, once it has run its course. The treatment decides and
+        returns records; the changes to the run, the machine and the ledger are made here."""
+        treatment, machine, ledger = self.treatment, self.machine, self.ledger
+        assert machine is not None and ledger is not None
+        agreed = self.world_size == 1 or ledger.scaler_active
+        for diagnosis in treatment.take_due():
+            ended = treatment.interrupted(diagnosis)
+            if ended is not None:
+                self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
+            if not agreed and not diagnosis.finding.is_recipe:
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on.
+                self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does not "
+                              "remedy them under DDP; it reports them.")
+                self._publish(diagnosis)
+                continue
+            self._publish(self._treat(diagnosis))
+        if treatment.judgement_due(machine.steps_seen):
+            ledger.read_losses()  # once per remedy: the steps since it are all read
+            recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
+                                                    skipped_total=machine.skipped_total))
+            ended = treatment.end(recovery)
+            self._update(ended.old, ended.new)
+            if recovery.outcome is Outcome.NOT_RECOVERED:
+                retried = self._treat(treatment.for_retry(ended))
+                treatment.retry_done()
+                if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
+                    self._unrecoverable(ended.new)
+                else:
+                    self._update(ended.new, retried)
+        control = ledger.trajectory
+        if control is not None:
+            control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+
+    def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
+        """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
+        comes back with the remedy (and its rollback), or unchanged without one."""
+        treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
+        assert machine is not None and ledger is not None and host is not None
+        choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
+        if choice is None:
+            return diagnosis
+        ledger.read_losses()  # the losses up to now, for the level the run goes back to
+        now = host.global_step
+        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=ledger.trajectory,
+                                                          decide=self._decide, host=host)
+        if rollback.resumed_at is not None:
+            self._after_remedy(ROLLED_BACK)
+        treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
+        if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
+            return treatment.treated(treated, None, rollback)
+        machine.close_episode(now, f"remedy {applied.name}")
+        self._after_remedy(REGISTRY[applied.name].effects)
+        control = ledger.trajectory  # the precision may have changed: the current state
+        if episode and control is not None:
+            rollback = rollback.after_retraining(retrain(control.state, episode))
+        treated = treatment.treated(treated, applied, rollback)
+        treatment.start_watch(treated, applied, snapshot, level=machine.loss_level, recent=ledger.recent_losses,
+                              window=machine.thresholds.loss_window, steps_seen=machine.steps_seen,
+                              skipped_total=machine.skipped_total)
+        return treated
 
     def _decide(self, value: Any) -> Any:
         """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""

@@ -16,8 +16,10 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_ampwatch import compat
+
 FP16_MAX = 65504.0
-_STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_STOCHASTIC = compat.STOCHASTIC_MODULES
 
 
 def uses_rng(module: nn.Module) -> bool:

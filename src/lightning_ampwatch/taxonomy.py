@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
@@ -59,6 +60,16 @@ class GradientPattern(str, Enum):
     PERSISTENT = "persistent"  # a steady skip rate over the window
     UNSCALED_OVERFLOW = "unscaled_overflow"  # still skipping below a scale of 1: the gradients overflow unscaled
     GROWTH_OVERFLOW = "growth_overflow"  # each growth of the scale is followed by a skip
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LrEvent(str, Enum):
+    """Which rise of the learning rate set an episode off; written to the evidence as ``lr_event``."""
+
+    WARMUP_END = "warmup_end"  # a warmup that climbed over many steps just peaked
+    LR_INCREASE = "lr_increase"  # a single rise
 
     def __str__(self) -> str:
         return self.value
@@ -129,6 +140,9 @@ class Diagnosis:
     outcome: str | None = None
     """After a remedy: ``"recovered"`` (verified healthy again) or ``"not_recovered"``; None while it is watched,
     or when no remedy was applied. The numbers are in ``evidence["recovery"]``."""
+    facts: Any = field(default=None, compare=False, repr=False)
+    """The typed records behind the evidence (:class:`lightning_ampwatch.records.Facts`), for the decisions that
+    follow; never serialised: a diagnosis read back from JSON has none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.finding, Finding):
@@ -155,9 +169,9 @@ class Diagnosis:
         return self.finding.summary
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["finding"] = self.finding.value
-        return data
+        return {"finding": self.finding.value, "step": self.step, "location": self.location,
+                "evidence": copy.deepcopy(self.evidence), "advice": self.advice, "remedy": self.remedy,
+                "outcome": self.outcome}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -266,8 +280,8 @@ def _divergence(ev: Mapping[str, Any]) -> str:
 
 def _advice_lr(ev: Mapping[str, Any]) -> str:
     before, after = ev.get("lr_before"), ev.get("lr_after")
-    kind = ev.get("lr_event")
-    what = "warmup reached its peak" if kind == "warmup_end" else "the learning rate rose"
+    kind = ev.get("lr_event")  # an LrEvent, or its value once read back from JSON
+    what = "warmup reached its peak" if kind == LrEvent.WARMUP_END else "the learning rate rose"
     return _divergence(ev) + (
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
@@ -286,12 +300,11 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
     )
 
 
-def _advice_fp32(ev: Mapping[str, Any]) -> str:
+def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
     if ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
-    elif "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
-            and isinstance(control, (int, float)):
+    elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "
                "training is diverging and float16 merely overflowed first. ")
     else:
@@ -452,6 +465,9 @@ ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
 }
 
 
-def advise(finding: Finding, evidence: Mapping[str, Any]) -> str:
-    """The concrete fix for ``finding`` given what was measured."""
+def advise(finding: Finding, evidence: Mapping[str, Any], *, control_diverging: bool = False) -> str:
+    """The concrete fix for ``finding`` given what was measured. ``control_diverging``: the single-batch FP32
+    control found a finite loss far above the run's level (the optimisation diverges; float16 overflowed first)."""
+    if finding is Finding.FP32_UNSTABLE:
+        return _advice_fp32(evidence, control_diverging)
     return ADVICE[finding](evidence)
