@@ -309,26 +309,16 @@ class _AsFabricRunsIt:
         return getattr(self._module, name)
 
 
-class _PrecisionSlot:
-    """``strategy.precision_plugin`` for the remedies: Fabric's strategy's ``precision``. The bf16 fallback hands a
-    Lightning (Trainer) plugin; the Fabric plugin of the same precision goes in its place."""
+class _FabricStrategyView:
+    """``strategy.precision_plugin`` as the remedies read it (the run's precision now): Fabric's strategy's
+    ``precision``."""
 
-    def __init__(self, fabric: Fabric, device: torch.device) -> None:
+    def __init__(self, fabric: Fabric) -> None:
         self._fabric = fabric
-        self._device = device
 
     @property
     def precision_plugin(self) -> Any:
         return self._fabric.strategy.precision
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Any) -> None:
-        from lightning.fabric.plugins import MixedPrecision
-
-        precision = str(getattr(plugin, "precision", ""))
-        if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(f"FabricWatch cannot switch a Fabric run to precision {precision!r}")
-        self._fabric.strategy.precision = MixedPrecision(precision, self._device.type)  # type: ignore[arg-type]
 
 
 class FabricHost:
@@ -367,7 +357,7 @@ class FabricHost:
         self._remedy_target = SimpleNamespace(
             optimizers=optimizers,
             lr_scheduler_configs=[SimpleNamespace(scheduler=s, interval="step", frequency=1) for s in schedulers],
-            strategy=_PrecisionSlot(fabric, self.device),
+            strategy=_FabricStrategyView(fabric),
         )
 
     # ------------------------------------------------------------------ Host: what the core reads
@@ -442,7 +432,17 @@ class FabricHost:
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
         return RemedyContext(trainer=self._remedy_target, module=self.module, scaler=scaler, device=self.device,
-                             safe_scale=safe_scale, guards=guards)
+                             safe_scale=safe_scale, guards=guards, switch_precision=self.switch_precision)
+
+    def switch_precision(self, precision: str) -> None:
+        """The bf16 fallback: Fabric's own ``MixedPrecision`` plugin in the strategy, which Fabric's module and
+        optimizer wrappers read at every call (regions the loop wraps in ``fabric.autocast()`` keep Fabric's
+        original plugin)."""
+        from lightning.fabric.plugins import MixedPrecision
+
+        if precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(f"FabricWatch cannot switch a Fabric run to precision {precision!r}")
+        self._fabric.strategy.precision = MixedPrecision(precision, self.device.type)  # type: ignore[arg-type]
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
         """A Fabric loop saves its checkpoints itself, where the watch cannot know: only snapshots roll back."""
