@@ -397,6 +397,27 @@ def test_gradient_accumulation_counts_optimizer_steps_and_replays_every_micro_ba
     assert d.evidence["nonfinite_where"] == "micro_batch[0][0] rows [8]"  # its x, row 8
 
 
+def test_watch_step_on_every_micro_batch_is_taken_as_accumulation_not_as_skipped_steps(
+        tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for i, batch in zip(range(12), loader):
+            loss = mse(module, batch)
+            fabric.backward(loss / 2)
+            if i % 2:
+                optimizer.step()
+                optimizer.zero_grad()
+            watch.step(batch, loss)  # the mistake: also on the micro-batches that do not step
+    assert watch.steps == 6 and watch.machine.skipped_total == 0
+    assert alarms(watch) == []  # a micro-batch is not a step the scaler skipped
+    assert sum("watch.accumulate(batch)" in line for line in said) == 1
+
+
 def test_a_raw_optimizer_step_past_the_scaler_is_named_at_its_line(tmp_path: Path) -> None:
     torch.manual_seed(0)
     fabric = fp16_fabric()

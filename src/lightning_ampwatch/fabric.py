@@ -203,6 +203,12 @@ class FabricWatch:
         host = self._need_host()
         if not host.backward_seen and isinstance(loss, Tensor):
             host.unseen_backward(loss)
+        if not host.optimizer_stepped():
+            host.say_once("watch.step() was called without an optimizer step since the last one; it is taken as a "
+                          "micro-batch of gradient accumulation. Call watch.step() once per optimizer step, and "
+                          "watch.accumulate(batch) for the micro-batches in between.")
+            self.accumulate(batch)
+            return
         host.in_step = True
         try:
             host.put_back_held_schedulers()
@@ -342,6 +348,7 @@ class FabricHost:
         self.is_global_zero = fabric.is_global_zero
         self.world_size = fabric.world_size
         self.backward_seen = False
+        self.scaler_updates = 0  # the loop's scaler updates since the last watch.step
         self.in_step = False  # inside watch.step/accumulate: what runs now (replays, remedies) is the watch's own
         self._optimizers = optimizers
         self._schedulers = schedulers
@@ -484,13 +491,14 @@ class FabricHost:
         """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
         self._batch_started = False
         self.backward_seen = False
+        self.scaler_updates = 0
 
     # ------------------------------------------------------------------ what is installed on the run
 
     def install(self) -> None:
         self._watch_backward(self._fabric.strategy.precision)
         scaler = getattr(self._fabric.strategy.precision, "scaler", None)
-        if self._watch.hold_lr_on_skip and scaler is not None and self._schedulers:
+        if scaler is not None:  # the optimizer step Fabric runs ends in the scaler's update, skipped or not
             self._patch(scaler, "update", _AfterScalerUpdate(scaler, self))
         if uses_rng(self.module):  # only a model that draws random numbers needs the RNG state of each batch
             self._rng_hook = self.module.register_forward_pre_hook(self._before_forward)
@@ -522,14 +530,27 @@ class FabricHost:
     # ------------------------------------------------------------------ hold_lr_on_skip
 
     def after_scaler_update(self) -> None:
-        """``hold_lr_on_skip``: the scaler has just updated after the loop's optimizer step. If it skipped that step,
-        keep the schedulers' state (and the LRs they set) from before the loop steps them, to be put back in
-        ``watch.step``. Only skipped steps cost anything; the skip is the step hook's host flag, no device read."""
+        """The scaler has just updated: the loop's optimizer step ran (taken or skipped). With ``hold_lr_on_skip``, a
+        skipped step's schedulers are held: their state (and the LRs they set) from before the loop steps them is
+        kept, to be put back in ``watch.step``. Only skipped steps cost anything; the skip is the step hook's host
+        flag, no device read."""
+        if self.in_step:
+            return  # a replay's or a remedy's update, not the loop's
+        self.scaler_updates += 1
         ledger = self._watch.watcher.ledger
-        if self.in_step or ledger is None or not ledger.last_step_skipped():
+        if not (self._watch.hold_lr_on_skip and self._schedulers) or ledger is None \
+                or not ledger.last_step_skipped():
             return
         self._held = ([(s, copy.deepcopy(s.state_dict())) for s in self._schedulers],
                       [[group["lr"] for group in opt.param_groups] for opt in self._optimizers])
+
+    def optimizer_stepped(self) -> bool:
+        """Whether the loop ran an optimizer step since the last ``watch.step``: under a scaler its update ran
+        (whether it took the step or skipped it); without one the optimizer's step hook saw a step."""
+        if getattr(self._fabric.strategy.precision, "scaler", None) is not None:
+            return self.scaler_updates > 0
+        ledger = self._watch.watcher.ledger
+        return ledger is None or ledger.taken.taken
 
     def put_back_held_schedulers(self) -> None:
         held, self._held = self._held, None
@@ -596,8 +617,8 @@ class _WatchedBackward:
 
 class _AfterScalerUpdate:
     """Stands in for the GradScaler's ``update`` (on the instance; the scaler's ``state_dict`` lists its fields, so a
-    checkpoint never holds this): after the real update, ``hold_lr_on_skip`` looks at whether the step was
-    skipped, before the loop steps its schedulers."""
+    checkpoint never holds this): after the real update, the host learns that the loop's optimizer step ran, and
+    ``hold_lr_on_skip`` whether it was skipped, before the loop steps its schedulers."""
 
     def __init__(self, scaler: Any, host: FabricHost) -> None:
         self.original = type(scaler).update.__get__(scaler)
