@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any, ContextManager, Literal, Sequence, Union
@@ -270,10 +269,9 @@ class AmpWatch(Callback):
         self._host = None
 
     def _release_metrics(self) -> None:
-        host = self._host
-        if host is not None:
-            with contextlib.suppress(Exception):  # a broken logger costs the metrics, never the run
-                host.release_metrics()
+        host, reporters = self._host, self.watcher.reporters
+        if host is not None and reporters is not None:  # a broken logger costs the metrics, never the run
+            reporters.sink("loggers", host.release_metrics)
 
     # ------------------------------------------------------------------ checkpoints
 

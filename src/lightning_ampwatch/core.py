@@ -68,7 +68,7 @@ from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
-from lightning_ampwatch.steps import ResolvedStep, StepLedger
+from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
@@ -197,6 +197,7 @@ class RunWatcher:
         self.machine = None
         self.reporters = None
         self.ledger: StepLedger | None = None
+        self.trajectory: TrajectoryControl | None = None  # the FP32 trajectory control (snapshots), when on
         self.investigations: Investigations | None = None
         self.guards = RecipeGuards()
         self.treatment = Treatment(RemedyPolicy(config.remedies),
@@ -250,8 +251,7 @@ class RunWatcher:
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, say=self._say)
-        self.ledger = StepLedger(self.machine, info, self.reporters.timeline, device_type=host.device.type,
-                                 world_size=self.world_size)
+        self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
                                     automatic=host.automatic, step_loss=host.step_loss)
@@ -276,6 +276,8 @@ class RunWatcher:
         assert host is not None and ledger is not None
         self._log_every = max(int(host.log_every), 0)
         ledger.start(host, self._log_every)
+        if ledger.scaler_active:
+            self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
 
     def _start_trajectory(self) -> None:
@@ -285,7 +287,7 @@ class RunWatcher:
             return
         control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
                                     config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
-        investigations.trajectory = self.ledger.trajectory = control  # type: ignore[union-attr]
+        self.trajectory = control
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None
@@ -326,7 +328,7 @@ class RunWatcher:
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch
-                self._take(ledger.close(self.host))
+                self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
             ledger.stepped = True  # the step itself is read when it is over, in batch_end
             if self.investigations is not None and self.investigations.probing:
                 self.investigations.optimizer_step(optimizer)
@@ -346,9 +348,7 @@ class RunWatcher:
                     self._emit(diagnosis)
             if not ledger.stepped:
                 return  # mid-accumulation: no optimizer step in this batch
-            resolved = ledger.close(self.host)
-            if resolved:
-                self._take(resolved)
+            self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
                 self._at_log_step()
@@ -368,6 +368,7 @@ class RunWatcher:
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        machine.note_losses(ledger.take_unnoted())
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
@@ -377,7 +378,7 @@ class RunWatcher:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
-            self.ledger.read_losses()
+            self._read_losses()
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self._emit(diagnosis)
@@ -405,23 +406,63 @@ class RunWatcher:
                 self.internal_failure("clean-up", err)
         # What holds the framework, the model or snapshots goes: the watcher pickles after a run, and small
         self.investigations = None
-        if self.ledger is not None:
-            self.ledger.trajectory = None
+        self.trajectory = None
         self.treatment.forget_states()
         self.host = None
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 
+    def _take_closed(self, closed: ClosedStep | None) -> None:
+        """The one route of every step: its batches to the trajectory control, then a clean step to the machine
+        and the timeline at once, or the steps resolved now through :meth:`_take`."""
+        if closed is None:
+            return
+        machine, ledger = self.machine, self.ledger
+        assert machine is not None and ledger is not None
+        control = self.trajectory
+        if control is not None:
+            control.note_step(closed.step, closed.batches, machine.quiet)
+        if closed.clean:
+            machine.observe_clean(closed.step, closed.scale, closed.grew, closed.lrs, closed.loss)
+            timeline = self.reporters.timeline if self.reporters is not None else None
+            if timeline is not None:
+                if closed.loss is None:
+                    timeline.record_clean(closed.step, closed.scale, closed.lrs)
+                else:
+                    timeline.record_step(closed.step, skipped=False, loss=closed.loss, loss_finite=True,
+                                         lrs=closed.lrs)
+            if ledger.unnoted:  # the ring of held losses was full: read just now
+                machine.note_losses(ledger.take_unnoted())
+        elif closed.resolved:
+            self._take(closed.resolved)
+
+    def _read_losses(self) -> None:
+        """Every held loss read (one copy), and handed to the machine's loss level."""
+        assert self.ledger is not None and self.machine is not None
+        self.ledger.read_losses()
+        self.machine.note_losses(self.ledger.take_unnoted())
+
     def _take(self, resolved: list[ResolvedStep]) -> None:
-        """Feed resolved steps to the machine; a new alarm is investigated before it is published."""
+        """Feed resolved steps to the machine (and the timeline); a new alarm is investigated before it is
+        published."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
+        timeline = self.reporters.timeline if self.reporters is not None else None
         for step in resolved:
+            if step.losses_before:
+                machine.note_losses(step.losses_before)
+            obs = step.obs
+            if timeline is not None:
+                timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
+                                     loss_finite=obs.loss_finite, lrs=obs.lrs)
             if investigations is not None:
                 investigations.before_observe(step, ledger.scaler_active)
-            for diagnosis in machine.observe(step.obs):
+            for diagnosis in machine.observe(obs):
                 if diagnosis.is_alarm and investigations is not None:
-                    refined = investigations.investigate(diagnosis, step, ledger.scaler_active)
+                    refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
+                                                                  self.trajectory)
+                    if renamed is not None:
+                        machine.revise(renamed)  # the FP32 control renamed the open episode's finding
                     if refined is None:
                         continue  # published after the next step, with what its live probe saw
                     diagnosis = refined
@@ -456,7 +497,7 @@ class RunWatcher:
                 continue
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
-            ledger.read_losses()  # once per remedy: the steps since it are all read
+            self._read_losses()  # once per remedy: the steps since it are all read
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             ended = treatment.end(recovery)
@@ -468,7 +509,7 @@ class RunWatcher:
                     self._unrecoverable(ended.new)
                 else:
                     self._update(ended.new, retried)
-        control = ledger.trajectory
+        control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
 
@@ -480,9 +521,9 @@ class RunWatcher:
         choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
         if choice is None:
             return diagnosis
-        ledger.read_losses()  # the losses up to now, for the level the run goes back to
+        self._read_losses()  # the losses up to now, for the level the run goes back to
         now = host.global_step
-        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=ledger.trajectory,
+        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=self.trajectory,
                                                           decide=self._decide, host=host)
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
@@ -491,7 +532,7 @@ class RunWatcher:
             return treatment.treated(treated, None, rollback)
         machine.close_episode(now, f"remedy {applied.name}")
         self._after_remedy(REGISTRY[applied.name].effects)
-        control = ledger.trajectory  # the precision may have changed: the current state
+        control = self.trajectory  # the precision may have changed: the current state
         if episode and control is not None:
             rollback = rollback.after_retraining(retrain(control.state, episode))
         treated = treatment.treated(treated, applied, rollback)
@@ -512,18 +553,21 @@ class RunWatcher:
 
     def _after_remedy(self, effects: frozenset[Effect]) -> None:
         """Bring the watch's own view in line with what a remedy or a rollback changed (each declares it)."""
-        ledger, host = self.ledger, self.host
-        assert ledger is not None and host is not None
+        ledger, host, machine = self.ledger, self.host, self.machine
+        assert ledger is not None and host is not None and machine is not None
         for effect in effects:
             if effect is Effect.PRECISION:
                 info = host.precision()
                 ledger.switch_precision(info)
+                machine.reconfigure(mode=info.mode, scaler_config=ledger.scaler_config)
                 if self.investigations is not None and self.investigations.investigator is not None:
                     self.investigations.investigator.mode = info.mode
                 self._attach_guards()
                 self._start_trajectory()  # snapshots of the old arithmetic replay no more
             elif effect is Effect.SCALER:
                 ledger.mirror_scaler()
+                if ledger.scaler_active:
+                    machine.reconfigure(scaler_config=ledger.scaler_config)
             elif effect is Effect.OPTIMIZERS:
                 ledger.read_param_groups(host.optimizers, lrs_now=True)
 

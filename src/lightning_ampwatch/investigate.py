@@ -235,10 +235,8 @@ class Investigations:
     """
 
     def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, world_size: int,
-                 capture_rng: bool, on_failure: Callable[[str, Exception], None],
-                 trajectory: "TrajectoryControl | None" = None) -> None:
+                 capture_rng: bool, on_failure: Callable[[str, Exception], None]) -> None:
         self.investigator = investigator
-        self.trajectory = trajectory
         self.machine = machine
         self.window = window
         self.world_size = world_size
@@ -276,11 +274,14 @@ class Investigations:
                 and machine.alarm_imminent:
             self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=scaler_active))
 
-    def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool) -> Diagnosis | None:
-        """Localise and run the FP32 control for a new alarm (at most once per episode); the control may rename
-        the finding. ``None``: the alarm waits for the next step's live probe (see :meth:`optimizer_step`)."""
+    def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool,
+                    trajectory: "TrajectoryControl | None" = None) -> tuple[Diagnosis | None, Finding | None]:
+        """Localise and run the FP32 control for a new alarm (at most once per episode), then the FP32 trajectory
+        control (``trajectory``, the core's) for an alarm that blames AMP; either may rename the finding. Returns
+        the diagnosis to publish (``None``: it waits for the next step's live probe, see :meth:`optimizer_step`)
+        and the finding the open episode is renamed to, if it is (the caller tells the machine)."""
         if self.investigator is None:
-            return diagnosis
+            return diagnosis, None
         skipped = step.obs.skipped
         if self._evidence is not None:
             record = self._evidence[1]
@@ -290,25 +291,23 @@ class Investigations:
             record = None  # decided on a clean step with nothing replayed while the fault was fresh
         self._evidence = None
         if self.investigator is None:  # the replay failed just now: the plain diagnosis still goes out
-            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"})
+            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"}), None
         refined, renamed = self.investigator.apply(diagnosis, record, batch=step.obs.batch)
-        if self.trajectory is not None and refined.finding in AMP_BLAMING:
+        if trajectory is not None and refined.finding in AMP_BLAMING:
             try:
-                refined, renamed_again = self.trajectory.judge(refined, step.opened.step, self.machine.loss_level,
-                                                               agree=scaler_active)
+                refined, renamed_again = trajectory.judge(refined, step.opened.step, self.machine.loss_level,
+                                                          agree=scaler_active)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
-                # off where it is shared: the ledger stops keeping snapshots and batches for it too
-                self.trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
+                # off for the rest of the run: no more snapshots, nor batches kept for it
+                trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
                 self.on_failure("the FP32 trajectory control", err)
-        if renamed is not None:
-            self.machine.revise(renamed)
         if (not self.investigator.automatic and self.investigator.localize and refined.location is None
                 and refined.finding in LIVE_PROBED and self.world_size == 1):
             self._awaiting_probe.append(refined)  # published after the next step, with its location
             self._probe_next = True
-            return None
-        return refined
+            return None, renamed
+        return refined, renamed
 
     def _collect(self, step: Any, weights_stepped: bool, agree: bool) -> ReplayRecord | None:
         """Replay the step; a failure switches replays off for the rest of the run, on every rank alike."""
