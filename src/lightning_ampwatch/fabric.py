@@ -116,7 +116,7 @@ class FabricWatch:
         self.log_every_n_steps = log_every_n_steps
         self.hold_lr_on_skip = hold_lr_on_skip
         # The core's own hold_lr_on_skip stands in for LightningModule.lr_scheduler_step; a Fabric loop steps its
-        # schedulers itself, so the adapter holds them (see FabricHost.hold_schedulers).
+        # schedulers itself, so the adapter holds them (see FabricHost.after_scaler_update).
         self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
         self.should_stop = False
         self.steps = 0  # optimizer steps taken in (watch.step calls): Diagnosis.step counts them from 0
@@ -328,9 +328,10 @@ class _FabricStrategyView:
 
 
 class FabricHost:
-    """What only Fabric knows, for the :class:`~lightning_ampwatch.core.Host` protocol, and the two things the
-    adapter installs on the run: the backward watch on the precision plugin and, for models that draw random
-    numbers, a forward pre-hook that keeps the RNG state a replay needs."""
+    """What only Fabric knows, for the :class:`~lightning_ampwatch.core.Host` protocol, and what the adapter
+    installs on the run: the backward watch on the precision plugin, a look after the scaler's update (the loop's
+    optimizer step ran; ``hold_lr_on_skip``) and, for models that draw random numbers, a forward pre-hook that keeps
+    the RNG state a replay needs."""
 
     automatic = True  # one loss_fn per micro-batch, stepped by the loop: a step replays from its batches alone
 
@@ -366,6 +367,10 @@ class FabricHost:
             lr_scheduler_configs=[SimpleNamespace(scheduler=s, interval="step", frequency=1) for s in schedulers],
             strategy=_FabricStrategyView(fabric),
         )
+
+    @property
+    def watcher(self) -> RunWatcher:
+        return self._watch.watcher
 
     # ------------------------------------------------------------------ Host: what the core reads
 
@@ -580,7 +585,7 @@ class FabricHost:
 class _WatchedBackward:
     """Stands in for the precision plugin's ``backward`` (on the instance): the loss goes to the watch as Fabric
     hands it to autograd, scaled by the plugin's GradScaler when there is one. The scaler's ``scale`` is looked at
-    only for the length of the call. A callable object, not a closure, so the plugin still pickles."""
+    only for the length of the call."""
 
     def __init__(self, plugin: Any, host: FabricHost) -> None:
         self.original = type(plugin).backward.__get__(plugin)
@@ -591,28 +596,37 @@ class _WatchedBackward:
     def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
         host = self.host
         host.backward_seen = True
-        watcher = host._watch.watcher
+        watcher = host.watcher
         scaler = getattr(self.plugin, "scaler", None)
         if scaler is None:
             watcher.before_backward(tensor)
             return self.original(tensor, *args, **kwargs)
-        seen: list[Tensor] = []
-        scale = type(scaler).scale
-
-        def scaled(outputs: Any) -> Any:
-            out = scale(scaler, outputs)
-            if isinstance(out, Tensor) and not seen:
-                seen.append(out)
-                watcher.before_backward(out)
-            return out
-
-        scaler.scale = scaled
+        seen = _ScaledLoss(scaler, watcher)
+        scaler.__dict__["scale"] = seen
         try:
             return self.original(tensor, *args, **kwargs)
         finally:
             scaler.__dict__.pop("scale", None)
-            if not seen:
-                watcher.before_backward(tensor)
+            if not seen.seen:  # a plugin that scales some other way: its loss is not the one the ledger can read
+                host.say_once(f"{type(self.plugin).__name__} did not scale the loss through its GradScaler's "
+                              "scale(); FabricWatch cannot read the loss of this run's steps.")
+
+
+class _ScaledLoss:
+    """Stands in for the scaler's ``scale`` for the length of one ``backward``: the first scaled loss goes to the
+    watch, as Lightning's ``on_before_backward`` hands it over (scaled)."""
+
+    __slots__ = ("scaler", "watcher", "seen")
+
+    def __init__(self, scaler: Any, watcher: RunWatcher) -> None:
+        self.scaler, self.watcher, self.seen = scaler, watcher, False
+
+    def __call__(self, outputs: Any) -> Any:
+        out = type(self.scaler).scale(self.scaler, outputs)
+        if not self.seen and isinstance(out, Tensor):
+            self.seen = True
+            self.watcher.before_backward(out)
+        return out
 
 
 class _AfterScalerUpdate:
