@@ -11,6 +11,7 @@ import os
 import statistics
 from itertools import cycle
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import pytest
@@ -600,6 +601,55 @@ def test_fabric_save_and_load_resume_the_watch_with_its_remedy_back_on(tmp_path:
         train(fabric, module, optimizer, separable(), resumed, nll, 5)
     assert resumed.steps == 45
     assert resumed.diagnoses == watch.diagnoses  # nothing new, nothing announced again
+
+
+def _healthy_fabric_loop(root: Path, watched: bool) -> Callable[[list[Any]], FabricWatch | None]:
+    """A seeded healthy fp16 Fabric loop (a scale the gradients never overflow, no growth), each iteration marked
+    for the read counter of ``tests/_reads.py``; with a CSV logger, so the log steps do all their work."""
+
+    def fit(marks: list[Any]) -> FabricWatch | None:
+        torch.manual_seed(0)
+        logger = CSVLogger(str(root), name="csv", version=0)
+        fabric = fp16_fabric(loggers=[logger], init_scale=2.0**10, growth_interval=1000)
+        module = Net()
+        module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+        loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+        watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_every_n_steps=8) if watched else None
+        if watch is not None:
+            watch.attach(module, optimizer)
+        for step, batch in zip(range(24), cycle(loader)):
+            for mark in marks:
+                mark.on_train_batch_start(SimpleNamespace(global_step=step))
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if watch is not None:
+                watch.step(batch, loss)
+        for mark in marks:
+            mark.close()
+        if watch is not None:
+            watch.close()
+        logger.finalize("success")
+        return watch
+
+    return fit
+
+
+def test_a_healthy_fabric_loop_gets_no_read_between_log_steps_and_one_at_most_at_each(tmp_path: Path) -> None:
+    from _reads import added_reads, reads_per_step
+
+    bare, _ = reads_per_step(_healthy_fabric_loop(tmp_path / "bare", watched=False))
+    reads, watch = reads_per_step(_healthy_fabric_loop(tmp_path / "watched", watched=True))
+    assert watch is not None and watch.steps == 24 and watch.machine.skipped_total == 0 and watch.diagnoses == []
+    added = added_reads(reads, bare)
+    log_steps = {7, 15, 23}  # watch.step's 8th, 16th and 24th call
+    between = {step: dict(added[step]) for step in range(1, 24) if step not in log_steps and added[step]}
+    assert between == {}, f"reads FabricWatch added on steps that are not log steps: {between}"
+    assert all(sum(added[step].values()) <= 1 for step in log_steps), {s: dict(added[s]) for s in log_steps}
+    with open(tmp_path / "watched" / "csv" / "version_0" / "metrics.csv", newline="") as fh:
+        scales = [float(row["ampwatch/scale"]) for row in csv.DictReader(fh) if row.get("ampwatch/scale")]
+    assert scales == [2.0**10] * 3  # the log steps did their work
 
 
 # --------------------------------------------------------------------------------------------- two processes
