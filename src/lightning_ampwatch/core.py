@@ -16,13 +16,15 @@ An adapter (``AmpWatch`` for Lightning, ``FabricWatch`` for Fabric) owns a :clas
 4. Per batch (every micro-batch, including accumulation):
 
    - ``watcher.batch_start()`` — before the forward (only needed if ``watcher.wants_batch_start``; cheap);
-   - ``watcher.before_backward(loss)`` — the loss handed to backward (scaled or not, as the framework has it);
-   - ``watcher.before_optimizer_step(optimizer)`` — each optimizer, before it steps (or is stepped by the
-     scaler);
+   - ``watcher.before_backward(loss)`` — the tensor backward runs from: under a GradScaler the *scaled* loss
+     (``scaler.scale(loss)``; the ledger divides by the scale it mirrors, and the recipe guards step over the
+     scaler's multiplication at the top of its graph), otherwise the loss. Never read on a healthy step;
+   - ``watcher.before_optimizer_step(optimizer)`` — each raw optimizer, before it steps (or the scaler steps it);
    - ``watcher.batch_end(batch, batch_idx)`` — after the batch, once the optimizer step (if any), the scaler's
-     update and the step-interval schedulers are done. This is the optimizer-step boundary: steps are taken in,
-     log steps run (every ``host.log_every`` optimizer steps), and remedies and rollbacks are applied here.
-     ``batch`` is what a replay feeds to ``host.step_loss`` again.
+     update and the step-interval schedulers are done, with ``host.global_step`` already counting that step.
+     This is the optimizer-step boundary: steps are taken in, log steps run (every ``host.log_every``
+     optimizer steps), and remedies and rollbacks are applied here. ``(batch, batch_idx)`` is what a replay
+     hands ``host.step_loss`` again: keep it as the loss function takes it.
 
 5. ``watcher.finish()`` at the end of training (Lightning: ``on_fit_end``), then ``watcher.close()``
    (always, also after an exception: removes every hook and patch; never raises).
@@ -38,7 +40,16 @@ outcome is known), ``applied`` (remedies applied), ``machine``, ``event_log``, `
 The :class:`Host` protocol
 --------------------------
 Attribute names follow the Lightning ``Trainer`` where the rooms already read them (``global_step``,
-``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was.
+``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was. The
+watcher drops its host in ``close()``: an adapter that pickles (``ddp_spawn``) holds no framework object after a
+run. Under several processes every rank makes the same calls in the same order; the watcher's own collectives
+(``torch.distributed``, on anomalous steps only) and ``host.broadcast`` are made on all ranks together.
+``hold_lr_on_skip`` stands in for ``host.module.lr_scheduler_step`` (Lightning's hook), so it holds only the
+schedulers a framework steps through that hook.
+
+Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
+the ledger returns for every step); the investigations and the treatment return what they want changed (a
+renamed finding, a rollback, an episode closed, a remedy's effects) and the watcher applies it.
 """
 
 from __future__ import annotations
@@ -49,7 +60,6 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, r
 
 import torch
 
-from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl

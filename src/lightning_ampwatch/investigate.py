@@ -118,7 +118,7 @@ class Investigator:
         renamed = finding if finding is not diagnosis.finding else None
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
                             advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
-                            remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), control=control))
+                            remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), replay=record, control=control))
         return refined, renamed
 
     def _local(self, batches: Sequence[MicroBatch], scale: float | None, weights_stepped: bool) -> ReplayRecord:
