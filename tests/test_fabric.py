@@ -309,6 +309,9 @@ def test_attach_wants_what_fabric_setup_returned_and_a_valid_clip(tmp_path: Path
     with pytest.raises(ValueError, match="gradient_clip_algorithm='l2'"):
         watch.attach(module, optimizer, gradient_clip_algorithm="l2")  # type: ignore[arg-type]
     with watch.attach(module, optimizer, gradient_clip_val=1.0):
+        from lightning_ampwatch.core import Host
+
+        assert isinstance(watch._host, Host)  # the Fabric adapter answers the core's whole protocol
         state = watch.watcher.trajectory.state  # what the FP32 trajectory replay steps with
         assert (state.clip_val, state.clip_algorithm) == (1.0, "norm")
         with pytest.raises(RuntimeError, match="already attached"):
