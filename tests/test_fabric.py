@@ -199,6 +199,30 @@ def test_a_learning_rate_too_high_for_fp32_too_is_not_blamed_on_fp16(tmp_path: P
     assert "not an AMP fault" in d.evidence["control_verdict"]
 
 
+def test_inputs_past_float16_are_input_range_placed_at_fabrics_input_cast(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(x_scale=1e5), mse, 8, lr=1e-3, adam=True)
+    d = alarms(watch)[0]
+    assert d.finding is Finding.INPUT_RANGE and d.step == 0
+    # Fabric casts float inputs to float16 before the model runs (Lightning's autocast casts inside the first op)
+    assert d.location == "the inputs of Net (cast to float16 by Fabric)"
+    assert d.evidence["input_absmax"] > 65504 and math.isfinite(d.evidence["fp32_control_loss"])
+
+
+def test_a_fault_outside_the_models_modules_is_placed_in_the_loss_fn(tmp_path: Path) -> None:
+    def exp_loss(model: nn.Module, batch: Any) -> Tensor:
+        x, y = batch
+        out = model(x)
+        with torch.autocast("cpu", dtype=torch.float16):  # the loop's own float16 region, outside the model
+            scores = (out[:, None] * 20.0) @ (out[None, :] * 20.0)  # a float16 matmul, and its exp in float16
+            return nn.functional.mse_loss(out, y) + 1e-15 * scores.exp().mean()
+
+    watch, _ = run(tmp_path, Net, regression_data(), exp_loss, 8)
+    d = alarms(watch)[0]
+    assert d.location.endswith("exp_loss (the loss_fn)")  # no module's output went non-finite
+    # the FP32 control turns Fabric's autocast off, not a region the loss_fn opens itself: it failed too
+    assert d.evidence["fp32_control_loss"] == "inf" and d.evidence["control_verdict"].startswith("control failed too")
+
+
 CLIP_LINE = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the mistake"
 
 

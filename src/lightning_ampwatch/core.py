@@ -264,7 +264,8 @@ class RunWatcher:
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
-                                    automatic=host.automatic, step_loss=host.step_loss)
+                                    automatic=host.automatic, step_loss=host.step_loss,
+                                    outside_modules=getattr(host, "outside_modules", None))
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)

@@ -36,7 +36,7 @@ from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
-from lightning_ampwatch.probes import uses_rng
+from lightning_ampwatch.probes import tensors_in, uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -300,19 +300,34 @@ class _AsFabricRunsIt:
     not taken through ``fabric.backward`` (replays take theirs with ``torch.autograd.grad``), and without DDP's
     forward, which would expect an all-reduce the replay never makes. Attributes are the module's."""
 
-    def __init__(self, module: nn.Module, precision: Any) -> None:
+    def __init__(self, module: nn.Module, precision: Any, host: "FabricHost") -> None:
         self.__dict__["_module"] = module
         self.__dict__["_precision"] = precision
+        self.__dict__["_host"] = host
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         precision = self._precision
-        args, kwargs = precision.convert_input((args, kwargs))
+        inputs = (args, kwargs)
+        args, kwargs = precision.convert_input(inputs)
+        overflowed = _cast_overflowed(inputs, (args, kwargs))  # a replay only: a run never pays for this read
+        if overflowed is not None:
+            self._host.inputs_overflowed = overflowed
         with precision.forward_context():
             output = self._module(*args, **kwargs)
         return precision.convert_output(output)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
+
+
+def _cast_overflowed(before: Any, after: Any) -> str | None:
+    """The dtype a finite float input went non-finite in when Fabric cast it (``"float16"``), or None."""
+    pairs = [(b, a) for b, a in zip(tensors_in(before), tensors_in(after))
+             if b.is_floating_point() and a.dtype != b.dtype]
+    if not pairs:
+        return None
+    flags = torch.stack([torch.isfinite(b).all() & ~torch.isfinite(a).all() for b, a in pairs]).tolist()
+    return next((str(a.dtype).removeprefix("torch.") for (_, a), bad in zip(pairs, flags) if bad), None)
 
 
 class _FabricStrategyView:
@@ -349,6 +364,7 @@ class FabricHost:
         self.is_global_zero = fabric.is_global_zero
         self.world_size = fabric.world_size
         self.backward_seen = False
+        self.inputs_overflowed: str | None = None  # the dtype Fabric's input cast turned a finite input non-finite in
         self.scaler_updates = 0  # the loop's scaler updates since the last watch.step
         self.in_step = False  # inside watch.step/accumulate: what runs now (replays, remedies) is the watch's own
         self._optimizers = optimizers
@@ -418,10 +434,19 @@ class FabricHost:
         Fabric calls it and the rest of ``loss_fn`` runs outside autocast, as in the loop; with autocast off (the
         FP32 control) the unwrapped model sees the batch as it is, in float32."""
         if torch.is_autocast_enabled(self.device.type):
-            model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision)
+            model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision, self)
             with torch.autocast(self.device.type, enabled=False):
                 return self._watch.loss_fn(model, batch)
         return self._watch.loss_fn(self.module, batch)
+
+    def outside_modules(self) -> str:
+        """Where a replay's fault that no module's output shows is placed: Fabric's cast of the model's inputs to
+        the precision's dtype, when that is where a finite input went non-finite; else the user's ``loss_fn``."""
+        overflowed, self.inputs_overflowed = self.inputs_overflowed, None
+        if overflowed is not None:
+            return f"the inputs of {type(self.module).__name__} (cast to {overflowed} by Fabric)"
+        name = getattr(self._watch.loss_fn, "__qualname__", None) or type(self._watch.loss_fn).__name__
+        return f"{name} (the loss_fn)"
 
     def train_state(self) -> TrainState:
         unavailable = None
@@ -494,6 +519,7 @@ class FabricHost:
 
     def batch_over(self) -> None:
         """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
+        self.inputs_overflowed = None
         self._batch_started = False
         self.backward_seen = False
         self.scaler_updates = 0

@@ -51,9 +51,12 @@ class Investigator:
 
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
                  localize: bool, control: bool, automatic: bool,
-                 step_loss: Callable[[Any, int], Any] | None = None) -> None:
+                 step_loss: Callable[[Any, int], Any] | None = None,
+                 outside_modules: Callable[[], str] | None = None) -> None:
         self.replayer = Replayer(module, forward_context, device, step_loss)
         self.module = module
+        # where a fault that no module's output shows is placed: the adapter's name for the code around the model
+        self.outside_modules = outside_modules
         self.mode = mode
         self.localize = localize
         self.control = control and mode is not PrecisionMode.FP32  # in FP32 the run is its own control
@@ -141,7 +144,8 @@ class Investigator:
             ev.update(_replay_evidence(amp, "replay"))
             out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
-                out.module = f"{type(self.module).__name__}.training_step"
+                out.module = self.outside_modules() if self.outside_modules is not None else \
+                    f"{type(self.module).__name__}.training_step"
             out.param = amp.first_nonfinite_param
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
