@@ -44,8 +44,8 @@ Attribute names follow the Lightning ``Trainer`` where the rooms already read th
 watcher drops its host in ``close()``: an adapter that pickles (``ddp_spawn``) holds no framework object after a
 run. Under several processes every rank makes the same calls in the same order; the watcher's own collectives
 (``torch.distributed``, on anomalous steps only) and ``host.broadcast`` are made on all ranks together.
-``hold_lr_on_skip`` stands in for ``host.module.lr_scheduler_step`` (Lightning's hook), so it holds only the
-schedulers a framework steps through that hook.
+``hold_lr_on_skip`` is the adapter's to install (the config carries the flag): how schedulers are stepped is
+the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
 Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
 the ledger returns for every step); the investigations and the treatment return what they want changed (a
@@ -69,7 +69,6 @@ from lightning_ampwatch.remedies import (
     REGISTRY,
     AppliedRemedy,
     Effect,
-    HoldLrOnSkip,
     RemedyContext,
     RemedyPolicy,
     reapply_all,
@@ -142,7 +141,8 @@ class Host(Protocol):
         accumulation); ``TrainState.unavailable`` says why it cannot run, if it cannot."""
 
     def step_schedulers(self) -> list[Any]:
-        """The LR schedulers stepped every optimizer step (``hold_lr_on_skip`` holds them on a skipped step)."""
+        """The LR schedulers stepped every optimizer step (an adapter's ``hold_lr_on_skip`` holds them on a skipped
+        step, asking :meth:`RunWatcher.last_step_skipped`)."""
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
         """What a remedy acts on (the module, the scaler, the device, the guards, as given). ``trainer`` is the
@@ -236,6 +236,11 @@ class RunWatcher:
     def precision(self) -> PrecisionInfo | None:
         return self.ledger.precision if self.ledger is not None else None
 
+    def last_step_skipped(self) -> bool:
+        """Whether the optimizer step just taken was skipped by the scaler (a host flag, no device read; fused
+        optimizers excepted), for an adapter's ``hold_lr_on_skip``."""
+        return self.ledger is not None and self.ledger.last_step_skipped()
+
     @property
     def wants_batch_start(self) -> bool:
         investigations = self.investigations
@@ -277,8 +282,6 @@ class RunWatcher:
             self.treatment.replay_episode = False
             self.say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
                           "gradients); the episode's batches are skipped after a rollback.")
-        if config.hold_lr_on_skip:
-            HoldLrOnSkip.install(host.module, self.ledger.last_step_skipped, host.step_schedulers)
 
     @_guarded
     def begin_training(self) -> None:
@@ -403,10 +406,8 @@ class RunWatcher:
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
         timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
-        host = self.host
         for undo in (self.ledger.stop if self.ledger is not None else None,
                      self.guards.detach,
-                     functools.partial(HoldLrOnSkip.uninstall, host.module) if host is not None else None,
                      self.investigations.close if self.investigations is not None else None,
                      self.reporters.close if self.reporters is not None else None):
             if undo is None:

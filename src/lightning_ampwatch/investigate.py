@@ -1,7 +1,10 @@
 """What happens on the first alarm of an episode: localise (which module, which parameter) and run the FP32
-control, on the rank(s) where the fault arose, then agree on one answer across ranks.
+control, on the rank(s) where the fault arose, then agree on one answer across ranks; for an alarm that blames
+reduced precision, the FP32 trajectory control (:class:`TrajectoryControl`, owned by the core) has the last word.
 
-Bounded by construction: it runs once per new alarm, and the machine raises an alarm once per episode.
+Bounded by construction: it runs once per new alarm, and the machine raises an alarm once per episode. What it
+concludes comes back as records (the refined diagnosis with its :class:`~lightning_ampwatch.records.Facts`, the
+finding to rename); the core tells the machine.
 """
 
 from __future__ import annotations
