@@ -223,6 +223,74 @@ def test_a_fault_outside_the_models_modules_is_placed_in_the_loss_fn(tmp_path: P
     assert d.evidence["fp32_control_loss"] == "inf" and d.evidence["control_verdict"].startswith("control failed too")
 
 
+@pytest.mark.parametrize("sets_lr", ["at the top of each iteration", "after each step"])
+def test_a_learning_rate_jump_is_dated_whether_the_loop_sets_the_rate_before_or_after_the_step(
+        tmp_path: Path, sets_lr: str) -> None:
+    """LitGPT's pretrain.py sets the rate itself at the top of each iteration; its finetune scripts step a scheduler
+    after the optimizer. Either way the rate is raised 40x for step 30 on, and float16 overflows soon after."""
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.02))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+
+    def rate(step: int) -> float:
+        return 0.02 * (40.0 if step >= 30 else 1.0)
+
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for step, batch in zip(range(60), cycle(loader)):
+            if sets_lr == "at the top of each iteration":
+                for group in optimizer.param_groups:
+                    group["lr"] = rate(step)
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if sets_lr == "after each step":
+                for group in optimizer.param_groups:
+                    group["lr"] = rate(step + 1)
+            watch.step(batch, loss)
+    d = alarms(watch)[0]
+    assert d.finding is Finding.LR_SCHEDULE and 30 <= d.step <= 35
+    assert (d.evidence["lr_change_step"], d.evidence["lr_before"], d.evidence["lr_after"]) == (30, 0.02, 0.8)
+
+
+@pytest.mark.parametrize("sets_lr", ["at the top of each iteration", "through a scheduler after each step"])
+def test_a_replay_from_a_snapshot_runs_each_step_at_the_rate_the_loop_gave_it(tmp_path: Path, sets_lr: str) -> None:
+    """The FP32 trajectory control replays the steps since a snapshot; at the run's own precision that replay must
+    be the run itself, step for step, whichever way the loop sets its (cosine) learning rate."""
+    from lightning_ampwatch.trajectory import replay_trajectory
+
+    torch.manual_seed(0)
+    fabric = fp16_fabric(init_scale=2.0**10)
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: math.cos(step / 40.0)) \
+        if sets_lr.startswith("through") else None
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    live: list[float] = []
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, snapshot_every=5) as watch:
+        watch.attach(module, optimizer, schedule)
+        for step, batch in zip(range(12), cycle(loader)):
+            if schedule is None:
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.05 * math.cos(step / 40.0)
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if schedule is not None:
+                schedule.step()
+            watch.step(batch, loss)
+            live.append(float(loss.detach()))
+        control = watch.watcher.trajectory
+        snapshot = control.ring.newest_before(6)
+        assert snapshot is not None and snapshot.step == 5
+        replayed = replay_trajectory(control.state, snapshot, control.ring.batches(6, 10), precision="amp")
+    assert replayed.losses == live[6:11]  # the same losses, to the last bit
+
+
 CLIP_LINE = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the mistake"
 
 

@@ -216,10 +216,13 @@ class FabricWatch:
             watcher.before_optimizer_step(host.optimizers[0])
             self.steps += 1
             host.accumulated(host.micro_batches + 1)
+            if host.loop_lrs is not None:
+                host.loop_lrs.step_index = self.steps - 1  # what a snapshot taken after this step keeps
             watcher.batch_end(batch, host.next_batch_index())
         finally:
             host.in_step = False
             host.micro_batches = 0
+            host.lrs_noted = False
             host.batch_over()
 
     def close(self) -> None:
@@ -330,6 +333,61 @@ def _cast_overflowed(before: Any, after: Any) -> str | None:
     return next((str(a.dtype).removeprefix("torch.") for (_, a), bad in zip(pairs, flags) if bad), None)
 
 
+class LoopLearningRates:
+    """The learning rates each optimizer step ran with, as the loop set them, replayed with the step.
+
+    LitGPT's ``pretrain.py`` sets the learning rate itself at the top of each iteration, with no scheduler to
+    replay. The rates are noted at each step's first ``fabric.backward`` (by then the loop has set them, whether
+    at the top of the iteration or through a scheduler after the previous step), only when they changed. In the
+    snapshots and replays this stands with the step schedulers: a snapshot keeps the step it was taken after, and
+    restoring it, or replaying a step, puts back the rates the next step ran with."""
+
+    MAX_CHANGES = 1024
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        self.step_index = -1  # the optimizer step the live run (or a replay) is after
+        self.changes: list[tuple[int, tuple[float, ...]]] = []  # (step, the rates it and the next ones ran with)
+
+    def groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def note(self, step: int) -> bool:
+        """Step ``step`` runs with the rates the param groups hold now; True when they changed since the last."""
+        lrs = tuple(group["lr"] for group in self.groups())
+        if self.changes and self.changes[-1][1] == lrs:
+            return False
+        self.changes.append((step, lrs))
+        if len(self.changes) > self.MAX_CHANGES:
+            del self.changes[: len(self.changes) - self.MAX_CHANGES]
+        return True
+
+    def rates_for(self, step: int) -> tuple[float, ...] | None:
+        """The rates step ``step`` ran with, if it is one the live run has taken; else None."""
+        if not self.changes or step > self.changes[-1][0] and step > self.step_index:
+            return None
+        return next((lrs for at, lrs in reversed(self.changes) if at <= step), None)
+
+    def _apply(self, step: int) -> None:
+        lrs = self.rates_for(step)
+        groups = self.groups()
+        if lrs is not None and len(lrs) == len(groups):
+            for group, lr in zip(groups, lrs):
+                group["lr"] = lr
+
+    # the scheduler protocol the snapshots and replays use
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_index = int(state["step"])
+        self._apply(self.step_index + 1)
+
+    def step(self) -> None:
+        self.step_index += 1
+        self._apply(self.step_index + 1)
+
+
 class _FabricStrategyView:
     """``strategy.precision_plugin`` as the remedies read it (the run's precision now): Fabric's strategy's
     ``precision``."""
@@ -369,6 +427,10 @@ class FabricHost:
         self.in_step = False  # inside watch.step/accumulate: what runs now (replays, remedies) is the watch's own
         self._optimizers = optimizers
         self._schedulers = schedulers
+        # plain-number rates only (a tensor rate, as capturable Adam keeps it, is left to the loop's schedulers)
+        self.loop_lrs = LoopLearningRates(optimizers) if all(
+            isinstance(g.get("lr"), (int, float)) for opt in optimizers for g in opt.param_groups) else None
+        self.lrs_noted = False  # this step's rates are noted (at its first fabric.backward)
         self.micro_batches = 0  # handed to accumulate() since the last step
         self._batch_index = 0  # micro-batches taken in so far (a replay's batch_idx)
         self._state: TrainState | None = None
@@ -456,7 +518,8 @@ class FabricHost:
         self._state = TrainState(
             module=self.module, optimizers=list(self._optimizers),
             scaler=getattr(self._fabric.strategy.precision, "scaler", None),
-            schedulers=[(s, 1) for s in self._schedulers], clip_val=self.clipping[0],
+            schedulers=[(s, 1) for s in self._schedulers] + ([(self.loop_lrs, 1)] if self.loop_lrs else []),
+            clip_val=self.clipping[0],
             clip_algorithm=self.clipping[1],
             accumulate=self._state.accumulate if self._state is not None else 1,
             device=self.device, forward_context=self.forward_context, unavailable=unavailable,
@@ -516,6 +579,17 @@ class FabricHost:
         as the loop did before ``fabric.backward``."""
         if self._state is not None:
             self._state.accumulate = micro_batches
+
+    def note_lrs(self) -> None:
+        """At a step's first backward: the rates it runs with. When the loop changed them since the last step, the
+        ledger reads them again, so the step is recorded with the rates it ran with (a loop that sets them at the
+        top of each iteration, after the previous step was taken in)."""
+        self.lrs_noted = True
+        loop_lrs = self.loop_lrs
+        if loop_lrs is not None and loop_lrs.note(self._watch.steps):
+            ledger = self.watcher.ledger
+            if ledger is not None:
+                ledger.read_param_groups(self._optimizers, lrs_now=True)
 
     def batch_over(self) -> None:
         """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
@@ -600,6 +674,8 @@ class FabricHost:
         """``watch.step`` got a loss that did not go through ``fabric.backward`` (``loss.backward()``, which Fabric
         allows only without a scaler): without a scaler it is the step's loss as it is; with one it cannot be read."""
         if getattr(self._fabric.strategy.precision, "scaler", None) is None:
+            if not self.lrs_noted:
+                self.note_lrs()
             self._watch.watcher.before_backward(loss)
             self.backward_seen = True
         else:
@@ -622,6 +698,8 @@ class _WatchedBackward:
     def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
         host = self.host
         host.backward_seen = True
+        if not host.lrs_noted:
+            host.note_lrs()
         watcher = host.watcher
         scaler = getattr(self.plugin, "scaler", None)
         if scaler is None:
