@@ -2,11 +2,11 @@
 
 Run it:  python examples/fabric_loop.py      (a few seconds on a CPU after the imports; no GPU needed)
 
-The loop is written the way LitGPT's pretrain and finetune scripts write theirs: a tiny GPT set up with
-``fabric.setup``, micro-batches accumulated under ``fabric.no_backward_sync``, gradients clipped with
-``fabric.clip_gradients``, a warm-up-then-cosine learning rate, metrics through ``fabric.log_dict``. The model's
-attention takes ``exp()`` of raw scores (no max subtracted, no 1/sqrt(d) scaling): fine in float32, but in float16
-the scores pass ~11 once training sharpens them, and exp overflows.
+The loop is written the way LitGPT's pretrain script writes its own: a tiny GPT set up with ``fabric.setup``,
+micro-batches accumulated under ``fabric.no_backward_sync``, gradients clipped with ``fabric.clip_gradients``, a
+warm-up-then-cosine learning rate the loop sets itself at the top of each iteration, metrics through
+``fabric.log_dict``. The model's attention takes ``exp()`` of raw scores (no max subtracted, no 1/sqrt(d)
+scaling): fine in float32, but in float16 the scores pass ~11 once training sharpens them, and exp overflows.
 
 FabricWatch names it FORWARD_OVERFLOW in ``transformer.h.0.attn`` (the FP32 control, run around Fabric's autocast
 through ``step_loss``, stays finite), rolls the run back to before the onset, runs that module in float32 from
@@ -131,14 +131,12 @@ class CycleIterator:
             self.epoch += 1
 
 
-def lr_lambda(train: TrainArgs):
-    def factor(step: int) -> float:
-        if step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
+def get_lr(base_lr: float, step: int, train: TrainArgs) -> float:
+    """Linear warm-up, then cosine decay: set by the loop itself at the top of each iteration, as pretrain.py does."""
+    if step < train.warmup_steps:
+        return base_lr * (step + 1) / train.warmup_steps
+    progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def fit(fabric: Fabric, train: TrainArgs, config: Config, out_dir: str) -> FabricWatch:
@@ -146,18 +144,20 @@ def fit(fabric: Fabric, train: TrainArgs, config: Config, out_dir: str) -> Fabri
         model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     loader = fabric.setup_dataloaders(DataLoader(token_data(config), batch_size=train.micro_batch_size))
 
     # remediate=True: a fault FabricWatch can fix is fixed mid-run (from a snapshot taken before it), then verified
     watch = FabricWatch(fabric, loss_fn=step_loss, remediate=True, snapshot_every=5, log_dir=out_dir,
                         log_every_n_steps=train.log_interval)
-    watch.attach(model, optimizer, scheduler, gradient_clip_val=train.max_norm)  # the replays clip as the loop does
+    watch.attach(model, optimizer, gradient_clip_val=train.max_norm)  # the replays clip as the loop does
 
     iter_num = step_count = 0
     for batch in CycleIterator(loader):
         if step_count >= train.max_steps or watch.should_stop:
             break
+        lr = get_lr(train.lr, step_count, train)  # FabricWatch notes the rate each step runs with
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
         iter_num += 1
         is_accumulating = iter_num % train.gradient_accumulation_iters != 0
         (batch,) = batch
@@ -171,11 +171,10 @@ def fit(fabric: Fabric, train: TrainArgs, config: Config, out_dir: str) -> Fabri
         fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
         optimizer.step()
         optimizer.zero_grad()
-        scheduler.step()
-        watch.step(batch, loss)  # once per optimizer step, after the scheduler
+        watch.step(batch, loss)  # once per optimizer step, after it
         step_count += 1
         if step_count % train.log_interval == 0:
-            fabric.log_dict({"loss": loss.item(), "lr": scheduler.get_last_lr()[0]}, step=step_count)
+            fabric.log_dict({"loss": loss.item(), "lr": lr}, step=step_count)
             fabric.print(f"step {step_count}: loss {loss.item():.3f}")
     watch.close()
     return watch
