@@ -75,7 +75,10 @@ class ResolvedStep:
 
 class ClosedStep:
     """An optimizer step just taken in: its batches (for the trajectory control), and either the clean step's
-    values (``clean``: the fast path; ``loss`` when it was read for free) or the steps resolved now."""
+    values (``clean``: the fast path; ``loss`` when it was read for free) or the steps resolved now.
+
+    A clean step's record is one object per ledger, refilled at each step (no allocation on the fast path): read
+    it before the next ``close``."""
 
     __slots__ = ("step", "batches", "clean", "scale", "grew", "lrs", "loss", "resolved")
 
@@ -149,6 +152,7 @@ class StepLedger:
         self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._fast_path = False
         self._host_loss = False
+        self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
 
     # ------------------------------------------------------------------ set-up
 
@@ -167,6 +171,7 @@ class StepLedger:
         self.stepped = False
         self._pending.clear()
         self._batches = []
+        self._clean.batches = []
         self._tape = LossTape()
         self.losses.entries = []
 
@@ -268,7 +273,10 @@ class StepLedger:
             losses.append(step, tape)
             if losses.full:
                 self.read_losses()
-            return ClosedStep(step, batches, True, scale, grew, lrs, None, _NONE_RESOLVED)
+            clean = self._clean
+            clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \
+                lrs, None
+            return clean
         if self._host_loss and not self._pending and quiet:
             # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
             # takes the fast path too. On an accelerator the loss goes the deferred way below.
@@ -276,7 +284,10 @@ class StepLedger:
             if math.isfinite(loss):
                 self.log_steps += 1
                 self.recent_losses.append((step, loss))
-                return ClosedStep(step, batches, True, None, False, lrs, loss, _NONE_RESOLVED)
+                clean = self._clean
+                clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
+                    False, lrs, loss
+                return clean
         opened = OpenStep(step, scale, lrs, tape, batches)
         if self.scaler_active:
             if found_inf is not None:  # fused optimizer: called whether or not it skipped
