@@ -346,6 +346,14 @@ def test_a_remedy_is_applied_after_a_rollback_and_its_recovery_verified(tmp_path
     assert [line["outcome"] for line in logged] == [None, "recovered"]
 
 
+def test_replay_episode_trains_on_the_episodes_batches_again_through_the_loss_fn(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Classifier, separable(), nll, 40, lr=0.3, adam=True, scaler={"init_scale": 2.0**8},
+                   watch_kwargs={"remediate": True, "snapshot_every": 5, "replay_episode": True})
+    [d] = [d for d in watch.diagnoses if d.remedy]
+    assert (d.remedy, d.outcome) == ("fp32_island", "recovered")
+    assert "the batches of steps 6..10 were trained on again with the remedy (losses " in d.evidence["rollback"]
+
+
 # --------------------------------------------------------------------------------------------- the Fabric surface
 
 
