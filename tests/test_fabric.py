@@ -578,6 +578,29 @@ def test_hold_lr_on_skip_holds_the_loops_own_scheduler_on_a_skipped_step(tmp_pat
     assert epochs == {False: 12, True: 11}
 
 
+class StatelessSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A user's scheduler that cannot load a state (its author never needed it to)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("this schedule keeps no state")
+
+
+def test_the_watchs_own_failure_is_warned_once_and_the_loop_goes_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    scheduler = StatelessSchedule(optimizer, lambda step: 1.0)
+    with pytest.warns(RuntimeWarning, match="AmpWatch hit an internal error in watch.step.*NotImplementedError"):
+        with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, hold_lr_on_skip=True,
+                         snapshot_every=0) as watch:
+            watch.attach(module, optimizer, scheduler)
+            losses = train(fabric, module, optimizer, regression_data(nan_rows=(200,)), watch, mse, 12,
+                           scheduler=scheduler)
+    assert len(losses) == 12 and watch.steps == 12  # the loop ran to its end, every step taken in
+    assert [d.finding for d in alarms(watch)] == [Finding.DATA_NONFINITE]  # and the watch kept watching
+
+
 def test_bf16_fallback_switches_fabrics_precision_and_drops_the_scaler(tmp_path: Path) -> None:
     torch.manual_seed(0)
     fabric = fp16_fabric()

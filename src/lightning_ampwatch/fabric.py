@@ -180,7 +180,11 @@ class FabricWatch:
         self._host = host
         self.watcher.start(host)
         self.watcher.begin_training()
-        host.install()
+        try:
+            host.install()
+        except Exception as err:  # noqa: BLE001 - a watch that cannot install watches less, the loop goes on
+            host.uninstall()
+            self.watcher.internal_failure("attach", err)
         return self
 
     def accumulate(self, batch: Any) -> None:
@@ -201,24 +205,27 @@ class FabricWatch:
         loop computed (the watch reads the one handed to ``fabric.backward``; this one tells a loop that called
         ``loss.backward()`` instead)."""
         host = self._need_host()
-        if not host.backward_seen and isinstance(loss, Tensor):
-            host.unseen_backward(loss)
-        if not host.optimizer_stepped():
-            host.say_once("watch.step() was called without an optimizer step since the last one; it is taken as a "
-                          "micro-batch of gradient accumulation. Call watch.step() once per optimizer step, and "
-                          "watch.accumulate(batch) for the micro-batches in between.")
-            self.accumulate(batch)
-            return
+        try:
+            if not host.backward_seen and isinstance(loss, Tensor):
+                host.unseen_backward(loss)
+            if not host.optimizer_stepped():
+                host.say_once("watch.step() was called without an optimizer step since the last one; it is taken as "
+                              "a micro-batch of gradient accumulation. Call watch.step() once per optimizer step, and "
+                              "watch.accumulate(batch) for the micro-batches in between.")
+                self.accumulate(batch)
+                return
+            host.put_back_held_schedulers()
+        except Exception as err:  # noqa: BLE001 - the adapter's own failure never reaches the loop
+            self.watcher.internal_failure("watch.step", err)
+        watcher = self.watcher
         host.in_step = True
         try:
-            host.put_back_held_schedulers()
-            watcher = self.watcher
             watcher.before_optimizer_step(host.optimizers[0])
             self.steps += 1
             host.accumulated(host.micro_batches + 1)
             if host.loop_lrs is not None:
                 host.loop_lrs.step_index = self.steps - 1  # what a snapshot taken after this step keeps
-            watcher.batch_end(batch, host.next_batch_index())
+            watcher.batch_end(batch, host.next_batch_index())  # raises only AmpWatchError (on_unrecoverable)
         finally:
             host.in_step = False
             host.micro_batches = 0
@@ -630,7 +637,7 @@ class FabricHost:
             self._batch_started = True
             watcher = self._watch.watcher
             if watcher.wants_batch_start:
-                watcher.batch_start()
+                watcher.batch_start()  # catches its own failures
 
     # ------------------------------------------------------------------ hold_lr_on_skip
 
@@ -698,9 +705,12 @@ class _WatchedBackward:
     def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
         host = self.host
         host.backward_seen = True
-        if not host.lrs_noted:
-            host.note_lrs()
         watcher = host.watcher
+        if not host.lrs_noted:
+            try:
+                host.note_lrs()
+            except Exception as err:  # noqa: BLE001 - the adapter's own failure never reaches the loop
+                watcher.internal_failure("fabric.backward", err)
         scaler = getattr(self.plugin, "scaler", None)
         if scaler is None:
             watcher.before_backward(tensor)
@@ -744,5 +754,8 @@ class _AfterScalerUpdate:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self.original(*args, **kwargs)
-        self.host.after_scaler_update()
+        try:
+            self.host.after_scaler_update()
+        except Exception as err:  # noqa: BLE001 - the adapter's own failure never reaches the loop
+            self.host.watcher.internal_failure("the scaler's update", err)
         return out
