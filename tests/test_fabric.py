@@ -354,6 +354,37 @@ def test_replay_episode_trains_on_the_episodes_batches_again_through_the_loss_fn
     assert "the batches of steps 6..10 were trained on again with the remedy (losses " in d.evidence["rollback"]
 
 
+def test_growth_that_overflows_each_time_is_growth_overflow(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(), mse, 60, scaler={"growth_interval": 3})
+    assert [d.finding for d in alarms(watch)] == [Finding.GROWTH_OVERFLOW]
+
+
+def test_a_healthy_run_that_settles_its_scale_is_normal_scaling_and_no_alarm(tmp_path: Path) -> None:
+    watch, _ = run(tmp_path, Net, regression_data(), mse, 40, scaler={"init_scale": 2.0**18})
+    assert [d.finding for d in watch.diagnoses] == [Finding.NORMAL_SCALING] and alarms(watch) == []
+
+
+def test_float16_parameters_under_16_mixed_are_named_at_attach(tmp_path: Path) -> None:
+    fabric = fp16_fabric()
+    module = Net().half()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        assert [(d.finding, d.step, d.location) for d in watch.diagnoses] == \
+            [(Finding.FP16_PARAMETERS, 0, "encoder.0.weight")]
+
+
+def test_adams_eps_under_16_true_is_eps_underflow(tmp_path: Path) -> None:
+    fabric = Fabric(accelerator="cpu", devices=1, precision="16-true")
+    with fabric.init_module():
+        module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-3))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        [d] = watch.diagnoses
+    assert d.finding is Finding.EPS_UNDERFLOW and d.evidence["eps"] == 1e-8 and d.evidence["eps_in_float16"] == 0.0
+
+
 # --------------------------------------------------------------------------------------------- the Fabric surface
 
 
