@@ -477,6 +477,31 @@ def test_a_healthy_run_pays_no_read_and_reports_no_alarm(tmp_path: Path) -> None
     assert losses == bare
 
 
+class DropNet(Net):
+    """The regressor with dropout: a replay must draw the same random numbers as the step did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder.insert(2, nn.Dropout(0.2))
+
+
+def test_a_model_with_dropout_is_replayed_with_its_steps_random_numbers(tmp_path: Path) -> None:
+    watch, losses = run(tmp_path, DropNet, regression_data(y_scale=4.0), mse_summed, 30, lr=1e-4)
+    d = alarms(watch)[0]
+    assert d.finding is Finding.GRADIENT_OVERFLOW
+    [replayed] = d.evidence["batch_idx"]  # a skipped step: the weights are still those it ran with
+    assert d.evidence["replay_loss"] == losses[replayed]  # the same dropout masks: the same loss, to the last bit
+    _, bare = run(tmp_path / "bare", DropNet, regression_data(y_scale=4.0), mse_summed, 30, lr=1e-4, watched=False)
+    assert losses == bare  # and the watch drew none of the run's random numbers
+    fabric = fp16_fabric()
+    module = DropNet()
+    wrapped, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path / "hooks") as again:
+        again.attach(wrapped, optimizer)
+        assert len(module._forward_pre_hooks) == 1  # the RNG state of each batch, for models that draw
+    assert not module._forward_pre_hooks
+
+
 def test_on_unrecoverable_raise_stops_the_loop_with_the_diagnosis(tmp_path: Path) -> None:
     from lightning_ampwatch import AmpWatchError
 
