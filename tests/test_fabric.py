@@ -666,7 +666,8 @@ def test_bf16_fallback_switches_fabrics_precision_and_drops_the_scaler(tmp_path:
         watch.attach(module, optimizer)
         losses = train(fabric, module, optimizer, regression_data(x_scale=10.0), watch, mse, 12)
     [d] = [d for d in watch.diagnoses if d.remedy]
-    assert (d.finding, d.remedy) == (Finding.FORWARD_OVERFLOW, "bf16_fallback")
+    assert (d.finding, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "bf16_fallback", "recovered")
+    assert watch.machine.steps_seen == 12  # the steps after the switch are read through the new plugin's backward
     plugin = fabric.strategy.precision
     assert plugin.precision == "bf16-mixed" and plugin.scaler is None
     assert all(math.isfinite(v) for v in losses[-5:])  # the model's forward runs in bfloat16 from then on
