@@ -940,7 +940,8 @@ def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None, snapsh
     for c in snapshots:
         every = ", ".join(f"{c.copy_ms / n:.2f} ms/step every {n}" for n in SNAPSHOT_EVERY)
         name = f"snapshot {c.params / 1e6:.0f}M"
-        lines.append(f"{name:<19} {c.bytes / 1e6:.0f} MB, {c.copy_ms:.1f} ms a copy: {every} (a step: {c.step_ms:.0f} ms)")
+        lines.append(f"{name:<19} {c.bytes / 1e6:.0f} MB, {c.copy_ms:.1f} ms a copy: {every} "
+                     f"(a step: {c.step_ms:.0f} ms)")
     print("\n".join(["", "-" * 30 + " summary " + "-" * 30, *lines]))
     order = ("over the budget", "inconclusive", "within the budget")
     outcomes = [cost.verdict() for cost in costs]
@@ -976,9 +977,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{w.name}: {w.describe}" for w in WORKLOADS.values())
                         + " (default: all; --quick: toy; with --model: none unless named)")
     parser.add_argument("--model", metavar="MODULE:ATTR", default=None,
-                        help="measure your own LightningModule (the built-in workloads too only if --workloads names them): MODULE:ATTR names an instance, its class or a "
-                        "function of no arguments returning one (imported from the current directory or the "
-                        "path); it trains on its own train_dataloader()")
+                        help="measure your own LightningModule (the built-in workloads too only if --workloads "
+                        "names them): MODULE:ATTR names an instance, its class or a function of no arguments "
+                        "returning one (imported from the current directory or the path); it trains on its own "
+                        "train_dataloader()")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where every run trains, in true fp16 with a default GradScaler (default cpu)")
     parser.add_argument("--profile", action="store_true", help="also each hook's time, and cProfile of the hooks")

@@ -45,6 +45,8 @@ from lightning_ampwatch.trajectory import SnapshotRing, TrainState
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
 #: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
 STATE_VERSION = 2
+#: ``snapshot_every="auto"``: the interval the first snapshots are taken at, before their cost is known.
+SNAPSHOT_EVERY_AUTO_START = 20
 #: Internal failures after which AmpWatch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
 
@@ -103,6 +105,8 @@ class AmpWatch(Callback):
             ``AmpWatch[name]``); leave it ``None`` for one instance (state under ``AmpWatch``).
         snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
             optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
+            ``"auto"`` (the default): every 20 steps at first; once the first snapshots have been timed, as often
+            as keeps their copies within 0.5% of the training time (said once when that lengthens the interval).
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
             ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
             falls back to the single batch, and AmpWatch says so once.
@@ -124,7 +128,7 @@ class AmpWatch(Callback):
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
-        snapshot_every: int = 20,
+        snapshot_every: Union[int, Literal["auto"]] = "auto",
         snapshot_budget: int | None = None,
         rollback: bool = True,
         replay_episode: bool = False,
@@ -144,8 +148,10 @@ class AmpWatch(Callback):
             raise ValueError(f"log_dir={log_dir!r} is not valid; use a path (str or os.PathLike) or None")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name={name!r} is not valid; use a non-empty string or None")
-        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
-            raise ValueError(f"snapshot_every={snapshot_every!r} is not valid; use a whole number of steps (0: off)")
+        if snapshot_every != "auto" and (not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool)
+                                         or snapshot_every < 0):
+            raise ValueError(f"snapshot_every={snapshot_every!r} is not valid; use a whole number of steps (0: off) "
+                             "or 'auto'")
         if snapshot_budget is not None and (not isinstance(snapshot_budget, int) or isinstance(snapshot_budget, bool)
                                             or snapshot_budget <= 0):
             raise ValueError(f"snapshot_budget={snapshot_budget!r} is not valid; use a positive number of bytes or "
@@ -274,9 +280,11 @@ class AmpWatch(Callback):
         investigations = self._investigations
         if not (self.snapshot_every and self.control_replay and investigations is not None):
             return
-        control = TrajectoryControl(SnapshotRing(self.snapshot_budget, self.snapshot_every),
+        auto = self.snapshot_every == "auto"
+        every = SNAPSHOT_EVERY_AUTO_START if auto else int(self.snapshot_every)
+        control = TrajectoryControl(SnapshotRing(self.snapshot_budget, every),
                                     TrainState.from_trainer(trainer, pl_module), self.thresholds.divergence_ratio,
-                                    self._say_once)
+                                    self._say_once, adaptive=auto)
         investigations.trajectory = self._ledger.trajectory = control  # type: ignore[union-attr]
 
     def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
