@@ -381,8 +381,8 @@ class TrajectoryControl:
         if not ring.enabled:
             return
         ring.add_batches(step, batches)
-        if quiet and not self.paused:
-            if self.cadence is None or self.cadence.decided or step % ring.every:
+        if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
+            if self.cadence is None or self.cadence.decided:
                 ring.after_step(step, self.state)
             else:
                 self._timed_snapshot(step)
