@@ -580,7 +580,6 @@ def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | 
         timer.restore()
         if anatomy:
             tracemalloc.stop()
-    timer.every, timer.snapshots = watch_snapshots(watch)
     return timer
 
 
@@ -616,14 +615,17 @@ def print_anatomy(timer: "_HookTimer", workload: Workload, top: int = 12) -> Non
             print(f"  {kind:<9} no such step in the window")
             continue
         stats = pstats.Stats(prof)
+        own = {key: row for key, row in stats.stats.items()  # type: ignore[attr-defined]
+               if "_lsprof.Profiler" not in key[2]}  # the profiler's own disable() is no call of AmpWatch's
+        calls = sum(row[1] for row in own.values())
         retained, peak = timer.memory.get(kind, ([0], [0]))
-        print(f"  {kind:<9} {n:4d} steps: {stats.total_calls / n:7.1f} Python calls per step; tracemalloc: "
+        print(f"  {kind:<9} {n:4d} steps: {calls / n:7.1f} Python calls per step; tracemalloc: "
               f"{sum(retained) / n:+.0f} bytes held per step after the hooks, transient peak "
               f"{statistics.median(peak):.0f} bytes per hook call (median)")
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][1])[:top]  # type: ignore[attr-defined]
+        rows = sorted(own.items(), key=lambda kv: -kv[1][1])[:top]
         for (filename, line, func), (_, ncalls, tottime, _, _) in rows:
             where = f"{Path(filename).name}:{line}({func})" if line else func
-            print(f"      {ncalls / n:7.2f} calls/step  {where}")
+            print(f"      {ncalls / n:7.2f} calls per step  {where}")
 
 
 class _HookTimer:
@@ -667,7 +669,9 @@ class _HookTimer:
     def _took_snapshot(self, batch: int) -> None:
         if self.watch is None:
             return
-        _, held = watch_snapshots(self.watch)
+        every, held = watch_snapshots(self.watch)
+        if every:  # kept while the run holds them (AmpWatch lets its snapshots go at the fit's end)
+            self.every, self.snapshots = every, held
         newest = held[-1][0] if held else -1
         if newest != self._newest:
             self._newest = newest
