@@ -218,7 +218,7 @@ def user_workload(spec: str) -> Workload:
     else:
         raise TypeError(f"--model {spec!r} is a {type(obj).__name__}: expected a LightningModule, its class, or a "
                         "function that returns one")
-    return Workload(spec, f"{spec} (its own train_dataloader)", factory, None)
+    return Workload(spec, "your LightningModule, on its own train_dataloader()", factory, None)
 
 
 class StepClock(pl.Callback):
@@ -896,7 +896,7 @@ class WorkloadCost:
             lines.append("  snapshot          none taken in the measured window (snapshots off, or the window "
                          "shorter than the interval)")
         else:
-            size = f", {self.snapshot_bytes / 1e6:.2f} MB" if self.snapshot_bytes else ""
+            size = f", {_size(self.snapshot_bytes)}" if self.snapshot_bytes else ""
             lines.append(f"  snapshot          one copy {self.snapshot_copy_ms:.3f} ms{size}, every "
                          f"{self.snapshot_every} steps: {self.snapshot_us_per_step:.1f} us per step = {share:.2%} "
                          "of a bare step (the snapshot's per-step share)")
@@ -910,6 +910,10 @@ class WorkloadCost:
         if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
             lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
         return lines
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
 
 def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, seed: int,
