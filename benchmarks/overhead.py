@@ -1,36 +1,43 @@
 """How much does ``AmpWatch()`` cost a healthy fp16 run? Set beside ``detect_anomaly`` and ``SpikeDetection``.
 
-Run it from the repository root::
+Run it from the repository root, on a quiet machine (other load inflates every wall-clock number)::
 
-    python benchmarks/overhead.py             # the full comparison (about a minute on 2 CPU cores)
-    python benchmarks/overhead.py --quick     # a smoke run (well under a minute): few pairs, rarely a verdict
+    python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
+    python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
     python benchmarks/overhead.py --pairs 60 --strict   # more pairs; exit 1 if over budget, 2 if inconclusive
-    python benchmarks/overhead.py --profile   # also: each hook's time, and where it goes (cProfile)
-    python benchmarks/overhead.py --snapshots # also: what one in-memory snapshot of a run's state costs
+    python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
+    python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
+    python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
+    python benchmarks/overhead.py --snapshots # also: what one in-memory snapshot of a 1M..50M model costs
 
-Every configuration trains the same small MLP (``scenarios.Regressor``) on the CPU with real float16 autocast
-and a real default GradScaler (``scenarios.true_fp16_plugin``), from the same seed, one torch thread, with a
-logger that writes nothing (``DummyLogger``), so that every log step does all its work: a healthy run, whose
-scale settles in the warm-up, so this is the price a user pays on every step while nothing is wrong.
+Every run trains with real float16 autocast and a real default GradScaler on the CPU (``--device cuda`` on a
+GPU), from the same seed, one torch thread, with a logger that writes nothing (``DummyLogger``), so that every
+log step does all its work: a healthy run, whose scale settles in the warm-up, so this is the price a user pays
+on every step while nothing is wrong. The workloads (``--workloads``): ``toy``, the small MLP of
+``scenarios.Regressor`` (about 1 ms a step), and ``mlp``, 3 Linear layers of width 256, batch 64, AdamW (several
+ms a step); ``--model`` adds yours.
 
 What it prints, from the least to the most robust on a busy machine:
 
-1. A table of separate runs, interleaved (round 1: A B C D, round 2: B C D A, ...), each run's per-step time
-   over the bare run's in the same round, by wall clock and by the process's CPU time. Separate runs on a
-   shared 2-core machine drift by tens of percent, so the table compares configurations; it gives no verdict.
-2. The verdict: one run in which AmpWatch is switched on and off every 50 steps (Lightning's logging interval,
-   so each block holds one log step), in pairs ordered on/off, off/on, ... Each pair gives a ratio of
+1. A table of separate runs of the toy, interleaved (round 1: A B C D, round 2: B C D A, ...), each run's
+   per-step time over the bare run's in the same round, by wall clock and by the process's CPU time. Separate
+   runs on a shared 2-core machine drift by tens of percent, so the table compares configurations; no verdict.
+2. Per workload, the verdicts: one run in which AmpWatch is switched on and off every 50 steps (Lightning's
+   logging interval, so each block holds one log step), in pairs ordered on/off, off/on, ...; once with its
+   defaults (snapshots on) and once with ``snapshot_every=0`` (snapshots off). Each pair gives a ratio of
    neighbouring blocks, which drift barely touches. The median ratio comes with its quartiles and a 95%
    confidence interval (order statistics, no assumption about the noise); the verdict is "within the budget"
    only when the interval lies below the budget on both clocks, "over the budget" when it lies above it on
    either, and otherwise "inconclusive on this machine (spread too wide)".
-3. AmpWatch's hooks timed inside the training loop: their own time per healthy step, log steps spread over
-   the interval. Load from elsewhere inflates a median call far less than a whole step: the robust number.
+3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
+   steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
+   (a snapshot step's hooks over an ordinary step's) divided by the interval in force, as a share of a bare
+   step. Load from elsewhere inflates a median call far less than a whole step: the robust numbers.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor
    ``tolist``/``numpy``, counted with torch.profiler by ``tests/_reads.py``), per log step and per other step.
 
 The budget for ``AmpWatch()`` is a median ratio of at most 1.01. The last block of the output sums it all up
-in a few lines that can be quoted as they are.
+in a few lines that can be quoted as they are. ``benchmarks/FINDINGS.md`` says where the time goes.
 
 To compare another set-up (say, AmpWatch with probes armed), add an entry to ``CONFIGURATIONS``: a name mapped
 to a function of the run's directory that returns a ``Setup`` (callbacks and extra ``Trainer`` arguments).
@@ -940,7 +947,9 @@ def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None, snapsh
     """The closing block, plain lines the README can quote as they are; returns the worst verdict with the
     defaults (snapshots on)."""
     lines = [f"AmpWatch() on a healthy fp16 run: {DEVICE['type'].upper()}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} thread(s)"]
+             f"{torch.get_num_threads()} thread(s)",
+             f"(watched/bare: the per-step time with AmpWatch over that without it, in neighbouring "
+             f"{LOG_EVERY_N_STEPS}-step blocks of one run; budget {BUDGET:.2f})"]
     for cost in costs:
         lines += cost.lines()
     if reads is not None:
