@@ -897,7 +897,8 @@ class WorkloadCost:
         lines = [f"{self.workload}: {self.describe}; bare step {self.bare_step_ms:.2f} ms",
                  f"  hooks' own time   {self.hooks_us:.1f} us per step = {self.hooks_share:.2%} of a bare step "
                  f"(an ordinary step {self.ordinary_us:.1f} us; a log step adds {self.log_step_extra_us:.0f} us, "
-                 f"once in {self.log_every}" + ("" if self.saw_log_step else ", none in the window") + ")"]
+                 f"once in {self.log_every}" + ("" if self.saw_log_step else ", none in the window")
+                 + ("; and the snapshot's share below" if self.snapshot_share is not None else "") + ")"]
         share = self.snapshot_share
         if share is None:
             lines.append("  snapshot          none taken in the measured window (snapshots off, or the window "
