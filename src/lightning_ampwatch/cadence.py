@@ -5,6 +5,9 @@ paid once per interval; a healthy step pays its share of it. :class:`SnapshotCad
 snapshots against the steps between them and, once, lengthens the interval so that the copies cost at most
 ``fraction`` of the training time they span. It never shortens the interval below the one the user asked for.
 
+On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and
+the transfers overlap the next steps, so there the interval mostly stays as asked.
+
 Pure: it reads no clock and knows no tensor. The caller hands it a snapshot's duration and the time the steps
 since the previous snapshot took; it answers with the interval to use and, once, a sentence to say.
 """
