@@ -298,8 +298,10 @@ class RunWatcher:
         config, investigations, host = self.config, self.investigations, self.host
         if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
             return
-        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
-                                    config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
+        every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
+        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, every), host.train_state(),
+                                    config.thresholds.divergence_ratio, self.say_once,  # type: ignore[union-attr]
+                                    adaptive=adaptive)
         self.trajectory = control
 
     def _attach_guards(self) -> None:
