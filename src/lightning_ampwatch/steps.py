@@ -249,12 +249,16 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    def close(self, trainer: Any, quiet: bool) -> ClosedStep | None:
+    def close(self, trainer: Any, quiet: bool, micro_batch: MicroBatch | tuple[Any, ...] | None = None
+              ) -> ClosedStep | None:
         """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in.
-        ``quiet``: the machine has nothing in progress (a clean step may take the fast path). None when backward
-        never ran (no step was taken)."""
+        ``quiet``: the machine has nothing in progress (a clean step may take the fast path). ``micro_batch``: this
+        batch, if not kept yet (:meth:`keep_batch` in the same call). None when backward never ran (no step was
+        taken)."""
         self.stepped = False
         tape, batches = self._tape, self._batches
+        if micro_batch is not None:
+            batches.append(micro_batch)  # type: ignore[arg-type]
         self._tape, self._batches = LossTape(), []
         step = self.step_index
         self.step_index = step + 1
