@@ -1,36 +1,43 @@
 """How much does ``AmpWatch()`` cost a healthy fp16 run? Set beside ``detect_anomaly`` and ``SpikeDetection``.
 
-Run it from the repository root::
+Run it from the repository root, on a quiet machine (other load inflates every wall-clock number)::
 
-    python benchmarks/overhead.py             # the full comparison (about a minute on 2 CPU cores)
-    python benchmarks/overhead.py --quick     # a smoke run (well under a minute): few pairs, rarely a verdict
+    python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
+    python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
     python benchmarks/overhead.py --pairs 60 --strict   # more pairs; exit 1 if over budget, 2 if inconclusive
-    python benchmarks/overhead.py --profile   # also: each hook's time, and where it goes (cProfile)
-    python benchmarks/overhead.py --snapshots # also: what one in-memory snapshot of a run's state costs
+    python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
+    python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
+    python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
+    python benchmarks/overhead.py --snapshots # also: what one in-memory snapshot of a 1M..50M model costs
 
-Every configuration trains the same small MLP (``scenarios.Regressor``) on the CPU with real float16 autocast
-and a real default GradScaler (``scenarios.true_fp16_plugin``), from the same seed, one torch thread, with a
-logger that writes nothing (``DummyLogger``), so that every log step does all its work: a healthy run, whose
-scale settles in the warm-up, so this is the price a user pays on every step while nothing is wrong.
+Every run trains with real float16 autocast and a real default GradScaler on the CPU (``--device cuda`` on a
+GPU), from the same seed, one torch thread, with a logger that writes nothing (``DummyLogger``), so that every
+log step does all its work: a healthy run, whose scale settles in the warm-up, so this is the price a user pays
+on every step while nothing is wrong. The workloads (``--workloads``): ``toy``, the small MLP of
+``scenarios.Regressor`` (about 1 ms a step), and ``mlp``, 3 Linear layers of width 256, batch 64, AdamW (several
+ms a step); ``--model`` adds yours.
 
 What it prints, from the least to the most robust on a busy machine:
 
-1. A table of separate runs, interleaved (round 1: A B C D, round 2: B C D A, ...), each run's per-step time
-   over the bare run's in the same round, by wall clock and by the process's CPU time. Separate runs on a
-   shared 2-core machine drift by tens of percent, so the table compares configurations; it gives no verdict.
-2. The verdict: one run in which AmpWatch is switched on and off every 50 steps (Lightning's logging interval,
-   so each block holds one log step), in pairs ordered on/off, off/on, ... Each pair gives a ratio of
+1. A table of separate runs of the toy, interleaved (round 1: A B C D, round 2: B C D A, ...), each run's
+   per-step time over the bare run's in the same round, by wall clock and by the process's CPU time. Separate
+   runs on a shared 2-core machine drift by tens of percent, so the table compares configurations; no verdict.
+2. Per workload, the verdicts: one run in which AmpWatch is switched on and off every 50 steps (Lightning's
+   logging interval, so each block holds one log step), in pairs ordered on/off, off/on, ...; once with its
+   defaults (snapshots on) and once with ``snapshot_every=0`` (snapshots off). Each pair gives a ratio of
    neighbouring blocks, which drift barely touches. The median ratio comes with its quartiles and a 95%
    confidence interval (order statistics, no assumption about the noise); the verdict is "within the budget"
    only when the interval lies below the budget on both clocks, "over the budget" when it lies above it on
    either, and otherwise "inconclusive on this machine (spread too wide)".
-3. AmpWatch's hooks timed inside the training loop: their own time per healthy step, log steps spread over
-   the interval. Load from elsewhere inflates a median call far less than a whole step: the robust number.
+3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
+   steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
+   (a snapshot step's hooks over an ordinary step's) divided by the interval in force, as a share of a bare
+   step. Load from elsewhere inflates a median call far less than a whole step: the robust numbers.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor
    ``tolist``/``numpy``, counted with torch.profiler by ``tests/_reads.py``), per log step and per other step.
 
 The budget for ``AmpWatch()`` is a median ratio of at most 1.01. The last block of the output sums it all up
-in a few lines that can be quoted as they are.
+in a few lines that can be quoted as they are. ``benchmarks/FINDINGS.md`` says where the time goes.
 
 To compare another set-up (say, AmpWatch with probes armed), add an entry to ``CONFIGURATIONS``: a name mapped
 to a function of the run's directory that returns a ``Setup`` (callbacks and extra ``Trainer`` arguments).
@@ -40,15 +47,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import copy
 import gc
+import importlib
 import io
 import logging
 import math
+import os
 import pstats
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,10 +70,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.spike import SpikeDetection
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.plugins import MixedPrecision
 from rich.console import Console
 from rich.table import Table
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch
 from lightning_ampwatch.guards import RecipeGuards
@@ -108,9 +120,10 @@ CONFIGURATIONS: dict[str, Callable[[str], Setup]] = {
 
 def healthy_trainer(root_dir: str, max_steps: int, callbacks: list[pl.Callback],
                     log_every_n_steps: int = LOG_EVERY_N_STEPS, **overrides: Any) -> pl.Trainer:
-    """The benchmark's trainer: CPU, true fp16, a logger that writes nothing, no checkpoints or progress bar."""
+    """The benchmark's trainer: true fp16 (CPU unless ``--device cuda``), a logger that writes nothing, no
+    checkpoints or progress bar."""
     kwargs: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, max_steps=max_steps, plugins=[true_fp16_plugin()], logger=DummyLogger(),
+        accelerator=DEVICE["type"], devices=1, max_steps=max_steps, plugins=[fp16_plugin()], logger=DummyLogger(),
         default_root_dir=root_dir, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=log_every_n_steps, callbacks=callbacks,
     )
@@ -118,8 +131,101 @@ def healthy_trainer(root_dir: str, max_steps: int, callbacks: list[pl.Callback],
     return pl.Trainer(**kwargs)
 
 
+DEVICE = {"type": "cpu"}  # --device: where every run trains (set once in main)
+
+
+def fp16_plugin(**scaler_kwargs: Any) -> MixedPrecision:
+    """Real float16 autocast with a real default GradScaler, on the benchmark's device."""
+    if DEVICE["type"] == "cpu":
+        return true_fp16_plugin(**scaler_kwargs)
+    return MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda", **scaler_kwargs))
+
+
 def healthy_data(seed: int) -> DataLoader:
     return DataLoader(regression_data(n=DATASET_ROWS, seed=seed), batch_size=BATCH_SIZE, shuffle=False)
+
+
+# ---------------------------------------------------------------- workloads: what a healthy step trains
+
+
+class WideMLP(pl.LightningModule):
+    """The several-millisecond step: ``depth`` Linear layers of width ``width`` (ReLU between), AdamW."""
+
+    def __init__(self, width: int = 256, depth: int = 3, lr: float = 1e-3) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()] if i < depth - 1 else [nn.Linear(width, width)]
+        self.net = nn.Sequential(*layers)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def wide_data(seed: int, width: int = 256, batch: int = 64, rows: int = 64 * 128) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)
+    w = torch.randn(width, width, generator=g) / width**0.5
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(rows, width, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and its data: what every configuration trains."""
+
+    name: str
+    describe: str
+    module: Callable[[], pl.LightningModule]
+    data: Callable[[int], DataLoader] | None = None  # None: the module's own ``train_dataloader()``
+
+    def fit(self, trainer: pl.Trainer, seed: int) -> None:
+        module = self.module()
+        if self.data is None:
+            trainer.fit(module)
+        else:
+            trainer.fit(module, self.data(seed))
+
+
+WORKLOADS: dict[str, Workload] = {
+    "toy": Workload("toy", "scenarios.Regressor: 16-32-16-1 MLP, batch 32, SGD (about 1 ms a step)",
+                    Regressor, healthy_data),
+    "mlp": Workload("mlp", "3 Linear layers of width 256, batch 64, AdamW (several ms a step)",
+                    WideMLP, wide_data),
+}
+TOY = WORKLOADS["toy"]
+
+
+def user_workload(spec: str) -> Workload:
+    """``--model package.module:attr``: a LightningModule, its class, or a function that returns one. The module
+    brings its own data (``train_dataloader``); an instance is deep-copied for every run, so each starts alike."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--model {spec!r}: use the form package.module:attr (attr: a LightningModule, its class, "
+                         "or a function of no arguments that returns one)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # python benchmarks/overhead.py --model mymodel:Net, run from the user's tree
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if isinstance(obj, pl.LightningModule):
+        instance = obj
+        factory: Callable[[], pl.LightningModule] = lambda: copy.deepcopy(instance)  # noqa: E731
+    elif callable(obj):
+        def factory() -> pl.LightningModule:
+            made = obj()
+            if not isinstance(made, pl.LightningModule):
+                raise TypeError(f"--model {spec!r} returned a {type(made).__name__}, not a LightningModule")
+            return made
+    else:
+        raise TypeError(f"--model {spec!r} is a {type(obj).__name__}: expected a LightningModule, its class, or a "
+                        "function that returns one")
+    return Workload(spec, "your LightningModule, on its own train_dataloader()", factory, None)
 
 
 class StepClock(pl.Callback):
@@ -162,9 +268,10 @@ class RunResult:
 
 
 def train_once(name: str, steps: int, warmup: int, seed: int, root_dir: str,
-               instrument: Callable[[Setup, StepClock], None] | None = None) -> RunResult:
+               instrument: Callable[[Setup, StepClock], None] | None = None, workload: Workload = TOY,
+               setup: Setup | None = None) -> RunResult:
     """One training with configuration ``name``; the per-step time over ``steps`` full iterations after warm-up."""
-    setup = CONFIGURATIONS[name](root_dir)
+    setup = setup if setup is not None else CONFIGURATIONS[name](root_dir)
     clock = StepClock()
     if instrument is not None:
         instrument(setup, clock)
@@ -172,7 +279,7 @@ def train_once(name: str, steps: int, warmup: int, seed: int, root_dir: str,
     pl.seed_everything(seed, verbose=False)
     trainer = healthy_trainer(root_dir, total_steps, [clock, *setup.callbacks], **setup.trainer_kwargs)
     gc.collect()
-    trainer.fit(Regressor(), healthy_data(seed))
+    workload.fit(trainer, seed)
     if len(clock.stamps) < total_steps:
         raise RuntimeError(f"configuration {name!r} stopped after {len(clock.stamps)} batches of {total_steps}; "
                            "a benchmark run must train to the end (did a callback stop it?)")
@@ -252,7 +359,8 @@ class BlockToggle(pl.Callback):
     Neighbouring blocks of one run see the same machine, so each on/off pair gives a ratio that drift barely
     touches; the order inside a pair alternates (on/off, off/on, ...) so that neither side always runs first.
     "Off" is AmpWatch absent in all but name: its hooks return at once and its optimizer and clipping hooks are
-    removed; switching on again re-reads the scaler (as at train start), so it watches a healthy run correctly.
+    removed; switching on again re-reads the scaler (as at train start), so it watches a healthy run correctly,
+    and keeps its snapshot ring, whose host buffers are reused as in a long run (not allocated afresh per block).
     A block is timed from after its switch to before the next one: the switching itself is not AmpWatch's cost.
     """
 
@@ -264,16 +372,7 @@ class BlockToggle(pl.Callback):
         self.on: list[bool] = []  # per block: was AmpWatch on
 
     def _set(self, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-        watch = self.watch
-        watcher = watch.watcher
-        if on and watcher.disabled:
-            watcher.disabled = False
-            watcher._attach_guards()
-            watcher.begin_training()  # attaches the step hooks again and re-reads the scaler
-        elif not on and not watcher.disabled:
-            watcher.disabled = True
-            watcher.ledger.taken.detach()  # type: ignore[union-attr]
-            watcher.guards.detach()
+        switch_watch(self.watch, trainer, pl_module, on)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -305,20 +404,50 @@ class PairedRatios:
 
     wall: list[float]
     cpu: list[float]
+    bare_step_s: float = float("nan")  # the median off block's time per step (wall clock)
 
 
-def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS) -> PairedRatios:
-    """AmpWatch on against off in alternating blocks of one healthy run."""
-    watch = AmpWatch(verbose=False)
+def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
+    """AmpWatch off (its watcher's calls return at once, its optimizer and clipping hooks removed) or on again
+    (hooks back, the scaler re-read, the LRs re-read; the snapshot ring and its buffers kept). The benchmark's only
+    reach into the watcher's insides (with :func:`watch_snapshots`): where they move, these functions follow."""
+    watcher = watch.watcher
+    ledger, host = watcher.ledger, watcher.host
+    assert ledger is not None and host is not None
+    if on and watcher.disabled:
+        watcher.disabled = False
+        watcher._attach_guards()
+        ledger.start(host, watcher._log_every)
+    elif not on and not watcher.disabled:
+        watcher.disabled = True
+        ledger.taken.detach()
+        watcher.guards.detach()
+
+
+def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
+    """The snapshot interval in force and the snapshots held, as ``(step, bytes)``; ``(0, [])`` when off."""
+    ring = getattr(watch.watcher.trajectory, "ring", None)
+    if ring is None or not ring.enabled:
+        return 0, []
+    return int(ring.every), [(s.step, s.nbytes) for s in ring.snapshots]
+
+
+def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workload: Workload = TOY,
+                  make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False)) -> PairedRatios:
+    """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step."""
+    watch = make_watch()
     toggle = BlockToggle(watch, block)
     warm_blocks = 2
     total = (2 * pairs + warm_blocks) * block + 1
     pl.seed_everything(seed, verbose=False)
     with tempfile.TemporaryDirectory(prefix="ampwatch-pairs-") as root:
-        trainer = healthy_trainer(root, total, [toggle, watch])
+        trainer = healthy_trainer(root, total, [toggle, watch], log_every_n_steps=block)
         gc.collect()
-        trainer.fit(Regressor(), healthy_data(seed))
-    return PairedRatios(toggle.pair_ratios(warm_blocks, 0), toggle.pair_ratios(warm_blocks, 1))
+        workload.fit(trainer, seed)
+    off = [(end[0] - start[0]) / block for start, end, on in zip(toggle.starts, toggle.ends, toggle.on)
+           if not on][warm_blocks // 2:]
+    return PairedRatios(toggle.pair_ratios(warm_blocks, 0), toggle.pair_ratios(warm_blocks, 1),
+                        statistics.median(off) if off else float("nan"))
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -439,20 +568,35 @@ PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backwa
                   "on_before_zero_grad", "on_train_batch_end")
 
 
-def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | None = None) -> "_HookTimer":
-    """AmpWatch's per-step hooks (and the optimizer step hooks it registers) timed inside one watched run."""
-    timer = _HookTimer(warmup, steps, profiler)
-    with tempfile.TemporaryDirectory(prefix="ampwatch-hooks-") as root:
-        train_once(WATCHED, steps, warmup, seed, root, timer.instrument)
+STEP_KINDS = ("ordinary", "log", "snapshot")  # a log step: (batch + 1) % log_every == 0; a snapshot step: one was taken
+
+
+def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | None = None,
+               workload: Workload = TOY, make_watch: Callable[[], AmpWatch] | None = None,
+               anatomy: bool = False) -> "_HookTimer":
+    """AmpWatch's per-step hooks (and the optimizer step hooks it registers) timed inside one watched run.
+    ``anatomy``: also cProfile per kind of step (calls, not times) and tracemalloc around every hook call."""
+    timer = _HookTimer(warmup, steps, profiler, anatomy)
+    watch = (make_watch or (lambda: AmpWatch(verbose=False)))()
+    if anatomy:
+        tracemalloc.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ampwatch-hooks-") as root:
+            train_once(WATCHED, steps, warmup, seed, root, timer.instrument, workload, Setup([watch]))
+    finally:
+        timer.restore()
+        if anatomy:
+            tracemalloc.stop()
     return timer
 
 
 def print_hook_table(timer: "_HookTimer", steps: int, warmup: int) -> None:
     print(f"\nAmpWatch's hooks, wall clock without a profiler, {steps} steps after {warmup} warm-up "
           f"(median us per call):")
-    print(f"  {'hook':<30} {'ordinary step':>14} {'log step':>10}")
-    for hook, (ordinary, logged) in timer.medians().items():
-        print(f"  {hook:<30} {ordinary * 1e6:14.1f} {logged * 1e6:10.1f}")
+    print(f"  {'hook':<30} {'ordinary step':>14} {'log step':>10} {'snapshot step':>14}")
+    for hook, times in timer.medians().items():
+        print(f"  {hook:<30} {times['ordinary'] * 1e6:14.1f} {times['log'] * 1e6:10.1f} "
+              f"{times['snapshot'] * 1e6:14.1f}")
 
 
 def print_cprofile(steps: int, warmup: int, seed: int, top: int = 30) -> None:
@@ -466,67 +610,175 @@ def print_cprofile(steps: int, warmup: int, seed: int, top: int = 30) -> None:
     print(f"\ncProfile of the same hooks (inflated by the profiler):\n{out.getvalue()}")
 
 
+def print_anatomy(timer: "_HookTimer", workload: Workload, top: int = 12) -> None:
+    """Deterministic measures of the hooks, per kind of step: Python calls (cProfile's count, which load from
+    elsewhere cannot change), the calls made most, and memory from tracemalloc (bytes allocated and still held
+    at the end of the call, and the transient peak above the start)."""
+    print(f"\nAnatomy of AmpWatch's hooks on {workload.name} ({workload.describe}), per kind of step:")
+    for kind in STEP_KINDS:
+        n = timer.step_count(kind)
+        prof = timer.profilers.get(kind)
+        if not n or prof is None:
+            print(f"  {kind:<9} no such step in the window")
+            continue
+        stats = pstats.Stats(prof)
+        own = {key: row for key, row in stats.stats.items()  # type: ignore[attr-defined]
+               if "_lsprof.Profiler" not in key[2]}  # the profiler's own disable() is no call of AmpWatch's
+        calls = sum(row[1] for row in own.values())
+        retained, peak = timer.memory.get(kind, ([0], [0]))
+        print(f"  {kind:<9} {n:4d} steps: {calls / n:7.1f} Python calls per step; tracemalloc: "
+              f"{sum(retained) / n:+.0f} bytes held per step after the hooks, transient peak "
+              f"{statistics.median(peak):.0f} bytes per hook call (median)")
+        rows = sorted(own.items(), key=lambda kv: -kv[1][1])[:top]
+        for (filename, line, func), (_, ncalls, tottime, _, _) in rows:
+            where = f"{Path(filename).name}:{line}({func})" if line else func
+            print(f"      {ncalls / n:7.2f} calls per step  {where}")
+
+
 class _HookTimer:
     """Wraps AmpWatch's per-step hooks on one instance: wall time per call, and cProfile switched on inside.
 
-    Only the measured window counts (warm-up steps are left out). Medians per call, for ordinary steps and for
-    log steps apart, are robust to load from elsewhere on the machine.
+    Only the measured window counts (warm-up steps are left out). Medians per call, for ordinary steps, log steps
+    and snapshot steps apart, are robust to load from elsewhere on the machine.
     """
 
-    def __init__(self, warmup: int, steps: int, profiler: cProfile.Profile | None) -> None:
+    def __init__(self, warmup: int, steps: int, profiler: cProfile.Profile | None, anatomy: bool = False) -> None:
         self.warmup, self.steps, self.profiler = warmup, steps, profiler
+        self.anatomy = anatomy
         self.calls: dict[str, list[tuple[int, float]]] = {}  # hook -> (batch index, seconds) per call
         self.clock: StepClock | None = None
+        self.watch: AmpWatch | None = None
+        self.snapshot_batches: set[int] = set()  # batches whose on_train_batch_end took a snapshot
+        self.every = 0  # the snapshot interval in force at the end of the run (0: off)
+        self.snapshots: list[tuple[int, int]] = []  # (step, bytes) of the snapshots held at the end
+        self.profilers: dict[str, cProfile.Profile] = {k: cProfile.Profile() for k in STEP_KINDS} if anatomy else {}
+        self.memory: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in STEP_KINDS}
+        self._newest = -1
+        self._expected: dict[int, str] = {}  # batch -> the kind of step it was profiled as
 
     def _batch(self) -> int:
         assert self.clock is not None
         return len(self.clock.stamps) - 1
 
+    def kind(self, batch: int) -> str:
+        if batch in self.snapshot_batches:
+            return "snapshot"
+        return "log" if not (batch + 1) % LOG_EVERY_N_STEPS else "ordinary"
+
+    def _expected_kind(self, batch: int) -> str:
+        """The kind of step a batch will be, before its hooks run: a snapshot is due when the step (the batch
+        index, no accumulation here) is a multiple of the interval in force."""
+        every = watch_snapshots(self.watch)[0] if self.watch is not None else 0
+        if every and batch % every == 0:
+            return "snapshot"
+        return "log" if not (batch + 1) % LOG_EVERY_N_STEPS else "ordinary"
+
+    def _took_snapshot(self, batch: int) -> None:
+        if self.watch is None:
+            return
+        every, held = watch_snapshots(self.watch)
+        if every:  # kept while the run holds them (AmpWatch lets its snapshots go at the fit's end)
+            self.every, self.snapshots = every, held
+        newest = held[-1][0] if held else -1
+        if newest != self._newest:
+            self._newest = newest
+            self.snapshot_batches.add(batch)
+
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             batch = self._batch()
             if not self.warmup <= batch < self.warmup + self.steps:
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if name == "on_train_batch_end":
+                        self._took_snapshot(-1)
+            kind = self._expected.setdefault(batch, self._expected_kind(batch))  # the anatomy's; timings: what happened
+            prof = self.profiler or self.profilers.get(kind)
+            if self.anatomy:
+                tracemalloc.reset_peak()
+                before = tracemalloc.get_traced_memory()[0]
             t0 = time.perf_counter()
-            if self.profiler is not None:
-                self.profiler.enable()
+            if prof is not None:
+                prof.enable()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.profiler is not None:
-                    self.profiler.disable()
-                self.calls.setdefault(name, []).append((batch, time.perf_counter() - t0))
+                if prof is not None:
+                    prof.disable()
+                elapsed = time.perf_counter() - t0
+                if name == "on_train_batch_end":
+                    self._took_snapshot(batch)
+                self.calls.setdefault(name, []).append((batch, elapsed))
+                if self.anatomy:
+                    now, peak = tracemalloc.get_traced_memory()
+                    retained, peaks = self.memory[kind]
+                    retained.append(now - before)
+                    peaks.append(peak - before)
         return timed
 
-    def medians(self) -> dict[str, tuple[float, float]]:
-        """Per hook: the median call on ordinary steps and on log steps (Lightning logs when (batch+1) % N == 0)."""
-        out: dict[str, tuple[float, float]] = {}
+    def step_count(self, kind: str) -> int:
+        """Steps of ``kind`` in the window: as they were profiled (the anatomy), by the kind expected."""
+        return sum(1 for k in self._expected.values() if k == kind)
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        """Per hook: the median call on each kind of step (an ordinary step's where a kind has no call)."""
+        out: dict[str, dict[str, float]] = {}
         for hook, calls in self.calls.items():
-            ordinary = [s for b, s in calls if (b + 1) % LOG_EVERY_N_STEPS]
-            logged = [s for b, s in calls if not (b + 1) % LOG_EVERY_N_STEPS]
-            plain = statistics.median(ordinary) if ordinary else 0.0
-            out[hook] = (plain, statistics.median(logged) if logged else plain)
+            by_kind: dict[str, list[float]] = {k: [] for k in STEP_KINDS}
+            for b, s in calls:
+                by_kind[self.kind(b)].append(s)
+            plain = statistics.median(by_kind["ordinary"]) if by_kind["ordinary"] else 0.0
+            out[hook] = {k: statistics.median(v) if v else plain for k, v in by_kind.items()}
         return out
 
     def per_step(self) -> tuple[float, bool]:
-        """Seconds per step, log steps spread over the interval; and whether a log step was in the window."""
+        """Seconds per step, log steps and snapshot steps spread over their intervals; and whether a log step was
+        in the window."""
         medians = self.medians()
-        logged = any(not (b + 1) % LOG_EVERY_N_STEPS for calls in self.calls.values() for b, _ in calls)
-        return sum(o + (lg - o) / LOG_EVERY_N_STEPS for o, lg in medians.values()), logged
+        every = self.snapshot_interval()
+        logged = any(self.kind(b) == "log" for calls in self.calls.values() for b, _ in calls)
+        total = 0.0
+        for t in medians.values():
+            total += t["ordinary"] + (t["log"] - t["ordinary"]) / LOG_EVERY_N_STEPS
+            if every:
+                total += (t["snapshot"] - t["ordinary"]) / every
+        return total, logged
+
+    def snapshot_interval(self) -> int:
+        """Steps between snapshots in the window (their median spacing), else the interval in force at the end."""
+        steps = sorted(self.snapshot_batches - {-1})
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        return int(statistics.median(gaps)) if gaps else self.every
+
+    def snapshot_copy_s(self) -> float | None:
+        """One snapshot as the ring takes it (copy and bookkeeping): a snapshot step's ``on_train_batch_end``
+        over an ordinary step's, median. None when no snapshot was taken in the window."""
+        t = self.medians().get("on_train_batch_end")
+        if t is None or not any(self.kind(b) == "snapshot" for b, _ in self.calls.get("on_train_batch_end", [])):
+            return None
+        return max(t["snapshot"] - t["ordinary"], 0.0)
 
     def instrument(self, setup: Setup, clock: StepClock) -> None:
         self.clock = clock
         for cb in setup.callbacks:
             if isinstance(cb, AmpWatch):
+                self.watch = cb
                 for hook in PER_STEP_HOOKS:
                     if getattr(type(cb), hook) is not getattr(pl.Callback, hook):
                         setattr(cb, hook, self._wrap(hook, getattr(cb, hook)))
         # internal: the optimizer step pre/post hooks and the recipe guard's step pre-hook, made at fit start, so
-        # timed at their class (this process runs one benchmark at a time)
-        for name in ("_pre", "_post"):
-            setattr(StepTaken, name, self._wrap(f"optimizer step {name}", getattr(StepTaken, name)))
-        RecipeGuards._before_optimizer_step = self._wrap("recipe guard step pre-hook",
-                                                         RecipeGuards._before_optimizer_step)
+        # timed at their class (this process runs one benchmark at a time); put back by ``restore``
+        self._saved = [(StepTaken, n, StepTaken.__dict__[n]) for n in ("_pre", "_post")]
+        self._saved.append((RecipeGuards, "_before_optimizer_step", RecipeGuards.__dict__["_before_optimizer_step"]))
+        for owner, name, fn in self._saved:
+            label = f"optimizer step {name}" if owner is StepTaken else "recipe guard step pre-hook"
+            setattr(owner, name, self._wrap(label, fn))
+
+    def restore(self) -> None:
+        for owner, name, fn in getattr(self, "_saved", []):
+            setattr(owner, name, fn)
+        self._saved = []
 
 
 # ---------------------------------------------------------------- what one in-memory snapshot costs
@@ -601,30 +853,117 @@ def print_snapshots(costs: Sequence[SnapshotCost], console: Console) -> None:
 # ---------------------------------------------------------------- the summary
 
 
-def print_summary(bare_ms: float, paired: PairedRatios, hooks: tuple[float, bool], reads: HostReads,
-                  snapshots: Sequence[SnapshotCost]) -> str:
-    """The closing block, plain lines the README can quote as they are; returns the verdict."""
-    outcome = verdict([median_interval(paired.wall), median_interval(paired.cpu)])
-    hook_s, saw_log_step = hooks
-    share = hook_s * 1e3 / bare_ms
-    spread = f"log steps spread over {LOG_EVERY_N_STEPS}" if saw_log_step else "no log step in the window"
-    lines = [
-        f"AmpWatch() on a healthy fp16 run: CPU, torch {torch.__version__}, 1 thread, bare step {bare_ms:.2f} ms",
-        f"  hooks' own time  {hook_s * 1e6:.1f} us per step = {share:.1%} of a bare step ({spread})",
-        f"  on/off blocks    {len(paired.wall)} pairs of {LOG_EVERY_N_STEPS}-step blocks in one run, watched/bare:",
-        f"    wall clock     {describe_ratios(paired.wall)}",
-        f"    CPU time       {describe_ratios(paired.cpu)}",
-        f"  verdict          {outcome} (budget {BUDGET:.2f}; {CONFIDENCE:.0%} CI, both clocks)",
-    ]
-    if share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
-        lines.append(f"  note             the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
-    lines.append(f"  host reads       {describe_reads(reads)}")
+@dataclass
+class WorkloadCost:
+    """What AmpWatch costs a healthy step of one workload: the answer the benchmark gives, in its parts."""
+
+    workload: str
+    describe: str
+    bare_step_ms: float  # the bare blocks' median time per step, in the run with snapshots on
+    hooks_us: float  # the hooks' own time per step, log and snapshot steps spread over their intervals
+    ordinary_us: float  # the hooks' own time on an ordinary step (no log, no snapshot)
+    log_step_extra_us: float  # what a log step adds to the hooks, once per log interval
+    log_every: int
+    snapshot_every: int  # the interval in force (0: snapshots off or never taken)
+    snapshot_copy_ms: float | None  # one snapshot as the ring takes it (copy and bookkeeping); None: none taken
+    snapshot_bytes: int | None
+    snapshots_on: PairedRatios  # AmpWatch() with its defaults against off, in one run
+    snapshots_off: PairedRatios  # AmpWatch(snapshot_every=0) against off, in another
+    saw_log_step: bool
+
+    @property
+    def snapshot_us_per_step(self) -> float | None:
+        """The snapshot's per-step share: one copy's time over the steps between two snapshots."""
+        if self.snapshot_copy_ms is None or not self.snapshot_every:
+            return None
+        return self.snapshot_copy_ms * 1e3 / self.snapshot_every
+
+    @property
+    def snapshot_share(self) -> float | None:
+        """The same as a fraction of a bare step."""
+        us = self.snapshot_us_per_step
+        return None if us is None else us / (self.bare_step_ms * 1e3)
+
+    @property
+    def hooks_share(self) -> float:
+        return self.hooks_us / (self.bare_step_ms * 1e3)
+
+    def verdict(self, snapshots: bool = True) -> str:
+        paired = self.snapshots_on if snapshots else self.snapshots_off
+        return verdict([median_interval(paired.wall), median_interval(paired.cpu)])
+
+    def lines(self) -> list[str]:
+        """The workload's block of the summary: plain lines that can be quoted as they are."""
+        lines = [f"{self.workload}: {self.describe}; bare step {self.bare_step_ms:.2f} ms",
+                 f"  hooks' own time   {self.hooks_us:.1f} us per step = {self.hooks_share:.2%} of a bare step "
+                 f"(an ordinary step {self.ordinary_us:.1f} us; a log step adds {self.log_step_extra_us:.0f} us, "
+                 f"once in {self.log_every}" + ("" if self.saw_log_step else ", none in the window")
+                 + ("; and the snapshot's share below" if self.snapshot_share is not None else "") + ")"]
+        share = self.snapshot_share
+        if share is None:
+            lines.append("  snapshot          none taken in the measured window (snapshots off, or the window "
+                         "shorter than the interval)")
+        else:
+            size = f", {_size(self.snapshot_bytes)}" if self.snapshot_bytes else ""
+            lines.append(f"  snapshot          one copy {self.snapshot_copy_ms:.3f} ms{size}, every "
+                         f"{self.snapshot_every} steps: {self.snapshot_us_per_step:.1f} us per step = {share:.2%} "
+                         "of a bare step (the snapshot's per-step share)")
+        for label, paired, snapshots in (("snapshots on", self.snapshots_on, True),
+                                         ("snapshots off", self.snapshots_off, False)):
+            lines += [f"  {label:<17} {len(paired.wall)} pairs of on/off blocks, watched/bare:",
+                      f"    wall clock      {describe_ratios(paired.wall)}",
+                      f"    CPU time        {describe_ratios(paired.cpu)}",
+                      f"    verdict         {self.verdict(snapshots)} (budget {BUDGET:.2f}; {CONFIDENCE:.0%} CI, "
+                      "both clocks)"]
+        if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
+            lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
+        return lines
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+
+
+def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, seed: int,
+                     anatomy: bool = False, block: int = LOG_EVERY_N_STEPS) -> tuple[WorkloadCost, "_HookTimer"]:
+    """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
+    The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for."""
+    timer = hook_times(steps, warmup, seed, workload=workload)
+    hooks_s, saw_log = timer.per_step()
+    end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0})
+    ordinary = sum(t["ordinary"] for t in timer.medians().values())
+    on = paired_blocks(pairs, seed, block, workload)
+    off = paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
+    copy_s = timer.snapshot_copy_s()
+    every = timer.snapshot_interval()
+    sizes = [nbytes for _, nbytes in timer.snapshots]
+    bare = on.bare_step_s if math.isfinite(on.bare_step_s) else off.bare_step_s
+    cost = WorkloadCost(workload.name, workload.describe, bare * 1e3, hooks_s * 1e6, ordinary * 1e6,
+                        (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
+                        None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log)
+    return cost, hook_times(steps, warmup, seed, workload=workload, anatomy=True) if anatomy else timer
+
+
+def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None, snapshots: Sequence[SnapshotCost]) -> str:
+    """The closing block, plain lines the README can quote as they are; returns the worst verdict with the
+    defaults (snapshots on)."""
+    lines = [f"AmpWatch() on a healthy fp16 run: {DEVICE['type'].upper()}, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} thread(s)",
+             f"(watched/bare: the per-step time with AmpWatch over that without it, in neighbouring "
+             f"{LOG_EVERY_N_STEPS}-step blocks of one run; budget {BUDGET:.2f})"]
+    for cost in costs:
+        lines += cost.lines()
+    if reads is not None:
+        lines.append(f"host reads (toy)    {describe_reads(reads)}")
     for c in snapshots:
         every = ", ".join(f"{c.copy_ms / n:.2f} ms/step every {n}" for n in SNAPSHOT_EVERY)
         name = f"snapshot {c.params / 1e6:.0f}M"
-        lines.append(f"  {name:<16} {c.bytes / 1e6:.0f} MB, {c.copy_ms:.1f} ms a copy: {every} (a step: {c.step_ms:.0f} ms)")
+        lines.append(f"{name:<19} {c.bytes / 1e6:.0f} MB, {c.copy_ms:.1f} ms a copy: {every} "
+                     f"(a step: {c.step_ms:.0f} ms)")
     print("\n".join(["", "-" * 30 + " summary " + "-" * 30, *lines]))
-    return outcome
+    order = ("over the budget", "inconclusive", "within the budget")
+    outcomes = [cost.verdict() for cost in costs]
+    return min(outcomes, key=lambda o: next(i for i, p in enumerate(order) if o.startswith(p)))
 
 
 def _quiet() -> None:
@@ -633,22 +972,47 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
+def configuration_name(text: str) -> str:
+    """``--only``'s argument: a configuration's exact name, or that name without its ``()`` or ``=True``."""
+    for name in CONFIGURATIONS:
+        if text in (name, name.split("(")[0].split("=")[0]):
+            return name
+    raise argparse.ArgumentTypeError(f"{text!r} is not a configuration; use one of "
+                                     + ", ".join(repr(n) for n in CONFIGURATIONS))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="AmpWatch's per-step overhead on a healthy fp16 CPU run.")
+    parser = argparse.ArgumentParser(description="AmpWatch's per-step overhead on a healthy fp16 run.")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 300; --quick 40)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out at the start of each run "
                         "(default 30; --quick 20)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer steps, rounds and pairs")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer steps, rounds and pairs, the toy "
+                        "workload only")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
+                        help="built-in workloads to measure AmpWatch() on: " + "; ".join(
+                            f"{w.name}: {w.describe}" for w in WORKLOADS.values())
+                        + " (default: all; --quick: toy; with --model: none unless named)")
+    parser.add_argument("--model", metavar="MODULE:ATTR", default=None,
+                        help="measure your own LightningModule (the built-in workloads too only if --workloads "
+                        "names them): MODULE:ATTR names an instance, its class or a function of no arguments "
+                        "returning one (imported from the current directory or the path); it trains on its own "
+                        "train_dataloader()")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every run trains, in true fp16 with a default GradScaler (default cpu)")
     parser.add_argument("--profile", action="store_true", help="also each hook's time, and cProfile of the hooks")
+    parser.add_argument("--anatomy", action="store_true", help="also the deterministic measures: Python calls "
+                        "per ordinary, log and snapshot step, the functions called most, and tracemalloc's bytes")
     parser.add_argument("--snapshots", action="store_true", help="also what one in-memory snapshot costs "
                         f"({', '.join(f'{n // 1_000_000}M' for n in SNAPSHOT_SIZES)} parameters with AdamW)")
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGURATIONS), default=None,
-                        help=f"measure only these configurations ({BASELINE!r} is always included)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the verdict is 'over the budget', 2 when "
-                        "it is inconclusive")
-    parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for the verdict (default 30; "
+    parser.add_argument("--only", nargs="+", type=configuration_name, default=None, metavar="NAME",
+                        help="compare only these configurations in the table of separate runs: "
+                        + ", ".join(repr(n) for n in CONFIGURATIONS)
+                        + f" (the name with or without its '()' or '=True'; {BASELINE!r} is always included)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a verdict is 'over the budget', 2 when "
+                        "one is inconclusive (the defaults' verdicts, snapshots on)")
+    parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for each verdict (default 30; "
                         "--quick 10)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
@@ -660,29 +1024,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < low:
             parser.error(f"{flag}={value} is not valid; use an integer >= {low}")
     names = list(CONFIGURATIONS) if args.only is None else [BASELINE] + [n for n in args.only if n != BASELINE]
+    if args.workloads is not None:
+        workloads = [WORKLOADS[n] for n in args.workloads]
+    else:
+        workloads = [] if args.model else [TOY] if args.quick else list(WORKLOADS.values())
+    if args.model:
+        try:
+            workloads.append(user_workload(args.model))
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            parser.error(str(err))
+    DEVICE["type"] = args.device
+    # the hooks' timer needs a snapshot or two and a log step inside its window
+    hook_steps = max(steps, 3 * LOG_EVERY_N_STEPS)
 
     _quiet()
     torch.set_num_threads(1)  # one thread: less scheduling noise, and the same for every configuration
     console = Console(width=120, highlight=False)
-    console.print(f"torch {torch.__version__}, lightning {pl.__version__}, 1 thread; {len(names)} configurations, "
-                  f"{rounds} rounds x {steps} steps (+{warmup} warm-up); {pairs} on/off pairs")
-    results = measure(steps, rounds, warmup, args.seed, names, console)
-    print_table(results, steps, rounds, console)
-    paired = paired_blocks(pairs, args.seed)
-    timer = hook_times(steps, warmup, args.seed)
+    console.print(f"torch {torch.__version__}, lightning {pl.__version__}, 1 thread, {args.device}; "
+                  f"{len(names)} configurations, {rounds} rounds x {steps} steps (+{warmup} warm-up); "
+                  f"{pairs} on/off pairs per verdict; workloads: {', '.join(w.name for w in workloads)}")
+    with_toy = TOY in workloads or not args.model
+    if with_toy:
+        results = measure(steps, rounds, warmup, args.seed, names, console)
+        print_table(results, steps, rounds, console)
+    costs = []
+    for workload in workloads:
+        cost, timer = measure_workload(workload, pairs, hook_steps, warmup, args.seed, anatomy=args.anatomy)
+        costs.append(cost)
+        console.print(f"[dim]{workload.name} measured[/dim]")
+        if args.profile:
+            print_hook_table(timer, hook_steps, warmup)
+        if args.anatomy:
+            print_anatomy(timer, workload)
     if args.profile:
-        print_hook_table(timer, steps, warmup)
-        print_cprofile(steps, warmup, args.seed)
-    reads = host_reads(args.seed)
-    armed_ms, step_ms = armed_cost(args.seed)
-    console.print(f"Armed probes: one episode's replay with probes plus the FP32 control costs {armed_ms:.2f} ms "
-                  f"({armed_ms / step_ms:.1f} training steps of {step_ms:.2f} ms), once per episode, never on a "
-                  "healthy step.")
+        print_cprofile(hook_steps, warmup, args.seed)
+    reads = host_reads(args.seed) if with_toy and args.device == "cpu" else None
+    if with_toy:
+        armed_ms, step_ms = armed_cost(args.seed)
+        console.print(f"Armed probes: one episode's replay with probes plus the FP32 control costs {armed_ms:.2f} ms "
+                      f"({armed_ms / step_ms:.1f} training steps of {step_ms:.2f} ms), once per episode, never on a "
+                      "healthy step.")
     snapshots = [snapshot_cost(n) for n in SNAPSHOT_SIZES] if args.snapshots else []
     if snapshots:
         print_snapshots(snapshots, console)
-    bare_ms = statistics.median(x.seconds_per_step for x in results[BASELINE]) * 1e3
-    outcome = print_summary(bare_ms, paired, timer.per_step(), reads, snapshots)
+    outcome = print_summary(costs, reads, snapshots)
     if not args.strict or outcome == "within the budget":
         return 0
     return 1 if outcome == "over the budget" else 2

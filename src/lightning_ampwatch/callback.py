@@ -127,6 +127,8 @@ class AmpWatch(Callback):
             ``AmpWatch[name]``); leave it ``None`` for one instance (state under ``AmpWatch``).
         snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
             optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
+            ``"auto"`` (the default): every 20 steps at first; once the first snapshots have been timed, as often
+            as keeps their copies within 0.5% of the training time (said once when that lengthens the interval).
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
             ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
             falls back to the single batch, and AmpWatch says so once.
@@ -148,7 +150,7 @@ class AmpWatch(Callback):
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
-        snapshot_every: int = 20,
+        snapshot_every: Union[int, Literal["auto"]] = "auto",
         snapshot_budget: int | None = None,
         rollback: bool = True,
         replay_episode: bool = False,

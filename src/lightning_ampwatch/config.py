@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
+from lightning_ampwatch.cadence import AUTO_START
 from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.remedies.base import RemedyName
 from lightning_ampwatch.remedies.policy import parse_remediate
@@ -34,7 +35,7 @@ class WatchConfig:
     thresholds: Thresholds | None = None
     log_dir: str | os.PathLike[str] | None = None
     name: str | None = None
-    snapshot_every: int = 20
+    snapshot_every: Union[int, Literal["auto"]] = "auto"
     snapshot_budget: int | None = None
     rollback: bool = True
     replay_episode: bool = False
@@ -61,12 +62,20 @@ class WatchConfig:
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ValueError(f"name={self.name!r} is not valid; use a non-empty string or None")
         every = self.snapshot_every
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-            raise ValueError(f"snapshot_every={every!r} is not valid; use a whole number of steps (0: off)")
+        if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise ValueError(f"snapshot_every={every!r} is not valid; use a whole number of steps (0: off) or 'auto'")
         budget = self.snapshot_budget
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ValueError(f"snapshot_budget={budget!r} is not valid; use a positive number of bytes or "
                              "None (a tenth of the host's RAM, at most 8 GiB)")
+
+    @property
+    def snapshot_interval(self) -> tuple[int, bool]:
+        """(the interval snapshots start at, whether the cadence may lengthen it): ``"auto"`` starts at
+        :data:`~lightning_ampwatch.cadence.AUTO_START` steps and is adaptive; a number is kept as given."""
+        if self.snapshot_every == "auto":
+            return AUTO_START, True
+        return int(self.snapshot_every), False
 
     @property
     def state_key(self) -> str:

@@ -215,6 +215,11 @@ class RunWatcher:
                                    rollback=config.rollback, replay_episode=config.replay_episode)
         self.world_size = 1
         self._log_every = 0
+        self._timeline: Any = None  # the reporters' timeline (None: not written), looked up once per run
+        # What the investigations want from the per-step calls, as plain attributes refreshed whenever their state
+        # can change (:meth:`_sync_investigations`): read on every step, so no property chain there.
+        self.wants_batch_start = False  # an adapter calls ``batch_start`` only while this is True
+        self._probing = False  # a live probe is armed for this training step
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -241,10 +246,13 @@ class RunWatcher:
         optimizers excepted), for an adapter's ``hold_lr_on_skip``."""
         return self.ledger is not None and self.ledger.last_step_skipped()
 
-    @property
-    def wants_batch_start(self) -> bool:
+    def _sync_investigations(self) -> None:
+        """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
+        arm or finish a probe; never on a healthy step)."""
         investigations = self.investigations
-        return not self.disabled and investigations is not None and investigations.wants_batch_start
+        self.wants_batch_start = (not self.disabled and investigations is not None
+                                  and investigations.wants_batch_start)
+        self._probing = investigations is not None and investigations.probing
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -266,6 +274,7 @@ class RunWatcher:
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, say=self._say)
+        self._timeline = self.reporters.timeline
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
@@ -274,6 +283,7 @@ class RunWatcher:
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
+        self._sync_investigations()
         if info.note:
             self.say_once(info.note)
         self._attach_guards()
@@ -299,8 +309,10 @@ class RunWatcher:
         config, investigations, host = self.config, self.investigations, self.host
         if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
             return
-        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
-                                    config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
+        every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
+        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, every), host.train_state(),
+                                    config.thresholds.divergence_ratio, self.say_once,  # type: ignore[union-attr]
+                                    adaptive=adaptive)
         self.trajectory = control
 
     def _attach_guards(self) -> None:
@@ -323,6 +335,7 @@ class RunWatcher:
             return
         try:
             investigations.batch_start(host.module, host.device)
+            self._sync_investigations()
         except Exception as err:  # noqa: BLE001
             self.internal_failure("batch_start", err)
 
@@ -342,10 +355,11 @@ class RunWatcher:
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch
-                self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
+                quiet = self.machine.quiet  # type: ignore[union-attr]
+                self._take_closed(ledger.close(self.host, quiet), quiet)
             ledger.stepped = True  # the step itself is read when it is over, in batch_end
-            if self.investigations is not None and self.investigations.probing:
-                self.investigations.optimizer_step(optimizer)
+            if self._probing:
+                self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]
         except Exception as err:  # noqa: BLE001
             self.internal_failure("before_optimizer_step", err)
 
@@ -355,14 +369,21 @@ class RunWatcher:
             return
         try:
             investigations = self.investigations
-            ledger.keep_batch(investigations.micro_batch(batch, batch_idx) if investigations is not None
-                              else (batch, batch_idx))
-            if investigations is not None and investigations.probing:
-                for diagnosis in investigations.finish_probe():  # the armed training step is over
+            # what a replay needs of this batch (``Investigations.micro_batch``, inline: one is made every batch)
+            rng = investigations.batch_rng if investigations is not None else None
+            micro_batch: Any = (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)
+            if self._probing:
+                ledger.keep_batch(micro_batch)
+                micro_batch = None
+                for diagnosis in investigations.finish_probe():  # type: ignore[union-attr]  # the armed step is over
                     self._emit(diagnosis)
+                self._sync_investigations()
             if not ledger.stepped:
+                if micro_batch is not None:
+                    ledger.keep_batch(micro_batch)
                 return  # mid-accumulation: no optimizer step in this batch
-            self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
+            quiet = self.machine.quiet  # type: ignore[union-attr]  # read once: closing a step leaves the machine as it is
+            self._take_closed(ledger.close(self.host, quiet, micro_batch), quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
                 self._at_log_step()
@@ -396,6 +417,7 @@ class RunWatcher:
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self._emit(diagnosis)
+            self._sync_investigations()
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
         self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
@@ -418,25 +440,28 @@ class RunWatcher:
                 self.internal_failure("clean-up", err)
         # What holds the framework, the model or snapshots goes: the watcher pickles after a run, and small
         self.investigations = None
+        self._sync_investigations()
         self.trajectory = None
+        self._timeline = None
         self.treatment.forget_states()
         self.host = None
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 
-    def _take_closed(self, closed: ClosedStep | None) -> None:
+    def _take_closed(self, closed: ClosedStep | None, quiet: bool) -> None:
         """The one route of every step: its batches to the trajectory control, then a clean step to the machine
-        and the timeline at once, or the steps resolved now through :meth:`_take`."""
+        and the timeline at once, or the steps resolved now through :meth:`_take`. ``quiet``: the machine's, as
+        read before the step was closed (closing it changes nothing in the machine)."""
         if closed is None:
             return
         machine, ledger = self.machine, self.ledger
         assert machine is not None and ledger is not None
         control = self.trajectory
         if control is not None:
-            control.note_step(closed.step, closed.batches, machine.quiet)
+            control.note_step(closed.step, closed.batches, quiet)
         if closed.clean:
             machine.observe_clean(closed.step, closed.scale, closed.grew, closed.lrs, closed.loss)
-            timeline = self.reporters.timeline if self.reporters is not None else None
+            timeline = self._timeline
             if timeline is not None:
                 if closed.loss is None:
                     timeline.record_clean(closed.step, closed.scale, closed.lrs)
@@ -473,6 +498,7 @@ class RunWatcher:
                 if diagnosis.is_alarm and investigations is not None:
                     refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
                                                                   self.trajectory)
+                    self._sync_investigations()  # a live probe may be armed for the next step
                     if renamed is not None:
                         machine.revise(renamed)  # the FP32 control renamed the open episode's finding
                     if refined is None:
@@ -695,6 +721,7 @@ class RunWatcher:
             self.ledger.stepped = False  # never carry a half-built step into the next one
         if len(self._failures) >= MAX_FAILURES:
             self.disabled = True
+            self.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
                           RuntimeWarning, stacklevel=3)
 

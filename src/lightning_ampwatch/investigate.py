@@ -10,12 +10,14 @@ finding to rename); the core tells the machine.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from lightning_ampwatch import distributed
+from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
@@ -369,7 +371,7 @@ class TrajectoryControl:
     precision (then the live state is put back exactly). Its verdict is the one that stands."""
 
     def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], adaptive: bool = False) -> None:
         self.ring = ring
         self.state = state
         self.divergence_ratio = divergence_ratio
@@ -377,6 +379,10 @@ class TrajectoryControl:
         if state.unavailable is not None:
             ring.turn_off(state.unavailable)  # said in the evidence of each alarm it would have judged
         self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
+        # ``snapshot_every="auto"``: the interval is lengthened from what the first snapshots cost (one process
+        # only: under DDP the ranks must snapshot at the same steps, and the interval asked for stays)
+        self.cadence = SnapshotCadence(ring.every) if adaptive and distributed.world_size() == 1 else None
+        self._last_snapshot: tuple[int, float] | None = None  # (step, clock) at the end of the latest snapshot
 
     def note_step(self, step: int, batches: Sequence[Any], quiet: bool) -> None:
         """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
@@ -385,11 +391,33 @@ class TrajectoryControl:
         if not ring.enabled:
             return
         ring.add_batches(step, batches)
-        if quiet and not self.paused:
-            ring.after_step(step, self.state)
+        if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
+            if self.cadence is None or self.cadence.decided:
+                ring.after_step(step, self.state)
+            else:
+                self._timed_snapshot(step)
         if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
             self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
                      "loss trend still separates divergence from overflow.")
+
+    def _timed_snapshot(self, step: int) -> None:
+        """A snapshot that is due, timed for the cadence, which sets the interval (once, said once)."""
+        assert self.cadence is not None
+        ring, last = self.ring, self._last_snapshot
+        start = time.perf_counter()
+        ring.after_step(step, self.state)
+        end = time.perf_counter()
+        if not ring.enabled:
+            return
+        self._last_snapshot = (step, end)
+        span = (start - last[1], step - last[0]) if last is not None else (None, 0)
+        per_step = getattr(ring, "_step_batch_bytes", 0)  # the most one step's batches held: the memory bound
+        room = (ring.budget_bytes - ring.bytes_per_snapshot) // per_step if per_step else None
+        said = self.cadence.observe(end - start, *span, room_steps=room)
+        if self.cadence.decided:
+            ring.every = self.cadence.every
+        if said is not None:
+            self.say(said)
 
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,
               agree: bool) -> tuple[Diagnosis, Finding | None]:

@@ -105,19 +105,27 @@ class LossRing:
     def stacked(self) -> Tensor | None:
         """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
         of one dtype and device (the usual case) are stacked as they are: one op for the lot."""
-        losses = [loss for _, tape in self.entries for loss, _ in tape]
+        entries = self.entries
+        losses = [loss for _, tape in entries for loss, _ in tape]
         if not losses:
             return None
         try:
-            return torch.stack(losses).float().reshape(-1)
+            stacked = torch.stack(losses)
+            if stacked.dim() != 1:
+                stacked = stacked.reshape(-1)
+            return stacked if stacked.dtype == torch.float32 else stacked.float()
         except RuntimeError:  # mixed dtypes or shapes (a loss that is not a scalar): one by one
             return torch.stack([loss.detach().float().reshape(()).to(losses[0].device) for loss in losses])
 
     def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
         """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
+        entries = self.entries
+        if len(values) == len(entries):  # one backward per step, the usual case: one comprehension
+            self.entries = []
+            return [(step, value / tape[0][1]) for (step, tape), value in zip(entries, values)]
         out: list[tuple[int, float]] = []
         i = 0
-        for step, tape in self.entries:
+        for step, tape in entries:
             total = 0.0
             for _, scale in tape:
                 total += values[i] / scale
@@ -143,6 +151,7 @@ class StepLedger:
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
         self.recent_losses: deque[tuple[int, float]] = deque(maxlen=RECENT_LOSSES)  # (step, loss) as read
+        self._latest_loss: tuple[int, float] | None = None  # the (step, loss) of the latest step read so far
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
@@ -240,12 +249,16 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    def close(self, trainer: Any, quiet: bool) -> ClosedStep | None:
+    def close(self, trainer: Any, quiet: bool, micro_batch: MicroBatch | tuple[Any, ...] | None = None
+              ) -> ClosedStep | None:
         """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in.
-        ``quiet``: the machine has nothing in progress (a clean step may take the fast path). None when backward
-        never ran (no step was taken)."""
+        ``quiet``: the machine has nothing in progress (a clean step may take the fast path). ``micro_batch``: this
+        batch, if not kept yet (:meth:`keep_batch` in the same call). None when backward never ran (no step was
+        taken)."""
         self.stepped = False
         tape, batches = self._tape, self._batches
+        if micro_batch is not None:
+            batches.append(micro_batch)  # type: ignore[arg-type]
         self._tape, self._batches = LossTape(), []
         step = self.step_index
         self.step_index = step + 1
@@ -254,7 +267,9 @@ class StepLedger:
         if not self._float_lrs:  # ... and the next step's (a tensor LR is never read on a device)
             self._lrs = current_lrs(trainer.optimizers)
         elif len(groups) == 1:
-            self._lrs = (groups[0]["lr"],)
+            lr = groups[0]["lr"]
+            if len(lrs) != 1 or lrs[0] != lr:  # a constant LR keeps its tuple: no new object per step
+                self._lrs = (lr,)
         else:
             self._lrs = tuple([g["lr"] for g in groups])
         taken_hook = self.taken
@@ -264,14 +279,20 @@ class StepLedger:
             return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
         scale = mirror.scale if mirror is not None else None
-        if self._fast_path and taken and not self._pending and quiet:
+        if self._fast_path and taken and quiet and not self._pending:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
-            # progress. Host-side bookkeeping only; no Observation, no device read.
-            grew = mirror.update(False)  # type: ignore[union-attr]
+            # progress. Host-side bookkeeping only; no Observation, no device read, no object but the ring's entry.
+            tracker = mirror.tracker + 1  # type: ignore[union-attr]  # ScaleMirror.update(False), inline ...
+            if tracker < mirror.growth_interval:  # type: ignore[union-attr]
+                mirror.tracker = tracker  # type: ignore[union-attr]
+                grew = False
+            else:  # ... but for a growth
+                grew = mirror.update(False)  # type: ignore[union-attr]
             self.log_steps += 1
             losses = self.losses
-            losses.append(step, tape)
-            if losses.full:
+            entries = losses.entries
+            entries.append((step, tape))
+            if len(entries) >= losses.capacity:
                 self.read_losses()
             clean = self._clean
             clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \
@@ -283,7 +304,7 @@ class StepLedger:
             loss = tape.read()
             if math.isfinite(loss):
                 self.log_steps += 1
-                self.recent_losses.append((step, loss))
+                self._recent((step, loss))
                 clean = self._clean
                 clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
                     False, lrs, loss
@@ -324,7 +345,7 @@ class StepLedger:
             loss = opened.tape.read()
         loss_finite = None if loss is None else math.isfinite(loss)
         if loss is not None:
-            self.recent_losses.append((opened.step, loss))
+            self._recent((opened.step, loss))
         self.log_steps += 1
         self.log_skipped += int(skipped)
         batch_stats = None
@@ -348,22 +369,40 @@ class StepLedger:
     @property
     def last_loss(self) -> float | None:
         """The loss of the latest step read so far (the timeline samples it at log steps)."""
-        recent = self.recent_losses
-        return max(recent, key=lambda pair: pair[0])[1] if recent else None
+        latest = self._latest_loss
+        return None if latest is None else latest[1]
+
+    def _recent(self, pair: tuple[int, float]) -> None:
+        """One step's loss, read: kept with the recent ones; the latest by step is remembered (steps resolved on
+        the slow path may be read before older ones still in the ring)."""
+        self.recent_losses.append(pair)
+        latest = self._latest_loss
+        if latest is None or pair[0] >= latest[0]:
+            self._latest_loss = pair
 
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
-        """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values."""
+        """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values.
+        The values are packed with as few ops as possible (one ``cat`` promotes their dtypes): each op is paid at
+        every log step."""
         losses = self.losses.stacked()
-        parts = [torch.stack([t.detach().float().reshape(()) for t in extra])] if extra else []
-        if losses is not None:
-            parts.append(losses)
-        if not parts:
+        if extra:
+            device = extra[0].device
+            parts = [t.detach().reshape(-1) for t in extra]
+            if losses is not None:
+                parts.append(losses if losses.device == device else losses.to(device))
+            packed = torch.cat(parts)
+            values = (packed if packed.dtype == torch.float32 else packed.float()).cpu().tolist()
+        elif losses is not None:
+            values = losses.cpu().tolist()
+        else:
             return []
-        values = (torch.cat([p.to(parts[0].device) for p in parts]) if len(parts) > 1 else parts[0]).cpu().tolist()
         losses = self.losses.settle(values[len(extra):])
         if losses:
             self.unnoted.extend(losses)
             self.recent_losses.extend(losses)
+            latest = self._latest_loss
+            if latest is None or losses[-1][0] >= latest[0]:
+                self._latest_loss = losses[-1]
         return values[:len(extra)]
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:

@@ -23,6 +23,9 @@ from typing import Any, Callable, Iterator, Sequence
 TIMELINE_NAME = "timeline.jsonl"
 FORMAT_VERSION = 1
 
+#: ``json.dumps(row, separators=(",", ":"))`` without a new encoder per row (rows are written at every log step)
+_to_json = json.JSONEncoder(separators=(",", ":")).encode
+
 
 def _loss_json(loss: float) -> float | str:
     """Strict JSON has no NaN/inf: non-finite losses are written as the strings ``"nan"``, ``"inf"``."""
@@ -186,7 +189,7 @@ class Timeline:
             self.record_loss(read_last_loss())
         if not self._buffer:
             return
-        lines = [json.dumps(self._encode(row), separators=(",", ":")) for row in self._buffer]
+        lines = [_to_json(self._encode(row)) for row in self._buffer]
         self._buffer.clear()
         if self._last_row is not None and self._last_row is not self._held:
             self._last_row = None  # written: a loss read later could not reach the file

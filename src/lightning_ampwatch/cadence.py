@@ -1,0 +1,101 @@
+"""How often to take a snapshot: an interval chosen from what a snapshot was measured to cost.
+
+A snapshot's price is one host copy of the weights and optimizer state (and the ring's bookkeeping around it),
+paid once per interval; a healthy step pays its share of it. :class:`SnapshotCadence` times the first few
+snapshots against the steps between them and, once, lengthens the interval so that the copies cost at most
+``fraction`` of the training time they span. It never shortens the interval below the one the user asked for.
+
+On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and
+the transfers overlap the next steps, so there the interval mostly stays as asked.
+
+Pure: it reads no clock and knows no tensor. The caller hands it a snapshot's duration and the time the steps
+since the previous snapshot took; it answers with the interval to use and, once, a sentence to say.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: ``snapshot_every="auto"``: the interval the first snapshots are taken at, before their cost is known.
+AUTO_START = 20
+#: The most of a healthy run's time that snapshots may take: at most this fraction of the steps they span.
+SNAPSHOT_FRACTION = 0.005
+#: Snapshots timed before the interval is chosen. The first snapshots allocate their host buffers; from the
+#: third on (two are held) a snapshot reuses the oldest one's, as in the rest of the run.
+SNAPSHOTS_MEASURED = 3
+#: The longest interval the policy picks, in optimizer steps: a longer one holds more batches and makes the
+#: trajectory control replay more steps per alarm. A snapshot that would need longer is said to cost more.
+MAX_INTERVAL = 1000
+
+
+def snapshot_interval(copy_s: float, step_s: float, every: int, fraction: float = SNAPSHOT_FRACTION,
+                      max_interval: int = MAX_INTERVAL) -> int:
+    """The interval at which a snapshot taking ``copy_s`` seconds costs at most ``fraction`` of the training time
+    between two snapshots, for healthy steps of ``step_s`` seconds: the smallest multiple of ``every`` (the
+    interval asked for) with ``copy_s <= fraction * interval * step_s``, at most ``max_interval`` (unless
+    ``every`` itself is longer). Times that are not positive and finite leave ``every`` as it is."""
+    if every < 1:
+        raise ValueError(f"every={every!r}: expected a whole number of steps of at least 1")
+    if max_interval < every:
+        return every
+    if not (fraction > 0 and math.isfinite(copy_s) and math.isfinite(step_s)) or copy_s <= 0 or step_s <= 0:
+        return every
+    needed = copy_s / (fraction * step_s)  # steps the copy must be spread over
+    multiple = max(1, math.ceil(needed / every - 1e-9))
+    return min(multiple * every, max_interval - max_interval % every)
+
+
+@dataclass
+class SnapshotCadence:
+    """The snapshot interval of one run: the one asked for, until the first ``measured`` snapshots have been timed;
+    then the interval :func:`snapshot_interval` picks from the fastest of them, kept for the rest of the run."""
+
+    every: int
+    fraction: float = SNAPSHOT_FRACTION
+    measured: int = SNAPSHOTS_MEASURED
+    max_interval: int = MAX_INTERVAL
+    asked: int = field(init=False)
+    decided: bool = field(default=False, init=False)
+    copies: list[float] = field(default_factory=list, init=False)  # seconds per snapshot, as timed
+    steps: list[float] = field(default_factory=list, init=False)  # seconds per healthy step between snapshots
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"every={self.every!r}: expected a whole number of steps of at least 1")
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"fraction={self.fraction!r}: expected a number between 0 and 1")
+        self.asked = self.every
+
+    def observe(self, copy_s: float, span_s: float | None, span_steps: int,
+                room_steps: int | None = None) -> str | None:
+        """One snapshot took ``copy_s`` seconds; the ``span_steps`` steps since the previous one took ``span_s``
+        (None for the first snapshot). ``room_steps``: the most steps of batches the memory budget holds beside
+        a snapshot (None: no limit known), a bound on the interval. Once enough snapshots are timed the interval
+        is decided (:attr:`decided`, :attr:`every`); the sentence returned then, when it differs from the one
+        asked for, is to be said once. Otherwise None."""
+        if self.decided:
+            return None
+        self.copies.append(copy_s)
+        if span_s is not None and span_steps > 0 and span_s > copy_s:
+            self.steps.append((span_s - copy_s) / span_steps)  # the span's steps, without the copy itself
+        if len(self.copies) < self.measured or not self.steps:
+            return None
+        self.decided = True
+        copy = min(self.copies)  # load from elsewhere only ever adds time
+        step = min(self.steps)
+        longest = self.max_interval if room_steps is None else max(self.asked, min(self.max_interval, room_steps))
+        chosen = snapshot_interval(copy, step, self.asked, self.fraction, longest)
+        self.every = chosen
+        if chosen == self.asked:
+            return None
+        share = copy / (chosen * step)
+        said = (f"A snapshot takes {copy * 1e3:.2f} ms against a healthy step of {step * 1e3:.2f} ms: ")
+        if share <= self.fraction * (1 + 1e-9):
+            said += (f"one is taken every {chosen} steps instead of every {self.asked}, so that snapshots take "
+                     f"{share:.2%} of the training time (at most {self.fraction:.2%}).")
+        else:
+            said += (f"one is taken every {chosen} steps instead of every {self.asked} (the longest interval the "
+                     f"memory budget and the replay length allow), and snapshots still take {share:.2%} of the "
+                     f"training time, over the {self.fraction:.2%} aimed at; snapshot_every=0 turns them off.")
+        return said

@@ -1,0 +1,113 @@
+"""The snapshot cadence: an interval chosen from a snapshot's measured cost, at most a fixed share of the steps it
+spans. The policy is pure (unit tests); one real run checks that AmpWatch's default ``snapshot_every="auto"``
+applies what the policy decides from the times it measured, and leaves an explicit interval alone."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.cadence import MAX_INTERVAL, SNAPSHOT_FRACTION, SnapshotCadence, snapshot_interval
+from lightning_ampwatch.scenarios import Regressor, regression_data
+
+from conftest import make_trainer
+
+
+def test_the_interval_spreads_a_copy_over_enough_steps() -> None:
+    # 2 ms a copy, 1 ms a step, 0.5%: the copy must be spread over 400 steps; a multiple of 20 is 400
+    assert snapshot_interval(2e-3, 1e-3, 20) == 400
+    assert snapshot_interval(2.1e-3, 1e-3, 20) == 420  # 420 steps: the next multiple of 20
+    assert 2.1e-3 / (420 * 1e-3) <= SNAPSHOT_FRACTION < 2.1e-3 / (400 * 1e-3)
+
+
+def test_a_cheap_copy_keeps_the_interval_asked_for() -> None:
+    assert snapshot_interval(1e-5, 1e-3, 20) == 20  # 0.05% at every 20 steps: nothing to lengthen
+    assert snapshot_interval(0.0, 1e-3, 20) == 20
+    assert snapshot_interval(float("nan"), 1e-3, 20) == 20 and snapshot_interval(1e-3, float("inf"), 20) == 20
+
+
+def test_the_interval_is_capped() -> None:
+    assert snapshot_interval(10.0, 1e-3, 20) == MAX_INTERVAL  # 2,000,000 steps wanted; the cap holds
+    assert snapshot_interval(10.0, 1e-3, 20, max_interval=130) == 120  # a multiple of 20 within the cap
+    assert snapshot_interval(10.0, 1e-3, 50, max_interval=30) == 50  # never shorter than asked
+    with pytest.raises(ValueError, match="every"):
+        snapshot_interval(1e-3, 1e-3, 0)
+
+
+def test_the_cadence_decides_once_from_the_fastest_measures() -> None:
+    cadence = SnapshotCadence(20)
+    assert cadence.observe(5e-3, None, 0) is None  # the first: buffers allocated, no span yet
+    assert cadence.observe(4e-3, 20 * 1e-3 + 4e-3, 20) is None and not cadence.decided
+    said = cadence.observe(2e-3, 20 * 1.5e-3 + 2e-3, 20)  # steps of 1 ms and 1.5 ms: the faster counts
+    assert cadence.decided and cadence.every == 400  # 2 ms / (0.5% x 1 ms)
+    assert said is not None and "every 400 steps instead of every 20" in said and "0.50%" in said
+    assert cadence.observe(1.0, 1.0, 400) is None and cadence.every == 400  # decided for the run
+
+
+def test_the_cadence_says_nothing_when_the_interval_stays() -> None:
+    cadence = SnapshotCadence(20)
+    for span in (None, 0.02, 0.02):
+        said = cadence.observe(1e-5, span, 0 if span is None else 20)
+    assert cadence.decided and cadence.every == 20 and said is None
+
+
+def test_the_memory_budget_bounds_the_interval() -> None:
+    cadence = SnapshotCadence(20)
+    for span in (None, 0.03, 0.03):  # 20 steps of 1 ms, and the 10 ms copy
+        said = cadence.observe(1e-2, span, 0 if span is None else 20, room_steps=100)
+    assert cadence.every == 100  # 10 ms a copy on 1 ms steps wants 2000 steps; the batches of 100 fit
+    assert said is not None and "still take 10.00%" in said and "snapshot_every=0" in said
+
+
+def test_the_cadence_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="every"):
+        SnapshotCadence(0)
+    with pytest.raises(ValueError, match="fraction"):
+        SnapshotCadence(20, fraction=1.5)
+
+
+class _KeepControl(Callback):
+    """Keeps AmpWatch's trajectory control at train end (the fit's end lets it go)."""
+
+    def __init__(self, watch: AmpWatch) -> None:
+        self.watch, self.control = watch, None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.control = self.watch.watcher.trajectory
+
+
+def _fit(tmp_path: Path, watch: AmpWatch, steps: int) -> Any:
+    keep = _KeepControl(watch)
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [watch, keep], "fp16", {"init_scale": 2.0**10, "growth_interval": 1000},
+                           max_steps=steps)
+    trainer.fit(Regressor(), DataLoader(regression_data(n=2048), batch_size=32))
+    assert watch.diagnoses == []
+    return keep.control
+
+
+def test_auto_applies_the_policy_to_the_times_it_measured(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        control = _fit(tmp_path, AmpWatch(verbose=False), 61)  # snapshots after steps 0, 20, 40: then decided
+    cadence = control.cadence
+    assert cadence is not None and cadence.decided and len(cadence.copies) == 3 and len(cadence.steps) == 2
+    expected = snapshot_interval(min(cadence.copies), min(cadence.steps), 20)
+    assert cadence.every == control.ring.every == expected
+    said = [r.getMessage() for r in caplog.records if "A snapshot takes" in r.getMessage()]
+    assert said == ([] if expected == 20 else [said[0]])  # said once, when the interval changes
+    if said:
+        assert said[0].startswith("AmpWatch: A snapshot takes ")
+        assert f"every {expected} steps instead of every 20" in said[0]
+
+
+def test_an_explicit_interval_is_kept(tmp_path: Path) -> None:
+    control = _fit(tmp_path, AmpWatch(verbose=False, snapshot_every=5), 31)
+    assert control.cadence is None and control.ring.every == 5
+    assert [s.step for s in control.ring.snapshots] == [25, 30]
