@@ -229,8 +229,11 @@ class StepLedger:
     # ------------------------------------------------------------------ what the hooks report
 
     def backward(self, loss: Tensor) -> None:
+        """The loss is kept unread, without its graph. ``.data`` rather than ``.detach()``: the same values and no
+        graph, without an aten op through the dispatcher on every step (half the time on the CPU); the tape only
+        reads it."""
         mirror = self.mirror
-        self._tape.append((loss.detach(), mirror.scale if mirror is not None else 1.0))  # no read
+        self._tape.append((loss.data, mirror.scale if mirror is not None else 1.0))  # no read
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
