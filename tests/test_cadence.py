@@ -21,10 +21,12 @@ from conftest import make_trainer
 
 
 def test_the_interval_spreads_a_copy_over_enough_steps() -> None:
-    # 2 ms a copy, 1 ms a step, 0.5%: the copy must be spread over 400 steps; a multiple of 20 is 400
-    assert snapshot_interval(2e-3, 1e-3, 20) == 400
-    assert snapshot_interval(2.1e-3, 1e-3, 20) == 420  # 420 steps: the next multiple of 20
-    assert 2.1e-3 / (420 * 1e-3) <= SNAPSHOT_FRACTION < 2.1e-3 / (400 * 1e-3)
+    # 2 ms a copy, 1 ms a step, 0.25%: the copy must be spread over 800 steps; a multiple of 20 is 800
+    assert snapshot_interval(2e-3, 1e-3, 20) == 800
+    assert snapshot_interval(2.1e-3, 1e-3, 20) == 840  # 840 steps: the next multiple of 20
+    assert 2.1e-3 / (840 * 1e-3) <= SNAPSHOT_FRACTION < 2.1e-3 / (820 * 1e-3)
+    # the fraction is a parameter: at 0.5% the same copy needs half the steps
+    assert snapshot_interval(2e-3, 1e-3, 20, fraction=0.005) == 400
 
 
 def test_a_cheap_copy_keeps_the_interval_asked_for() -> None:
@@ -46,9 +48,9 @@ def test_the_cadence_decides_once_from_the_fastest_measures() -> None:
     assert cadence.observe(5e-3, None, 0) is None  # the first: buffers allocated, no span yet
     assert cadence.observe(4e-3, 20 * 1e-3 + 4e-3, 20) is None and not cadence.decided
     said = cadence.observe(2e-3, 20 * 1.5e-3 + 2e-3, 20)  # steps of 1 ms and 1.5 ms: the faster counts
-    assert cadence.decided and cadence.every == 400  # 2 ms / (0.5% x 1 ms)
-    assert said is not None and "every 400 steps instead of every 20" in said and "0.50%" in said
-    assert cadence.observe(1.0, 1.0, 400) is None and cadence.every == 400  # decided for the run
+    assert cadence.decided and cadence.every == 800  # 2 ms / (0.25% x 1 ms)
+    assert said is not None and "every 800 steps instead of every 20" in said and "0.25%" in said
+    assert cadence.observe(1.0, 1.0, 800) is None and cadence.every == 800  # decided for the run
 
 
 def test_the_cadence_says_nothing_when_the_interval_stays() -> None:
@@ -94,7 +96,7 @@ def _fit(tmp_path: Path, watch: AmpWatch, steps: int) -> Any:
 
 
 def test_auto_applies_the_policy_to_the_times_it_measured(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):  # where Lightning's rank-zero lines go
         control = _fit(tmp_path, AmpWatch(verbose=False), 61)  # snapshots after steps 0, 20, 40: then decided
     cadence = control.cadence
     assert cadence is not None and cadence.decided and len(cadence.copies) == 3 and len(cadence.steps) == 2

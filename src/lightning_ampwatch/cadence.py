@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 #: ``snapshot_every="auto"``: the interval the first snapshots are taken at, before their cost is known.
 AUTO_START = 20
-#: The most of a healthy run's time that snapshots may take: at most this fraction of the steps they span.
-SNAPSHOT_FRACTION = 0.005
+#: The most of a healthy run's time that snapshots may take: at most this fraction of the steps they span. A
+#: quarter of the 1% a healthy step may cost in all: on a 1 ms step the hooks and the log step need the rest.
+SNAPSHOT_FRACTION = 0.0025
 #: Snapshots timed before the interval is chosen. The first snapshots allocate their host buffers; from the
 #: third on (two are held) a snapshot reuses the oldest one's, as in the rest of the run.
 SNAPSHOTS_MEASURED = 3

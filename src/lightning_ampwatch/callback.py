@@ -128,7 +128,7 @@ class AmpWatch(Callback):
         snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
             optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
             ``"auto"`` (the default): every 20 steps at first; once the first snapshots have been timed, as often
-            as keeps their copies within 0.5% of the training time (said once when that lengthens the interval).
+            as keeps their copies within 0.25% of the training time (said once when that lengthens the interval).
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
             ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
             falls back to the single batch, and AmpWatch says so once.
