@@ -276,7 +276,7 @@ class AmpWatch(Callback):
             return
         control = TrajectoryControl(SnapshotRing(self.snapshot_budget, self.snapshot_every),
                                     TrainState.from_trainer(trainer, pl_module), self.thresholds.divergence_ratio,
-                                    self._say_once)
+                                    self._say_once, on_failure=self._internal_failure)  # h-shard: snapshot failures
         investigations.trajectory = self._ledger.trajectory = control  # type: ignore[union-attr]
 
     def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -359,11 +359,12 @@ class TrajectoryControl:
     precision (then the live state is put back exactly). Its verdict is the one that stands."""
 
     def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], on_failure: Callable[[str, Exception], None] | None = None) -> None:
         self.ring = ring
         self.state = state
         self.divergence_ratio = divergence_ratio
         self.say = say
+        self.on_failure = on_failure  # the callback's: a failure is reported once, the watch goes on
         if state.unavailable is not None:
             ring.turn_off(state.unavailable)  # said in the evidence of each alarm it would have judged
         self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
@@ -374,9 +375,15 @@ class TrajectoryControl:
         ring = self.ring
         if not ring.enabled:
             return
-        ring.add_batches(step, batches)
-        if quiet and not self.paused:
-            ring.after_step(step, self.state)
+        try:
+            ring.add_batches(step, batches)
+            if quiet and not self.paused:
+                ring.after_step(step, self.state)
+        except Exception as err:  # noqa: BLE001 - the step is still taken in by the ledger: never drop it
+            ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
+            if self.on_failure is not None:
+                self.on_failure("a snapshot for the FP32 trajectory control", err)
+            return
         if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
             self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
                      "loss trend still separates divergence from overflow.")
@@ -386,6 +393,10 @@ class TrajectoryControl:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does)."""
         ev = dict(diagnosis.evidence)
         snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
+        stale = snapshot.stale(self.state) if snapshot is not None else None
+        if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
+            self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
+            snapshot = None
         local: tuple[str, str, dict[str, Any]] | None = None
         if snapshot is None:
             reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
@@ -397,7 +408,8 @@ class TrajectoryControl:
                 fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
                 amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
                 verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
-                local = (verdict.kind.value, verdict.reason, verdict.evidence)
+                # what the snapshot held on this rank (trained state only: frozen parameters are left out)
+                local = (verdict.kind.value, verdict.reason, {**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = ("error", f"{type(err).__name__}: {err}", {})
         results = [r for r in (distributed.gather(local) if agree else [local]) if r is not None]

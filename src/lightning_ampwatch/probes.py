@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_ampwatch import sharding
+
 FP16_MAX = 65504.0
 _STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
@@ -229,7 +231,9 @@ class Replayer:
         scaled: list[Tensor | None] | None = None
         unscaled: list[Tensor | None] | None = None
         probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
-        with no_trace(self.module), (probe_ctx or contextlib.nullcontext()):
+        # the FP32 control is FP32 throughout: a frozen half-precision base is computed in float32 meanwhile
+        fp32 = contextlib.nullcontext(0) if use_autocast else sharding.fp32_frozen(self.module)
+        with no_trace(self.module), (probe_ctx or contextlib.nullcontext()), fp32:
             for mb in micro_batches:
                 if mb.rng is not None:
                     torch.set_rng_state(mb.rng)

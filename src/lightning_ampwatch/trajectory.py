@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from lightning_ampwatch import sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -59,22 +60,37 @@ class TrainState:
     forward_context: Callable[[], Any] = contextlib.nullcontext  # the precision plugin's: the amp replay's autocast
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
 
+    root: Any = None  # the module as the strategy wraps it (DDP, FSDP2): state dicts are read from it; else module
+
+    def __post_init__(self) -> None:
+        if self.root is None:
+            self.root = self.module
+
     @classmethod
     def from_trainer(cls, trainer: Any, pl_module: Any) -> "TrainState":
         """Read from a fitting Trainer (call it once optimizers exist: ``on_train_start`` or later)."""
         plugin = trainer.precision_plugin
+        root = getattr(trainer.strategy, "model", None)
+        root = root if isinstance(root, torch.nn.Module) else pl_module
         unavailable = None
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
-        elif any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters()):
-            unavailable = ("the trajectory control is not available: the weights themselves are half precision "
-                           "(a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
+            # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
+            # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
+            unavailable = ("the trajectory control is not available: the trained weights themselves are half "
+                           "precision (a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        else:
+            unavailable = sharding.unsupported_reason(root)
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and not _enabled(scaler):
+            scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
         algorithm = trainer.gradient_clip_algorithm
         return cls(
             module=pl_module,
             optimizers=list(trainer.optimizers),
-            scaler=getattr(plugin, "scaler", None),
+            scaler=scaler,
             schedulers=[(c.scheduler, c.frequency) for c in trainer.lr_scheduler_configs
                         if c.interval == "step" and not c.reduce_on_plateau],
             clip_val=trainer.gradient_clip_val,
@@ -83,6 +99,7 @@ class TrainState:
             device=pl_module.device,
             forward_context=plugin.forward_context,
             unavailable=unavailable,
+            root=root,
         )
 
 
@@ -107,23 +124,31 @@ class _ScalerState:
     growth_interval: int
 
 
+class SnapshotError(RuntimeError):
+    """A snapshot cannot be put back as it stands (the live state no longer matches what it left out)."""
+
+
 @dataclass
 class Snapshot:
-    """Module parameters and buffers, every optimizer's state, the scaler's and the step schedulers' state and the
-    RNG, taken after optimizer step ``step``. Tensors are host copies; the loops' counters are not included
-    (``global_step`` stays monotonic)."""
+    """The trained state (module parameters that require gradients and buffers, every optimizer's state), the
+    scaler's and the step schedulers' state and the RNG, taken after optimizer step ``step``. The module and
+    optimizer state come from torch's distributed state-dict machinery (:mod:`~lightning_ampwatch.sharding`), so
+    under DDP and FSDP2 each rank copies what it holds; frozen parameters are left out and only their version
+    counters kept. Tensors are host copies; the loops' counters are not included (``global_step`` stays
+    monotonic)."""
 
     step: int
     host: list[Tensor]  # every tensor, flat; a ring slot reused by the next snapshot of the same layout
-    params: list[_At]
-    buffers: list[_At]
+    model: list[tuple[str, _At | Any]]  # the model state dict's entries (trainable parameters and buffers)
+    optim_state: list[tuple[str, dict[str, Any]]]  # per parameter name: its optimizer state
+    groups: list[list[dict[str, Any]]]  # per optimizer: its param groups, without the params
     grads: list[_At | None] | None  # only in the live state a replay puts back
-    optimizers: list[tuple[list[dict[str, Any] | None], list[dict[str, Any]]]]  # per-param state, param groups
     schedulers: list[dict[str, Any]]
     scaler: _ScalerState | None
     rng: Tensor
     cuda_rng: Tensor | None
     pinned: bool
+    frozen: tuple[tuple[str, int], ...] = ()  # (name, version counter) of each frozen parameter when taken
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -148,27 +173,44 @@ class Snapshot:
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned)
 
+    def stale(self, state: TrainState) -> str | None:
+        """Why this snapshot can no longer be put back (a frozen parameter changed in place since), or None."""
+        name = sharding.changed_frozen(self.frozen, state.root)
+        if name is None:
+            return None
+        return (f"the frozen parameter {name!r} was changed in place after the snapshot of step {self.step} was "
+                "taken (its version counter moved); snapshots leave frozen parameters out, so this one cannot be "
+                "put back")
+
     def restore(self, state: TrainState) -> None:
-        """Put this state into the live objects, in place where the layout allows (no second model)."""
-        module = state.module
-        params = list(module.parameters())
+        """Put this state into the live objects, in place (no second model, no new tensors where the layout
+        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot."""
+        if self.step >= 0:
+            why = self.stale(state)
+            if why is not None:
+                raise SnapshotError(why)
+        model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
+        missing = [k for k, _ in self.model if k not in model_sd] + \
+                  [k for k, _ in self.optim_state if k not in optim_sd]
+        if missing:
+            raise SnapshotError(f"the live state has no entry {missing[0]!r} that the snapshot holds")
         with torch.no_grad():
-            for live, saved in zip(params, self.params):
-                live.copy_(self.host[saved.index], non_blocking=self.pinned)
-            for live, saved in zip(module.buffers(), self.buffers):
-                live.copy_(self.host[saved.index], non_blocking=self.pinned)
+            for key, saved in self.model:
+                if isinstance(saved, _At):
+                    sharding.local(model_sd[key]).copy_(self.host[saved.index], non_blocking=self.pinned)
+            held = {k for k, _ in self.optim_state}
+            for key, current in optim_sd.items():
+                if key not in held:
+                    current.clear()  # state created after the snapshot: torch's optimizers start it afresh
+            for key, saved_state in self.optim_state:
+                current = optim_sd[key]
+                restored = {k: self._value(v, current.get(k)) for k, v in saved_state.items()}
+                current.clear()
+                current.update(restored)
             if self.grads is not None:
-                for p, saved in zip(params, self.grads):
+                for p, saved in zip(_trainable(state), self.grads):
                     p.grad = None if saved is None else self._value(saved, p.grad)
-            for opt, (per_param, groups) in zip(state.optimizers, self.optimizers):
-                for p, saved_state in zip(_params_of(opt), per_param):
-                    if saved_state is None:
-                        opt.state.pop(p, None)
-                        continue
-                    current = opt.state[p]
-                    restored = {k: self._value(v, current.get(k)) for k, v in saved_state.items()}
-                    current.clear()
-                    current.update(restored)
+            for opt, groups in zip(state.optimizers, self.groups):
                 for group, saved_group in zip(opt.param_groups, groups):
                     for key in [k for k in group if k != "params" and k not in saved_group]:
                         del group[key]
@@ -183,13 +225,16 @@ class Snapshot:
             torch.cuda.set_rng_state(self.cuda_rng, state.device)
 
     def _value(self, saved: Any, current: Any) -> Any:
-        """A saved value made live again: copied into ``current`` when it is a tensor of the same layout."""
+        """A saved value made live again: copied into ``current`` (its local shard) when it is a tensor of the same
+        layout."""
         if not isinstance(saved, _At):
             return copy.deepcopy(saved)
         host = self.host[saved.index]
-        if isinstance(current, Tensor) and current.shape == host.shape and current.dtype == host.dtype \
-                and current.device == saved.device:
-            return current.copy_(host, non_blocking=self.pinned)
+        if isinstance(current, Tensor):
+            target = sharding.local(current)
+            if target.shape == host.shape and target.dtype == host.dtype and target.device == saved.device:
+                target.copy_(host, non_blocking=self.pinned)
+                return current
         return host.to(saved.device, copy=True)
 
     def _restore_scaler(self, scaler: Any) -> None:
@@ -214,40 +259,50 @@ class Snapshot:
         }
 
 
+def _trainable(state: TrainState) -> list[Tensor]:
+    return [p for p in state.module.parameters() if p.requires_grad]
+
+
 def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any]]:
-    """Every live tensor a snapshot copies, flat, and where each goes back (the other values copied as they are)."""
+    """Every live tensor a snapshot copies, flat (a DTensor's local shard), and where each goes back (the other
+    values copied as they are)."""
     live: list[Tensor] = []
 
     def at(t: Tensor) -> _At:
-        live.append(t.detach())
+        t = sharding.local(t.detach())
+        live.append(t)
         return _At(len(live) - 1, t.device)
 
     def keep(value: Any) -> Any:
         return at(value) if isinstance(value, Tensor) else copy.deepcopy(value)
 
-    params = list(state.module.parameters())
+    model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
     parts: dict[str, Any] = {
-        "params": [at(p) for p in params],
-        "buffers": [at(b) for b in state.module.buffers()],
-        "grads": [None if p.grad is None else at(p.grad) for p in params] if grads else None,
-        "optimizers": [
-            ([{k: keep(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in _params_of(opt)],
-             [{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
-            for opt in state.optimizers
-        ],
+        "model": [(k, keep(v)) for k, v in model_sd.items()],
+        "optim_state": [(k, {name: keep(v) for name, v in per.items()}) for k, per in optim_sd.items()],
+        "groups": [[{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                   for opt in state.optimizers],
+        "grads": [None if p.grad is None else at(p.grad) for p in _trainable(state)] if grads else None,
         "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
         "scaler": None,
+        "frozen": sharding.frozen_versions(state.root),
     }
     sc = state.scaler
-    if sc is not None:
+    if sc is not None and _enabled(sc):
         if getattr(sc, "_scale", None) is None:  # not used yet: its state is plain numbers, read without a sync
-            sd = sc.state_dict()
-            scale, tracker = sd["scale"], sd["_growth_tracker"]
+            scale, tracker = float(sc._init_scale), int(getattr(sc, "_init_growth_tracker", 0))
         else:  # device tensors, copied without a sync (GradScaler.state_dict() would .item() them)
             scale, tracker = at(sc._scale), at(sc._growth_tracker)
         parts["scaler"] = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
                                        sc.get_growth_interval())
     return live, parts
+
+
+def _enabled(scaler: Any) -> bool:
+    """A GradScaler made with ``enabled=False`` (as Lightning's FSDP precision makes one without CUDA) scales
+    nothing and keeps no state."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
 
 
 def _nbytes(micro_batches: Sequence[Any]) -> int:
@@ -419,7 +474,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     losses: list[Tensor | None] = []
     skipped: list[Tensor] = []
     try:
-        with no_trace(state.module), _without_step_hooks(state.optimizers):
+        with no_trace(state.module), _without_step_hooks(state.optimizers), \
+                (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)):
             snapshot.restore(state)
             for _, micro_batches in steps:
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
@@ -504,16 +560,4 @@ def _clip(state: TrainState, optimizer: torch.optim.Optimizer) -> None:
     getattr(clip, "__ampwatch_original__", clip)(list(_params_of(optimizer)), state.clip_val)
 
 
-@contextlib.contextmanager
-def _without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
-    """Replayed optimizer steps stay unseen by the step hooks watching the live run (AmpWatch's own among them)."""
-    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
-    for opt, _, _ in saved:
-        opt._optimizer_step_pre_hooks = OrderedDict()
-        opt._optimizer_step_post_hooks = OrderedDict()
-    try:
-        yield
-    finally:
-        for opt, pre, post in saved:
-            opt._optimizer_step_pre_hooks = pre
-            opt._optimizer_step_post_hooks = post
+_without_step_hooks = sharding.without_step_hooks  # kept under its old name for the callers here

@@ -1,0 +1,124 @@
+"""What AmpWatch knows about sharded and wrapped training state, in one place.
+
+Snapshots read the live state through torch's own distributed state-dict machinery
+(:func:`torch.distributed.checkpoint.state_dict.get_state_dict`), which sees through DDP, FSDP2 (``fully_shard``)
+and tensor parallelism, keys optimizer state by parameter name and leaves frozen parameters out. For a plain
+module, DDP and FSDP2 the tensors it returns *are* the live tensors (a DTensor's local shard shares its storage),
+so a snapshot copies them to the host and a restore copies them back in place: no second model, no new tensors,
+the optimizer's param-group dicts untouched (the step ledger holds on to them).
+
+FSDP1 (``FullyShardedDataParallel``) returns state-dict tensors that are built for the call, not views of its flat
+parameters: an in-place restore would change nothing. AmpWatch says so and keeps the trajectory control off there
+rather than pretend (see :func:`unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+try:  # torch >= 2.4 has both; kept optional so that a build without torch.distributed still imports
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    get_state_dict = None  # type: ignore[assignment]
+    StateDictOptions = None  # type: ignore[assignment,misc]
+    DTensor = ()  # type: ignore[assignment,misc]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def local(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds: a DTensor's local shard (a view of its storage), else ``t``."""
+    return t.to_local() if DTensor and isinstance(t, DTensor) else t
+
+
+def unsupported_reason(root: nn.Module) -> str | None:
+    """Why snapshots cannot be restored in place for ``root``, or None when they can."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    if any(isinstance(m, FullyShardedDataParallel) for m in root.modules()):
+        return ("the trajectory control is not available under FSDP1 (FullyShardedDataParallel): its state-dict "
+                "tensors are built for each call rather than views of its flat parameters, so a snapshot could not "
+                "be put back in place; FSDP2 (ModelParallelStrategy / fully_shard) is supported")
+    if get_state_dict is None:  # pragma: no cover
+        return "the trajectory control needs torch.distributed.checkpoint, which this torch build lacks"
+    return None
+
+
+def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+               ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(model state, optimizer state keyed by parameter name) of the live run, frozen parameters left out. For the
+    modules :func:`unsupported_reason` accepts, every tensor in them is (or, for a DTensor, wraps) the live tensor,
+    and every per-parameter dict is the optimizer's own ``state[param]``.
+
+    ``get_state_dict`` steps an optimizer that has no state and no gradients once, at LR 0, to create its state;
+    the optimizers' step hooks are hidden meanwhile so that AmpWatch's own hook never counts that as a step."""
+    options = StateDictOptions(ignore_frozen_params=True)
+    with without_step_hooks(optimizers):
+        if optimizers:
+            model_sd, optim_sd = get_state_dict(root, list(optimizers), options=options)
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+            model_sd, optim_sd = get_model_state_dict(root, options=options), {"state": {}}
+    return model_sd, optim_sd.get("state", {})
+
+
+def frozen_versions(root: nn.Module) -> tuple[tuple[str, int], ...]:
+    """The version counter of every frozen parameter: any in-place change bumps it, so a snapshot that left them
+    out can tell when they are no longer what it assumed. A Python loop over the frozen parameters, run when a
+    snapshot is taken (every ``snapshot_every`` steps), never on other steps."""
+    return tuple((name, p._version) for name, p in root.named_parameters() if not p.requires_grad)
+
+
+def changed_frozen(saved: tuple[tuple[str, int], ...], root: nn.Module) -> str | None:
+    """The first frozen parameter changed in place since ``saved`` was read, or None."""
+    now = dict(frozen_versions(root))
+    for name, version in saved:
+        if now.get(name, version) != version:
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def fp32_frozen(module: nn.Module) -> Iterator[int]:
+    """Frozen half-precision parameters (a bf16 base under a LoRA or a head) computed in float32 for the block, so
+    that the FP32 control is FP32 throughout; put back (the very same tensors) on exit. Yields the bytes of the
+    temporary float32 copies. Trainable half-precision parameters are not touched (a '16-true' run has no FP32
+    run to compare with; the control says so elsewhere)."""
+    swapped: list[tuple[nn.Parameter, Tensor]] = []
+    extra = 0
+    try:
+        with torch.no_grad():
+            for p in module.parameters():
+                if not p.requires_grad and p.dtype in HALF and not (DTensor and isinstance(p, DTensor)):
+                    swapped.append((p, p.data))
+                    p.data = p.data.float()
+                    extra += p.data.nbytes
+        yield extra
+    finally:
+        for p, original in swapped:
+            p.data = original
+
+
+@contextlib.contextmanager
+def without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Optimizer steps taken inside stay unseen by the step hooks watching the live run (AmpWatch's own among
+    them). Optimizers without torch's hook dicts (DeepSpeed's) are left as they are."""
+    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers
+             if hasattr(opt, "_optimizer_step_pre_hooks") and hasattr(opt, "_optimizer_step_post_hooks")]
+    for opt, _, _ in saved:
+        opt._optimizer_step_pre_hooks = OrderedDict()
+        opt._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for opt, pre, post in saved:
+            opt._optimizer_step_pre_hooks = pre
+            opt._optimizer_step_post_hooks = post
