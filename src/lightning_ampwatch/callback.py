@@ -185,6 +185,7 @@ class AmpWatch(Callback):
         self._disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
+        self._relay = distributed.Relay()  # h-shard: diagnoses a rank reached alone, for rank zero
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -367,6 +368,9 @@ class AmpWatch(Callback):
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(trainer, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        if values and self._world_size > 1 and not self._scaler_active:  # h-shard: a fault another rank saw alone
+            for relayed in self._relay.at_log_step(values[0]):
+                self._publish_relayed(trainer, relayed)
         reporters.log_metrics(trainer, values, skipped_total=machine.skipped_total, scale=scale)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
@@ -383,6 +387,9 @@ class AmpWatch(Callback):
         if self._treatment.due or self._treatment.watch is not None:
             self._treatment.at_step_boundary(self._site(trainer, pl_module))
         self._treatment.finish()  # still watched: its outcome stays unknown, never assumed
+        if self._world_size > 1 and not self._scaler_active:  # h-shard: every rank is here: the last exchange
+            for relayed in self._relay.exchange():
+                self._publish_relayed(trainer, relayed)
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
         self._detach(pl_module)
@@ -480,6 +487,13 @@ class AmpWatch(Callback):
             elif effect is Effect.OPTIMIZERS:
                 self._ledger.read_param_groups(trainer.optimizers, lrs_now=True)
 
+    def _publish_relayed(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
+        """h-shard: rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The
+        decision it led to was that rank's; rank zero only reports it."""
+        self.diagnoses.append(diagnosis)
+        if self.reporters is not None:
+            self.reporters.publish(diagnosis, trainer.loggers)
+
     def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
         replaces the record it takes back; the event log gets one more line saying so."""
@@ -487,6 +501,8 @@ class AmpWatch(Callback):
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
+        if self._world_size > 1 and not self._scaler_active:  # h-shard: rank zero hears of it (Relay)
+            self._relay.hold(diagnosis)
         if diagnosis.remedy is not None and self.reporters is not None and self._treatment.applied:
             self.reporters.record_remedy(self._treatment.applied[-1].step, diagnosis.remedy)
         if self.reporters is not None:

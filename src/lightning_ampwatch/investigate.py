@@ -178,6 +178,8 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
 
 def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:
     ev: dict[str, Any] = {f"{prefix}_loss": result.loss}
+    if result.grads_unavailable is not None:
+        ev[f"{prefix}_grads"] = f"unavailable: {result.grads_unavailable}"
     if result.grads_finite is not None:
         ev[f"{prefix}_grads_finite"] = result.grads_finite
     if result.unscaled_grads_finite is not None and result.grad_scale != 1.0:  # at scale 1 it is grads_finite

@@ -60,6 +60,8 @@ class ReplayResult:
     #: the largest finite |gradient| at scale 1 over all parameters (a safe scale is about 65504 / this)
     grad_absmax: float | None = None
     error: str | None = None
+    #: why the gradient probe measured nothing (no gradient reached any parameter); None when it measured
+    grads_unavailable: str | None = None
 
     @property
     def loss_finite(self) -> bool | None:
@@ -261,8 +263,13 @@ class Replayer:
         if scaled is not None:
             present = [(name, s, u) for (name, _), s, u in zip(params, scaled, unscaled or scaled) if s is not None]
             result.grad_scale = grad_scale
-            result.grads_finite, result.unscaled_grads_finite = True, True
+            if not present and tensors:
+                # autograd reached no parameter (FSDP2 computes with gathered copies, not the sharded parameters
+                # it holds): the probe measured nothing, so it says so rather than "finite"
+                result.grads_unavailable = ("no gradient reached the parameters in the replay (a sharded model "
+                                            "computes with gathered copies of them)")
             if present:
+                result.grads_finite, result.unscaled_grads_finite = True, True
                 values = torch.stack([torch.stack([torch.isfinite(s).all().float(), torch.isfinite(u).all().float(),
                                                    _finite_absmax(u)]) for _, s, u in present]).cpu().tolist()
                 bad = [name for (name, _, _), (ok, _, _) in zip(present, values) if not ok]
