@@ -9,6 +9,12 @@ strategy computes.
   re-run the test script as a subprocess, which under pytest means re-running pytest). DeepSpeed then runs on its
   own CPU accelerator, in bf16 only: this CPU's DeepSpeed refuses fp16. The first run builds DeepSpeed's shared
   memory op (about two minutes here; cached under ``~/.cache/torch_extensions`` afterwards).
+- FSDP2 (``cpu_fsdp2``): Lightning's ``ModelParallelStrategy`` runs on the CPU as it is (gloo, a CPU device
+  mesh); the real-fp16 plugin with a plain ``torch.amp.GradScaler("cpu")`` works on its DTensor gradients and
+  agrees ``found_inf`` across ranks. Two overrides: the processes are forked (as above), and the forked
+  launcher does not send the final weights home, since the main process cannot unpickle DTensors
+  (``Callable map_location not supported with _rebuild_wrapper_subclass``); the tests read what each rank
+  wrote instead.
 """
 
 from __future__ import annotations
@@ -56,6 +62,28 @@ def cpu_deepspeed(**kwargs: Any) -> Any:
             self._launcher = _MultiProcessingLauncher(self, start_method="fork")
 
     return CpuDeepSpeedStrategy(**kwargs)
+
+
+def _forked_launcher(strategy: Any) -> Any:
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    class ForkedLauncher(_MultiProcessingLauncher):
+        def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+            trainer.state = worker_output.trainer_state  # not the weights: DTensors do not unpickle here
+
+    return ForkedLauncher(strategy, start_method="fork")
+
+
+def cpu_fsdp2(**kwargs: Any) -> Any:
+    """Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) on forked CPU processes,
+    data-parallel over 2 ranks."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class CpuFsdp2Strategy(ModelParallelStrategy):
+        def _configure_launcher(self) -> None:
+            self._launcher = _forked_launcher(self)
+
+    return CpuFsdp2Strategy(**{"data_parallel_size": 2, "tensor_parallel_size": 1, **kwargs})
 
 
 class RowsByRank(pl.LightningDataModule):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import distributed, sharding
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
@@ -71,7 +71,14 @@ class Investigator:
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
-        if not agree or distributed.rank() in fault_ranks:
+        # h-shard: a sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
+        # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
+        everyone = sharding.replay_needs_all_ranks(self.module) and distributed.world_size() > 1
+        if everyone and not agree:
+            return ReplayRecord(evidence={"replay": (
+                "not run: the model is sharded, so a replay's forward talks to every rank, and without a scaler the "
+                "ranks meet anomalies at different steps: a replay on this rank alone would wait for the others")})
+        if not agree or distributed.rank() in fault_ranks or everyone:
             try:
                 local = self._local(batches, scale, weights_stepped)
                 local.loss_level = loss_level
@@ -81,7 +88,9 @@ class Investigator:
         failed = [(r, res.error) for r, res in enumerate(results) if res is not None and res.error]
         if failed:
             raise InvestigationError(f"the replay failed on rank {failed[0][0]}: {failed[0][1]}")
-        for r, res in enumerate(results):
+        order = [r for r in fault_ranks if r < len(results)] + list(range(len(results)))
+        for r in order:  # the first rank at fault that replayed (every rank replays a sharded model)
+            res = results[r]
             if res is not None:
                 if agree and distributed.world_size() > 1:
                     res.evidence.update(fault_ranks=list(fault_ranks), investigated_on_rank=r)
@@ -137,11 +146,15 @@ class Investigator:
             ev.update(_replay_evidence(amp, "replay"))
             out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
-                out.module = f"{type(self.module).__name__}.training_step"
+                out.module = f"{sharding.class_name(self.module)}.training_step"
             out.param = amp.first_nonfinite_param
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
-        if self.control:
+        half = sharding.half_param_dtype(self.module) if self.control else None
+        if half is not None:  # h-shard: FSDP computes in its param dtype whatever autocast says
+            ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
+                                  "compute, so a replay without autocast would not be FP32")
+        elif self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
             ev.update(_replay_evidence(ctl, "fp32_control"))
             out.control_loss = ctl.loss

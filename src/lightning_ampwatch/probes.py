@@ -73,7 +73,7 @@ class ForwardProbe:
     magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
     def __init__(self, root: nn.Module) -> None:
-        self._names = {m: (n or type(root).__name__) for n, m in root.named_modules()}
+        self._names = {m: (n or sharding.class_name(root)) for n, m in root.named_modules()}
         self._leaves = {name for m, name in self._names.items() if not any(True for _ in m.children())}
         self._records: list[tuple[str, Tensor, bool]] = []  # name, [out_finite, out_absmax, in_finite], fp16
         self._handles: list[Any] = []

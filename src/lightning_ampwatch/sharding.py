@@ -122,3 +122,40 @@ def without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[
         for opt, pre, post in saved:
             opt._optimizer_step_pre_hooks = pre
             opt._optimizer_step_post_hooks = post
+
+
+def replay_needs_all_ranks(module: nn.Module) -> bool:
+    """Whether running ``module``'s forward talks to the other ranks: FSDP2 / tensor-parallel parameters
+    (DTensors), FSDP1's flattened parameters, DeepSpeed ZeRO-3's partitioned ones. A replay of such a model is
+    only safe when every rank replays at the same time."""
+    for p in module.parameters():
+        if (DTensor and isinstance(p, DTensor)) or getattr(p, "_fsdp_flattened", False) or hasattr(p, "ds_id"):
+            return True
+    return False
+
+
+def half_param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The half-precision dtype FSDP gathers parameters in for compute (an FSDP2 ``MixedPrecisionPolicy`` or an
+    FSDP1 ``MixedPrecision`` with a half ``param_dtype``), or None. Under it a replay "without autocast" still
+    computes in half precision: it would be no FP32 control."""
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)  # FSDP2: fully_shard's module class
+        if callable(get_state):
+            dtype = getattr(getattr(get_state(), "_mp_policy", None), "param_dtype", None)
+            if dtype in HALF:
+                return dtype
+        mixed = getattr(m, "mixed_precision", None)  # FSDP1
+        dtype = getattr(mixed, "param_dtype", None)
+        if dtype in HALF:
+            return dtype
+    return None
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name: ``fully_shard`` swaps a module's class for a generated ``FSDP<Name>`` subclass."""
+    cls = type(module)
+    if any(base.__name__ == "FSDPModule" for base in cls.__mro__[1:]):
+        user = next((b for b in cls.__bases__ if b.__name__ != "FSDPModule"), None)
+        if user is not None:
+            return user.__name__
+    return cls.__name__

@@ -81,6 +81,10 @@ class TrainState:
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
             unavailable = ("the trajectory control is not available: the trained weights themselves are half "
                            "precision (a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        elif sharding.half_param_dtype(root) is not None:
+            unavailable = (f"the trajectory control is not available: FSDP gathers the parameters in "
+                           f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a replay "
+                           "without autocast would not be an FP32 run")
         else:
             unavailable = sharding.unsupported_reason(root)
         scaler = getattr(plugin, "scaler", None)
@@ -481,7 +485,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
                 skipped.append(skip)
-            finite = torch.stack([torch.isfinite(p).all() for p in state.module.parameters()]).all()
+            finite = torch.stack([torch.isfinite(sharding.local(p)).all() for p in state.module.parameters()]).all()
             present = [t.float().reshape(()) for t in losses if t is not None]
             read = torch.stack([*present, finite.float(), *(s.float() for s in skipped)]).tolist()  # the one read
     finally:

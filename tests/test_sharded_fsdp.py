@@ -1,0 +1,129 @@
+"""FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard``) in two CPU processes with gloo, real float16 autocast
+and a real GradScaler: a fault on one rank's data is replayed by every rank together (a sharded forward is
+collective), and both ranks reach the same located diagnosis; the step and skip counts are the run's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from _sharded import RowsByRank, cpu_fsdp2
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.scenarios import true_fp16_plugin
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+class ShardedSoftmax(pl.LightningModule):
+    """Two hidden layers and a head, each ``fully_shard``-ed, and a hand-written softmax: ``exp`` of the raw logits
+    overflows float16 past ~11 (FP32 has room up to ~88)."""
+
+    def __init__(self, param_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.param_dtype = param_dtype
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype)
+        for m in (self.body[0], self.body[2], self.head, self):
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        e = self.head(self.body(x)).exp()
+        p = e / e.sum(-1, keepdim=True)
+        return -p.gather(1, y[:, None]).float().log().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def one_rank_overflows(row: int = 16 * 2 * 5 + 1, factor: float = 60.0) -> TensorDataset:
+    """Separable data; one row scaled so that its logits' exp overflows float16 but not float32. Row 161 is rank
+    1's batch 5 (batch size 16, rows alternate between the ranks): only rank 1 ever sees it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = (x @ torch.randn(8, 4, generator=g)).argmax(-1)
+    x[row] *= factor
+    return TensorDataset(x, y)
+
+
+class Dump(pl.Callback):
+    """Each rank writes its diagnoses, its summary counts and the run's own skip count (the scale backs off exactly
+    on a skipped step), for the parent process to compare."""
+
+    def __init__(self, watch: AmpWatch, out_dir: str) -> None:
+        self.watch, self.out_dir = watch, out_dir
+        self.skipped, self._last = 0, None
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._last = float(trainer.precision_plugin.scaler.get_scale())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        scale = float(trainer.precision_plugin.scaler.get_scale())
+        self.skipped += int(scale < self._last)
+        self._last = scale
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = self.watch._run_stats()
+        out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
+               "skipped": stats.skipped, "scale": stats.scale, "run_steps": trainer.global_step,
+               "run_skipped": self.skipped, "run_scale": self._last}
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+def _fit(tmp_path: Path, module: Any, data: TensorDataset, max_steps: int = 10,
+         **watch_kw: Any) -> list[dict[str, Any]]:
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, **watch_kw)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+    trainer.fit(module(), datamodule=RowsByRank(data))  # made after seeding: the same weights every run
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _alarm(rank: dict[str, Any]) -> dict[str, Any]:
+    return next(d for d in rank["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+
+
+def test_fsdp2_a_forward_overflow_on_one_rank_is_located_the_same_on_both(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, ShardedSoftmax, one_rank_overflows(), snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = _alarm(rank0)
+    assert (d["finding"], d["step"]) == (Finding.FORWARD_OVERFLOW.value, 5)
+    assert d["location"] == "ShardedSoftmax.training_step"  # exp overflows outside any module
+    ev = d["evidence"]
+    assert ev["fault_ranks"] == [1] and ev["investigated_on_rank"] == 1
+    assert ev["replay_loss"] == "inf" and isinstance(ev["fp32_control_loss"], float)
+    # the trajectory control ran on the sharded state (snapshots of each rank's shards) and confirms float16
+    assert ev["trajectory_verdict"] == "amp_confirmed" and ev["trajectory_snapshot_step"] == 4
+    # every step and every skip counted as the run made them
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 10
+        assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7
+
+
+def test_fsdp2_half_param_dtype_runs_no_false_fp32_control(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, lambda: ShardedSoftmax(param_dtype=torch.float16), one_rank_overflows(), snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = _alarm(rank0)
+    assert d["finding"] != Finding.FP32_UNSTABLE.value  # a pure float16 overflow is not blamed on FP32
+    assert d["finding"] == Finding.FORWARD_OVERFLOW.value
+    ev = d["evidence"]
+    assert ev["fp32_control"].startswith("not run: FSDP gathers the parameters in float16")
+    assert "FSDP gathers the parameters in float16" in ev["trajectory_control"]
