@@ -84,12 +84,12 @@ class Dump(pl.Callback):
         (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-def _fit(tmp_path: Path, module: Any, data: TensorDataset, max_steps: int = 10,
+def _fit(tmp_path: Path, module: Any, data: TensorDataset, max_steps: int = 10, init_scale: float = 2.0**8,
          **watch_kw: Any) -> list[dict[str, Any]]:
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=False, **watch_kw)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin(init_scale=init_scale)],
         max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=str(tmp_path),
         callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
@@ -110,6 +110,7 @@ def test_fsdp2_a_forward_overflow_on_one_rank_is_located_the_same_on_both(tmp_pa
     ev = d["evidence"]
     assert ev["fault_ranks"] == [1] and ev["investigated_on_rank"] == 1
     assert ev["replay_loss"] == "inf" and isinstance(ev["fp32_control_loss"], float)
+    assert "replay_grads" not in ev  # the sharded gradients were measured (reduced across the ranks)
     # the trajectory control ran on the sharded state (snapshots of each rank's shards) and confirms float16
     assert ev["trajectory_verdict"] == "amp_confirmed" and ev["trajectory_snapshot_step"] == 4
     # every step and every skip counted as the run made them
@@ -127,3 +128,27 @@ def test_fsdp2_half_param_dtype_runs_no_false_fp32_control(tmp_path: Path) -> No
     ev = d["evidence"]
     assert ev["fp32_control"].startswith("not run: FSDP gathers the parameters in float16")
     assert "FSDP gathers the parameters in float16" in ev["trajectory_control"]
+
+
+class Loud(ShardedSoftmax):
+    """A plain cross-entropy whose gradients, at a start-up scale of 2**24, overflow float16 in backward."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.body(x)).float(), y) * 64
+
+
+def test_fsdp2_a_start_up_gradient_overflow_gets_a_measured_safe_scale(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, Loud, one_rank_overflows(factor=1.0), max_steps=14, init_scale=2.0**24,
+                        remediate="lower_init_scale")
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = _alarm(rank0)
+    assert d["finding"] == Finding.GRADIENT_OVERFLOW.value and d["evidence"]["pattern"] == "startup"
+    ev = d["evidence"]
+    # measured from the sharded gradients, every rank's shard reduced: not "finite" by default
+    assert ev["replay_grads_finite"] is False and ev["replay_unscaled_grads_finite"] is True
+    absmax = ev["replay_grad_absmax"]
+    assert isinstance(absmax, float) and 0 < absmax < 65504
+    assert ev["safe_scale"] * absmax <= 65504 / 2 and "replay's largest unscaled gradient" in ev["safe_scale_from"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 14 and rank["skipped"] == rank["run_skipped"] >= 2

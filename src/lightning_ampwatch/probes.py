@@ -225,6 +225,8 @@ class Replayer:
     def run(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float | None,
             probe: bool) -> ReplayResult:
         """Replay; with ``grad_scale``, take the gradients at that loss scale and, from the same graph, at scale 1."""
+        if grad_scale is not None and sharding.replay_needs_all_ranks(self.module) and _world_size() > 1:
+            return self._run_sharded(micro_batches, use_autocast=use_autocast, grad_scale=grad_scale, probe=probe)
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         tensors = [p for _, p in params]
@@ -278,6 +280,87 @@ class Replayer:
                 result.grad_absmax = max(absmax for _, _, absmax in values)
                 result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
         return result
+
+
+    def _run_sharded(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float,
+                     probe: bool) -> ReplayResult:
+        """The replay of a sharded model (FSDP), which every rank runs at the same time. ``torch.autograd.grad``
+        reaches no sharded parameter (the forward computes with gathered copies), so gradients come from real
+        backward passes, which FSDP reduce-scatters into each rank's shard of ``.grad``: one at ``grad_scale``,
+        one at scale 1 (a second forward; a retained graph would outlive FSDP's freed gathers). Each parameter's
+        flags (non-finite at the scale, non-finite at 1, largest finite magnitude at 1) are reduced across ranks in
+        one all-reduce, so every rank reads the same answer. The live ``.grad`` is put back afterwards."""
+        import torch.distributed as dist
+
+        result = ReplayResult(autocast=use_autocast)
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        live_grads = [p.grad for _, p in params]
+        scales = [grad_scale] + ([1.0] if grad_scale != 1.0 else [])
+        probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
+        total: Tensor | None = None
+        rows: list[Tensor] = []
+        try:
+            with no_trace(self.module):
+                for i, scale in enumerate(scales):
+                    for _, p in params:
+                        p.grad = None
+                    with (probe_ctx if probe_ctx is not None and i == 0 else contextlib.nullcontext()):
+                        for mb in micro_batches:
+                            if mb.rng is not None:
+                                torch.set_rng_state(mb.rng)
+                            if mb.cuda_rng is not None:
+                                torch.cuda.set_rng_state(mb.cuda_rng, self.device)
+                            ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
+                            with ctx:
+                                loss = loss_of(self.module.training_step(mb.batch, mb.batch_idx))
+                            if loss is None:
+                                continue
+                            loss = loss.float() / len(micro_batches)
+                            if i == 0:
+                                total = loss.detach() if total is None else total + loss.detach()
+                            if loss.requires_grad:
+                                (loss * scale).backward()
+                    rows.append(torch.stack([_grad_flags(p.grad) for _, p in params]) if params
+                                else torch.zeros((0, 3), device=self.device))
+        finally:
+            for (_, p), grad in zip(params, live_grads):
+                p.grad = grad
+        flags = torch.stack(rows)  # (passes, params, [present, non-finite, finite absmax])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if total is not None:
+            result.loss = float(total.cpu())
+        if probe_ctx is not None:
+            first, result.headroom = probe_ctx.read()
+            result.first_nonfinite_module = first
+            result.nonfinite_outside_modules = first is None and result.loss_finite is False
+        values = flags.cpu().tolist()
+        present = [i for i, row in enumerate(values[0]) if row[0]]
+        result.grad_scale = grad_scale
+        if not present:
+            result.grads_unavailable = "no gradient reached the parameters on any rank in the replay"
+            return result
+        bad = [params[i][0] for i in present if values[0][i][1]]
+        result.grads_finite = not bad
+        result.unscaled_grads_finite = not any(values[-1][i][1] for i in present)
+        result.grad_absmax = max(values[-1][i][2] for i in present)
+        result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
+        return result
+
+
+def _grad_flags(grad: Tensor | None) -> Tensor:
+    """[present, non-finite, largest finite magnitude] of this rank's shard of a gradient (zeros when absent)."""
+    if grad is None:
+        return torch.zeros(3)
+    g = sharding.local(grad).detach()
+    if g.numel() == 0:  # this rank holds no part of it
+        return torch.tensor([1.0, 0.0, 0.0], device=g.device)
+    return torch.stack([torch.ones((), device=g.device), (~torch.isfinite(g)).any().float(), _finite_absmax(g)])
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _accumulate(total: list[Tensor | None] | None, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
