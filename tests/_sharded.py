@@ -15,6 +15,11 @@ strategy computes.
   launcher does not send the final weights home, since the main process cannot unpickle DTensors
   (``Callable map_location not supported with _rebuild_wrapper_subclass``); the tests read what each rank
   wrote instead.
+- FSDP1 (``cpu_fsdp1``): Lightning's ``FSDPStrategy`` hands ``FullyShardedDataParallel`` ``device_id=
+  root_device.index``, ``None`` on the CPU, which FSDP reads as "the current CUDA device"; the override passes
+  ``torch.device("cpu")``. Its precision plugin (``FSDPPrecision("16-mixed")``) makes a ``ShardedGradScaler`` for
+  CUDA, disabled without it, and refuses a scaler as an argument: ``fsdp1_fp16`` sets a CPU ``ShardedGradScaler``
+  on it afterwards. Lightning's FSDP "16-mixed" gathers the parameters in float16 (its ``param_dtype``).
 """
 
 from __future__ import annotations
@@ -84,6 +89,36 @@ def cpu_fsdp2(**kwargs: Any) -> Any:
             self._launcher = _forked_launcher(self)
 
     return CpuFsdp2Strategy(**{"data_parallel_size": 2, "tensor_parallel_size": 1, **kwargs})
+
+
+def cpu_fsdp1(**kwargs: Any) -> Any:
+    """Lightning's ``FSDPStrategy`` (FSDP1, the whole module wrapped at the root) on forked CPU processes."""
+    import torch
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CpuFsdp1Strategy(FSDPStrategy):
+        def _configure_launcher(self) -> None:
+            self._launcher = _forked_launcher(self)
+
+        def _setup_model(self, model: Any) -> Any:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(module=model, cpu_offload=self.cpu_offload,
+                                            mixed_precision=self.mixed_precision_config,
+                                            sharding_strategy=self.sharding_strategy,
+                                            device_id=torch.device("cpu"), **self.kwargs)
+
+    return CpuFsdp1Strategy(**kwargs)
+
+
+def fsdp1_fp16(**scaler_kwargs: Any) -> Any:
+    """Lightning's FSDP precision plugin for "16-mixed", with a working ``ShardedGradScaler`` on the CPU."""
+    from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    plugin = FSDPPrecision("16-mixed")
+    plugin.scaler = ShardedGradScaler(device="cpu", **scaler_kwargs)
+    return plugin
 
 
 class RowsByRank(pl.LightningDataModule):

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _sharded import RowsByRank, cpu_fsdp2
+from _sharded import RowsByRank, cpu_fsdp1, cpu_fsdp2, fsdp1_fp16
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -85,11 +85,12 @@ class Dump(pl.Callback):
 
 
 def _fit(tmp_path: Path, module: Any, data: TensorDataset, max_steps: int = 10, init_scale: float = 2.0**8,
-         **watch_kw: Any) -> list[dict[str, Any]]:
+         fsdp1: bool = False, **watch_kw: Any) -> list[dict[str, Any]]:
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=False, **watch_kw)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin(init_scale=init_scale)],
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1() if fsdp1 else cpu_fsdp2(),
+        plugins=[fsdp1_fp16(init_scale=init_scale) if fsdp1 else true_fp16_plugin(init_scale=init_scale)],
         max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=str(tmp_path),
         callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
@@ -152,3 +153,27 @@ def test_fsdp2_a_start_up_gradient_overflow_gets_a_measured_safe_scale(tmp_path:
     assert ev["safe_scale"] * absmax <= 65504 / 2 and "replay's largest unscaled gradient" in ev["safe_scale_from"]
     for rank in (rank0, rank1):
         assert rank["steps"] == rank["run_steps"] == 14 and rank["skipped"] == rank["run_skipped"] >= 2
+
+
+class Unsharded(ShardedSoftmax):
+    """The same model for FSDP1, which wraps it whole at the root (no ``fully_shard`` of its own)."""
+
+    def configure_model(self) -> None:
+        pass
+
+
+def test_fsdp1_replays_through_the_root_wrapper_and_runs_no_false_fp32_control(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, Unsharded, one_rank_overflows(), fsdp1=True, snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = _alarm(rank0)
+    # replayed through FSDP's root forward (past it the parameters are flat shards): located, not failed
+    assert (d["finding"], d["step"], d["location"]) == (Finding.FORWARD_OVERFLOW.value, 5,
+                                                        "Unsharded.training_step")
+    ev = d["evidence"]
+    assert ev["fault_ranks"] == [1] and ev["replay_loss"] == "inf" and "replay" not in ev
+    # Lightning's FSDP "16-mixed" gathers float16 parameters: no FP32 control pretends otherwise
+    assert ev["fp32_control"].startswith("not run: FSDP gathers the parameters in float16")
+    assert ev["trajectory_control"].startswith("not run:")
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 10
+        assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7

@@ -246,7 +246,8 @@ class AmpWatch(Callback):
                                   world_size=self._world_size)
         investigator = Investigator(pl_module, _ForwardContext(trainer), pl_module.device, info.mode,
                                     localize=self.localize, control=self.control_replay,
-                                    automatic=pl_module.automatic_optimization)
+                                    automatic=pl_module.automatic_optimization,
+                                    root=_StrategyModel(trainer))  # h-shard: replays through FSDP1's root
         self._investigations = Investigations(
             investigator, machine, window=self.thresholds.window, world_size=self._world_size,
             capture_rng=uses_rng(pl_module), on_failure=self._internal_failure)
@@ -616,6 +617,16 @@ class AmpWatch(Callback):
         if key not in self._said and self.reporters is not None:
             self._said.add(key)
             self.reporters.say(message)
+
+
+class _StrategyModel:
+    """h-shard: the module as the strategy wraps it (FSDP1's root, DDP), looked up at each replay; picklable."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self) -> Any:
+        return self.trainer.strategy.model
 
 
 class _StepSchedulers:

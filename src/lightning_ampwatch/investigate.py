@@ -49,8 +49,8 @@ class Investigator:
     """Replays a faulty step's batches with probes (under autocast) and without autocast (the control)."""
 
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
-                 localize: bool, control: bool, automatic: bool) -> None:
-        self.replayer = Replayer(module, forward_context, device)
+                 localize: bool, control: bool, automatic: bool, root: Any = None) -> None:
+        self.replayer = Replayer(module, forward_context, device, root)  # root: the strategy's wrapped module
         self.module = module
         self.mode = mode
         self.localize = localize
@@ -73,7 +73,7 @@ class Investigator:
         local: ReplayRecord | None = None
         # h-shard: a sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
         # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
-        everyone = sharding.replay_needs_all_ranks(self.module) and distributed.world_size() > 1
+        everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
         if everyone and not agree:
             return ReplayRecord(evidence={"replay": (
                 "not run: the model is sharded, so a replay's forward talks to every rank, and without a scaler the "
@@ -150,7 +150,7 @@ class Investigator:
             out.param = amp.first_nonfinite_param
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
-        half = sharding.half_param_dtype(self.module) if self.control else None
+        half = sharding.half_param_dtype(self.replayer.root_module()) if self.control else None
         if half is not None:  # h-shard: FSDP computes in its param dtype whatever autocast says
             ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
                                   "compute, so a replay without autocast would not be FP32")

@@ -72,8 +72,9 @@ class ForwardProbe:
     """Forward hooks on every named module, recording on the device whether each output is finite, its largest
     magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self._names = {m: (n or sharding.class_name(root)) for n, m in root.named_modules()}
+    def __init__(self, root: nn.Module, skip_root: bool = False) -> None:
+        self._names = {m: (n or sharding.class_name(root)) for n, m in root.named_modules()
+                       if not (skip_root and m is root)}
         self._leaves = {name for m, name in self._names.items() if not any(True for _ in m.children())}
         self._records: list[tuple[str, Tensor, bool]] = []  # name, [out_finite, out_absmax, in_finite], fp16
         self._handles: list[Any] = []
@@ -217,15 +218,29 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 class Replayer:
     """Runs ``training_step`` again on a step's micro-batches, under autocast or without it (the FP32 control)."""
 
-    def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device) -> None:
+    def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device, root: Any = None) -> None:
         self.module = module
         self.autocast = autocast  # the precision plugin's forward context factory
         self.device = device
+        self._root = root  # the module as the strategy wraps it, or a callable giving it (read at each replay)
+
+    def root_module(self) -> Any:
+        root = self._root() if callable(self._root) and not isinstance(self._root, nn.Module) else self._root
+        return root if isinstance(root, nn.Module) else self.module
+
+    def _redirected(self) -> bool:
+        """Whether ``training_step`` runs through the wrapper's forward, which calls the module's own forward hooks
+        with ``training_step``'s output (not a forward's): the probe leaves the root module out then."""
+        root = self.root_module()
+        return root is not self.module and sharding.redirects(root)
+
+    def _training_step(self, batch: Any, batch_idx: int) -> Any:
+        return sharding.training_step(self.root_module(), self.module, batch, batch_idx)
 
     def run(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float | None,
             probe: bool) -> ReplayResult:
         """Replay; with ``grad_scale``, take the gradients at that loss scale and, from the same graph, at scale 1."""
-        if grad_scale is not None and sharding.replay_needs_all_ranks(self.module) and _world_size() > 1:
+        if grad_scale is not None and sharding.replay_needs_all_ranks(self.root_module()) and _world_size() > 1:
             return self._run_sharded(micro_batches, use_autocast=use_autocast, grad_scale=grad_scale, probe=probe)
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -234,7 +249,7 @@ class Replayer:
         total: Tensor | None = None
         scaled: list[Tensor | None] | None = None
         unscaled: list[Tensor | None] | None = None
-        probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
+        probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
         # the FP32 control is FP32 throughout: a frozen half-precision base is computed in float32 meanwhile
         fp32 = contextlib.nullcontext(0) if use_autocast else sharding.fp32_frozen(self.module)
         with no_trace(self.module), (probe_ctx or contextlib.nullcontext()), fp32:
@@ -245,7 +260,7 @@ class Replayer:
                     torch.cuda.set_rng_state(mb.cuda_rng, self.device)
                 ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
                 with ctx:
-                    loss = loss_of(self.module.training_step(mb.batch, mb.batch_idx))
+                    loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
                 if loss is None:
                     continue
                 loss = loss.float() / len(micro_batches)
@@ -296,7 +311,7 @@ class Replayer:
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         live_grads = [p.grad for _, p in params]
         scales = [grad_scale] + ([1.0] if grad_scale != 1.0 else [])
-        probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
+        probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
         total: Tensor | None = None
         rows: list[Tensor] = []
         try:
@@ -312,7 +327,7 @@ class Replayer:
                                 torch.cuda.set_rng_state(mb.cuda_rng, self.device)
                             ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
                             with ctx:
-                                loss = loss_of(self.module.training_step(mb.batch, mb.batch_idx))
+                                loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
                             if loss is None:
                                 continue
                             loss = loss.float() / len(micro_batches)

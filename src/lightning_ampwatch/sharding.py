@@ -159,3 +159,33 @@ def class_name(module: nn.Module) -> str:
         if user is not None:
             return user.__name__
     return cls.__name__
+
+
+def training_step(root: nn.Module | None, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+    """``module.training_step(batch, batch_idx)`` as the strategy runs it. Under FSDP1 the module is wrapped in a
+    root ``FullyShardedDataParallel`` whose forward gathers the parameters (past it they are flat 1-D shards):
+    the call goes through that forward, with the module's ``forward`` standing for ``training_step`` for the one
+    call (the way Lightning's own forward redirection does it). Everywhere else it is a plain call: a DDP
+    wrapper's forward would prepare a gradient reduction that the replay never runs."""
+    if root is None or root is module or not redirects(root):
+        return module.training_step(batch, batch_idx)
+    original = module.forward
+
+    def redirected(*args: Any, **kwargs: Any) -> Any:
+        module.forward = original  # type: ignore[method-assign]
+        return module.training_step(*args, **kwargs)
+
+    module.forward = redirected  # type: ignore[method-assign]
+    try:
+        return root(batch, batch_idx)
+    finally:
+        module.__dict__.pop("forward", None)  # the class's forward again, whatever happened inside
+
+
+def redirects(root: nn.Module) -> bool:
+    """Whether a replay calls ``training_step`` through ``root``'s forward (a root FSDP1 wrapper)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(root, FullyShardedDataParallel)
