@@ -177,3 +177,43 @@ def test_fsdp1_replays_through_the_root_wrapper_and_runs_no_false_fp32_control(t
     for rank in (rank0, rank1):
         assert rank["steps"] == rank["run_steps"] == 10
         assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7
+
+
+def _fit_bf16(out_dir: str) -> None:
+    """Run in a child process (the parent enforces the time limit): FSDP2, bf16 (no scaler), NaN on rank 1 only."""
+    from _sharded import RowsByRank, cpu_fsdp2
+    from test_ddp import DumpDiagnoses
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class Sharded(ShardedSoftmax):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.body(x[:, :8])).sum(-1).float(), y)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), precision="bf16-mixed", max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        callbacks=[watch, DumpDiagnoses(watch, out_dir)], use_distributed_sampler=False)
+    trainer.fit(Sharded(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+
+
+def test_fsdp2_without_a_scaler_no_rank_replays_alone_and_the_evidence_says_why(tmp_path: Path) -> None:
+    # Without a scaler the ranks meet the NaN at different steps; a sharded replay on one rank alone would wait for
+    # the others' all-gathers for ever. The child must finish well inside the limit.
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
+            f"t._fit_bf16({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    d = rank1[0]
+    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
+    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
+    # rank zero, which prints and logs, reports what rank 1 judged alone
+    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)

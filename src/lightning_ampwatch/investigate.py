@@ -412,6 +412,12 @@ class TrajectoryControl:
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
             snapshot = None
+        if snapshot is not None and not agree and distributed.world_size() > 1 \
+                and sharding.replay_needs_all_ranks(self.state.root):
+            ev["trajectory_control"] = ("not run: the model is sharded, so a replay talks to every rank, and without "
+                                        "a scaler the ranks meet anomalies at different steps: a replay on this "
+                                        "rank alone would wait for the others")
+            return replace(diagnosis, evidence=ev), None
         local: tuple[str, str, dict[str, Any]] | None = None
         if snapshot is None:
             reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
