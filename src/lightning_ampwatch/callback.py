@@ -490,7 +490,10 @@ class AmpWatch(Callback):
 
     def _publish_relayed(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
         """h-shard: rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The
-        decision it led to was that rank's; rank zero only reports it."""
+        decision it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed
+        alarm published after a remedy took the scaler away) is not repeated."""
+        if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
+            return
         self.diagnoses.append(diagnosis)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, trainer.loggers)

@@ -189,3 +189,26 @@ def redirects(root: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(root, FullyShardedDataParallel)
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def broadcast(t: Tensor, src: int) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast(t, src=src)
+
+
+def replicated(root: nn.Module) -> bool:
+    """Whether every rank holds the whole state alike (DDP over more than one rank)."""
+    return isinstance(root, nn.parallel.DistributedDataParallel) and world_size() > 1

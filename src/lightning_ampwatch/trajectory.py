@@ -61,6 +61,10 @@ class TrainState:
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
 
     root: Any = None  # the module as the strategy wraps it (DDP, FSDP2): state dicts are read from it; else module
+    #: DDP with a scaler: every rank holds the same state, so each keeps 1/N of a snapshot and the ranks put it
+    #: back together on restore (a collective; restores then happen on every rank at once: the ranks meet
+    #: anomalies together under a scaler). Off without a scaler, where a rank may replay alone.
+    split: bool = False
 
     def __post_init__(self) -> None:
         if self.root is None:
@@ -91,6 +95,7 @@ class TrainState:
         if scaler is not None and not _enabled(scaler):
             scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
         algorithm = trainer.gradient_clip_algorithm
+        split = scaler is not None and sharding.replicated(root)
         return cls(
             module=pl_module,
             optimizers=list(trainer.optimizers),
@@ -104,6 +109,7 @@ class TrainState:
             forward_context=plugin.forward_context,
             unavailable=unavailable,
             root=root,
+            split=split,
         )
 
 
@@ -113,10 +119,15 @@ class TrainState:
 
 
 class _At(NamedTuple):
-    """Where a tensor went in a snapshot's flat list of host copies, and the device it is restored to."""
+    """Where a tensor went in a snapshot's flat list of host copies, and the device it is restored to. In a
+    snapshot split across DDP ranks, ``owner`` is the rank that holds the copy (``index`` is -1 on the others, which
+    receive it from the owner on restore, into a tensor of ``shape`` and ``dtype`` where no live one fits)."""
 
     index: int
     device: torch.device
+    owner: int = -1  # -1: this rank holds it (not split)
+    shape: Any = None
+    dtype: Any = None
 
 
 @dataclass
@@ -194,6 +205,7 @@ class Snapshot:
             if why is not None:
                 raise SnapshotError(why)
         model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
+        self._rank = sharding.rank()
         missing = [k for k, _ in self.model if k not in model_sd] + \
                   [k for k, _ in self.optim_state if k not in optim_sd]
         if missing:
@@ -201,7 +213,7 @@ class Snapshot:
         with torch.no_grad():
             for key, saved in self.model:
                 if isinstance(saved, _At):
-                    sharding.local(model_sd[key]).copy_(self.host[saved.index], non_blocking=self.pinned)
+                    self._put(saved, sharding.local(model_sd[key]))
             held = {k for k, _ in self.optim_state}
             for key, current in optim_sd.items():
                 if key not in held:
@@ -233,13 +245,26 @@ class Snapshot:
         layout."""
         if not isinstance(saved, _At):
             return copy.deepcopy(saved)
-        host = self.host[saved.index]
+        shape, dtype = (saved.shape, saved.dtype) if saved.owner >= 0 else \
+            (self.host[saved.index].shape, self.host[saved.index].dtype)
         if isinstance(current, Tensor):
             target = sharding.local(current)
-            if target.shape == host.shape and target.dtype == host.dtype and target.device == saved.device:
-                target.copy_(host, non_blocking=self.pinned)
+            if target.shape == shape and target.dtype == dtype and target.device == saved.device:
+                self._put(saved, target)
                 return current
-        return host.to(saved.device, copy=True)
+        fresh = torch.empty(shape, dtype=dtype, device=saved.device)
+        self._put(saved, fresh)
+        return fresh
+
+    def _put(self, saved: _At, target: Tensor) -> None:
+        """The saved tensor into ``target``: copied from this rank's host copy, or, in a split snapshot, sent by the
+        rank that holds it (every rank calls this for every entry, in the same order)."""
+        if saved.owner < 0:
+            target.copy_(self.host[saved.index], non_blocking=self.pinned)
+            return
+        if saved.owner == getattr(self, "_rank", 0):
+            target.copy_(self.host[saved.index])
+        sharding.broadcast(target, saved.owner)
 
     def _restore_scaler(self, scaler: Any) -> None:
         saved = self.scaler
@@ -267,18 +292,34 @@ def _trainable(state: TrainState) -> list[Tensor]:
     return [p for p in state.module.parameters() if p.requires_grad]
 
 
-def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any]]:
+def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[Tensor], dict[str, Any]]:
     """Every live tensor a snapshot copies, flat (a DTensor's local shard), and where each goes back (the other
-    values copied as they are)."""
+    values copied as they are). ``split``: this rank's share only of the state every DDP rank holds alike (the
+    scaler, the gradients and the RNG stay whole: they are small, or differ by rank)."""
     live: list[Tensor] = []
+    split = split and sharding.world_size() > 1
+    me = sharding.rank()
+    loads = [0] * sharding.world_size()  # bytes each rank holds so far: the next tensor goes to the least loaded
 
     def at(t: Tensor) -> _At:
         t = sharding.local(t.detach())
         live.append(t)
         return _At(len(live) - 1, t.device)
 
+    def shared(t: Tensor) -> _At:
+        """A tensor every DDP rank holds alike: in a split snapshot only its owner copies it."""
+        if not split:
+            return at(t)
+        t = sharding.local(t.detach())
+        owner = loads.index(min(loads))
+        loads[owner] += t.nbytes
+        if owner != me:
+            return _At(-1, t.device, owner, t.shape, t.dtype)
+        live.append(t)
+        return _At(len(live) - 1, t.device, owner, t.shape, t.dtype)
+
     def keep(value: Any) -> Any:
-        return at(value) if isinstance(value, Tensor) else copy.deepcopy(value)
+        return shared(value) if isinstance(value, Tensor) else copy.deepcopy(value)
 
     model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
     parts: dict[str, Any] = {
@@ -381,7 +422,7 @@ class SnapshotRing:
             self.turn_off(state.unavailable)
             return
         self._count_batches()
-        live, parts = _gather(state, grads=False)
+        live, parts = _gather(state, grads=False, split=state.split)
         self.bytes_per_snapshot = sum(t.nbytes for t in live)
         if not self._fits():
             self.turn_off()
