@@ -66,7 +66,7 @@ def measure(state: TrainState, repeats: int = 5) -> tuple[int, float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        snap = Snapshot.take(state, 0, slot=slot)
+        snap = Snapshot.take(state, 0, slot=slot, split=state.split)
         times.append(time.perf_counter() - start)
         slot = snap.host
     return snap.nbytes, statistics.median(times) * 1e3
@@ -91,7 +91,8 @@ def cost(kind: str, params: int, rank: int = 0) -> Cost:
         fully_shard(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     _train(root, optimizer)
-    state = TrainState(module=model, optimizers=[optimizer], root=root)
+    # DDP: each rank keeps its share, as inside a fit with a scaler (the ranks restore together there)
+    state = TrainState(module=model, optimizers=[optimizer], root=root, split=kind == "ddp")
     nbytes, ms = measure(state)
     return Cost(kind, total, rank, nbytes, ms)
 

@@ -37,8 +37,12 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if DTensor and isinstance(t, DTensor) else t
 
 
-def unsupported_reason(root: nn.Module) -> str | None:
+def unsupported_reason(root: nn.Module, optimizers: Sequence[Any] = ()) -> str | None:
     """Why snapshots cannot be restored in place for ``root``, or None when they can."""
+    if type(root).__name__ == "DeepSpeedEngine" or any(
+            not isinstance(opt, torch.optim.Optimizer) for opt in optimizers):
+        return ("the trajectory control is not available under DeepSpeed: its engine keeps the optimizer state "
+                "partitioned in its own form, which AmpWatch does not snapshot")
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover

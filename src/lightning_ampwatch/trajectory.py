@@ -90,7 +90,7 @@ class TrainState:
                            f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a replay "
                            "without autocast would not be an FP32 run")
         else:
-            unavailable = sharding.unsupported_reason(root)
+            unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and not _enabled(scaler):
             scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
@@ -171,11 +171,12 @@ class Snapshot:
 
     @classmethod
     def take(cls, state: TrainState, step: int, *, slot: list[Tensor] | None = None,
-             grads: bool = False) -> "Snapshot":
+             grads: bool = False, split: bool = False) -> "Snapshot":
         """Copy the live state to the host. On an accelerator the copies go into pinned buffers without a sync
         (``slot``, when its layout matches, is reused rather than allocated). ``step`` is the optimizer step it
-        is taken after (-1 for the live state a replay puts back, which is no step's)."""
-        return cls._copied(state, step, *_gather(state, grads), slot)
+        is taken after (-1 for the live state a replay puts back, which is no step's). ``split``: this rank's
+        share only, as the ring takes it under DDP (``state.split``); restoring it takes every rank."""
+        return cls._copied(state, step, *_gather(state, grads, split=split), slot)
 
     @classmethod
     def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
