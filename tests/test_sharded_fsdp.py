@@ -61,26 +61,25 @@ def one_rank_overflows(row: int = 16 * 2 * 5 + 1, factor: float = 60.0) -> Tenso
 
 
 class Dump(pl.Callback):
-    """Each rank writes its diagnoses, its summary counts and the run's own skip count (the scale backs off exactly
-    on a skipped step), for the parent process to compare."""
+    """Each rank writes its diagnoses, its summary counts and the run's own: the optimizer's real steps (a post-hook
+    on it; the scaler skips a step by not calling it) and the scaler's final scale, for the parent to compare."""
 
     def __init__(self, watch: AmpWatch, out_dir: str) -> None:
         self.watch, self.out_dir = watch, out_dir
-        self.skipped, self._last = 0, None
+        self.taken = 0
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._last = float(trainer.precision_plugin.scaler.get_scale())
+        def count(*_: Any) -> None:
+            self.taken += 1
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        scale = float(trainer.precision_plugin.scaler.get_scale())
-        self.skipped += int(scale < self._last)
-        self._last = scale
+        trainer.optimizers[0].register_step_post_hook(count)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stats = self.watch._run_stats()
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
                "skipped": stats.skipped, "scale": stats.scale, "run_steps": trainer.global_step,
-               "run_skipped": self.skipped, "run_scale": self._last}
+               "run_skipped": trainer.global_step - self.taken,
+               "run_scale": float(trainer.precision_plugin.scaler.get_scale())}
         (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
@@ -217,3 +216,41 @@ def test_fsdp2_without_a_scaler_no_rank_replays_alone_and_the_evidence_says_why(
     assert d["evidence"]["replay"].startswith("not run: the model is sharded")
     # rank zero, which prints and logs, reports what rank 1 judged alone
     assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+
+
+def test_fsdp2_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tmp_path: Path) -> None:
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class ShardedLrJump(LrJump):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.encoder[0], self.encoder[2], self.head, self):
+                fully_shard(m, mesh=mesh)
+
+    class Weights(pl.Callback):
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            full = {k: v.full_tensor() for k, v in pl_module.state_dict().items()}  # every rank takes part
+            torch.save(full, tmp_path / f"weights{trainer.global_rank}.pt")
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin()], max_steps=40,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path)), Weights()],
+        use_distributed_sampler=False)
+    trainer.fit(ShardedLrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["finding"] == Finding.LR_SCHEDULE.value and d["outcome"] == "recovered"
+    assert "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 40 and rank["skipped"] == rank["run_skipped"]
+    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
