@@ -254,3 +254,36 @@ def test_fsdp2_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tm
     weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
+
+
+def test_fsdp2_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_loading(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class ShardedLrJump(LrJump):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.encoder[0], self.encoder[2], self.head, self):
+                fully_shard(m, mesh=mesh)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=0)  # no snapshots: the checkpoint
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin()], max_steps=40,
+        logger=False, enable_checkpointing=True, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path)), ckpt],
+        use_distributed_sampler=False)
+    trainer.fit(ShardedLrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    rollback = d["evidence"]["rollback"]
+    assert "rolled back from step" in rollback and str(tmp_path / "ckpt") in rollback, rollback
+    path = rollback.split("(the checkpoint file ")[1].split(")")[0]
+    assert Path(path).is_dir()  # a sharded checkpoint is a directory
+    assert d["outcome"] == "recovered"

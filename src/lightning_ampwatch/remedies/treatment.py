@@ -19,7 +19,8 @@ from typing import Any, Callable
 from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, Effect, RemedyContext
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.trajectory import retrain
+from lightning_ampwatch import sharding
+from lightning_ampwatch.trajectory import Snapshot, TrainState, retrain
 from lightning_ampwatch.verdicts import NOT_RECOVERED, judge_recovery
 
 
@@ -303,9 +304,9 @@ def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
 
 
 def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int | None]:
-    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``before`` ran, through Lightning's
-    own checkpoint connector: weights, precision plugin (the scaler), optimizers and schedulers; not the loops,
-    so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
+    """Load the newest checkpoint (a file, or a sharded checkpoint's directory) that a ``ModelCheckpoint`` wrote
+    before step ``before`` ran, through Lightning's own checkpoint connector: weights, precision plugin (the
+    scaler), optimizers and schedulers; not the loops, so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
     candidates: set[str] = set()
     for cb in getattr(trainer, "checkpoint_callbacks", []):
         candidates.update(p for p in (getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})) if p)
@@ -313,10 +314,20 @@ def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int |
         if dirpath and os.path.isdir(dirpath):
             candidates.update(os.path.join(dirpath, f) for f in os.listdir(dirpath) if f.endswith(".ckpt"))
     connector = trainer._checkpoint_connector
-    for path in sorted((p for p in candidates if os.path.isfile(p)), key=os.path.getmtime, reverse=True):
+    # h-shard: a sharded strategy (FSDP, ModelParallelStrategy) loads a checkpoint, a sharded directory included,
+    # into the live model inside load_checkpoint, before its step can be checked: the live state is kept on the
+    # host meanwhile and put back when the checkpoint turns out to be too new. FSDP1 cannot be put back in place.
+    state = TrainState.from_trainer(trainer, trainer.lightning_module)
+    sharded = sharding.replay_needs_all_ranks(state.root)
+    if sharded and sharding.unsupported_reason(state.root) is not None:
+        return None, None
+    for path in sorted((p for p in candidates if os.path.exists(p)), key=os.path.getmtime, reverse=True):
+        live = Snapshot.take(state, -1) if sharded else None
         checkpoint = trainer.strategy.load_checkpoint(path)
         step = checkpoint.get("global_step")
         if not isinstance(step, int) or step > before:  # written after `step` steps: before step `step` ran
+            if live is not None:
+                live.restore(state)
             continue
         connector._loaded_checkpoint = checkpoint
         try:
