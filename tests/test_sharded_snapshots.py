@@ -164,3 +164,11 @@ def test_a_failing_snapshot_is_reported_once_and_every_step_stays_counted(tmp_pa
     assert stats.scale == float(trainer.precision_plugin.scaler.get_scale())
     alarm = next(d for d in watch.diagnoses if d.is_alarm)
     assert "snapshot failed" in alarm.evidence.get("trajectory_control", "")
+
+
+def test_the_default_snapshot_budget_is_the_nodes_shared_by_its_processes() -> None:
+    from lightning_ampwatch.trajectory import SnapshotRing, default_budget_bytes
+
+    assert SnapshotRing().budget_bytes == default_budget_bytes()
+    assert SnapshotRing(processes_per_node=8).budget_bytes == default_budget_bytes() // 8
+    assert SnapshotRing(2**20, processes_per_node=8).budget_bytes == 2**20  # a budget given is the process's

@@ -104,8 +104,9 @@ class AmpWatch(Callback):
         snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
             optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
-            ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
-            falls back to the single batch, and AmpWatch says so once.
+            ``None`` means a tenth of the host's RAM, at most 8 GiB, shared by the processes training on the host
+            (with 8 devices per node, each gets an eighth). Frozen parameters are not held. When one snapshot does
+            not fit, the control falls back to the single batch, and AmpWatch says so once.
         rollback: before a remedy is applied, go back to the newest snapshot from before the episode's onset (else
             the newest ``ModelCheckpoint`` file from before it) and skip the episode's batches; ``False`` applies
             remedies in place.
@@ -276,7 +277,9 @@ class AmpWatch(Callback):
         investigations = self._investigations
         if not (self.snapshot_every and self.control_replay and investigations is not None):
             return
-        control = TrajectoryControl(SnapshotRing(self.snapshot_budget, self.snapshot_every),
+        # h-shard: the default budget is the node's, shared by the processes on it (trainer.num_devices per node)
+        ring = SnapshotRing(self.snapshot_budget, self.snapshot_every, processes_per_node=trainer.num_devices)
+        control = TrajectoryControl(ring,
                                     TrainState.from_trainer(trainer, pl_module), self.thresholds.divergence_ratio,
                                     self._say_once, on_failure=self._internal_failure)  # h-shard: snapshot failures
         investigations.trajectory = self._ledger.trajectory = control  # type: ignore[union-attr]

@@ -372,17 +372,20 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
 class SnapshotRing:
     """Host snapshots every ``every`` optimizer steps (the newest ``keep``) and the micro-batches run since the
-    oldest, all within one byte budget. When one snapshot plus ``every`` steps of batches does not fit, the ring
+    oldest, all within one byte budget (by default the host's, shared by its ``processes_per_node``). When one snapshot plus ``every`` steps of batches does not fit, the ring
     is off for the run and ``reason`` says why and what it would need."""
 
-    def __init__(self, budget_bytes: int | None = None, every: int = 10, keep: int = 2) -> None:
+    def __init__(self, budget_bytes: int | None = None, every: int = 10, keep: int = 2,
+                 processes_per_node: int = 1) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"budget_bytes={budget_bytes!r}: expected a positive number of bytes, or None for "
                              f"the default ({default_budget_bytes()} bytes on this host)")
         for name, value in (("every", every), ("keep", keep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        # the default budget is the node's: each of the processes training on this host gets its share of it
+        self.budget_bytes = default_budget_bytes() // max(1, int(processes_per_node)) if budget_bytes is None \
+            else budget_bytes
         self.every = every
         self.keep = keep
         self.enabled = True
