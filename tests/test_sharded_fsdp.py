@@ -138,9 +138,15 @@ class Loud(ShardedSoftmax):
         return nn.functional.cross_entropy(self.head(self.body(x)).float(), y) * 64
 
 
-def test_fsdp2_a_start_up_gradient_overflow_gets_a_measured_safe_scale(tmp_path: Path) -> None:
-    rank0, rank1 = _fit(tmp_path, Loud, one_rank_overflows(factor=1.0), max_steps=14, init_scale=2.0**24,
-                        remediate="lower_init_scale")
+class LoudUnsharded(Loud):
+    def configure_model(self) -> None:  # FSDP1 wraps the whole module at the root
+        pass
+
+
+@pytest.mark.parametrize("fsdp1", [False, True], ids=["fsdp2", "fsdp1"])
+def test_fsdp_a_start_up_gradient_overflow_gets_a_measured_safe_scale(tmp_path: Path, fsdp1: bool) -> None:
+    rank0, rank1 = _fit(tmp_path, LoudUnsharded if fsdp1 else Loud, one_rank_overflows(factor=1.0), max_steps=14,
+                        init_scale=2.0**24, fsdp1=fsdp1, remediate="lower_init_scale")
     assert rank0["diagnoses"] == rank1["diagnoses"]
     d = _alarm(rank0)
     assert d["finding"] == Finding.GRADIENT_OVERFLOW.value and d["evidence"]["pattern"] == "startup"
