@@ -60,6 +60,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, r
 
 import torch
 
+from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
@@ -166,6 +167,13 @@ class Host(Protocol):
     def say(self, message: str) -> None:
         """One plain line for the user (the framework's rank-zero info log)."""
 
+    # Optional members (read with ``getattr``; a host without them is still a Host):
+    #
+    # ``wrapped_module() -> nn.Module``: the module as the strategy wraps it (DDP, a root FSDP1 wrapper, an
+    #     FSDP2 module): a replay asks it whether its forward talks to every rank and in which dtype FSDP computes.
+    # ``processes_per_node: int``: the processes training on this host, which share the default snapshot budget.
+    # ``rollback_unavailable() -> str | None``: why no checkpoint can be rolled back to in this run, if none can.
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -218,6 +226,7 @@ class RunWatcher:
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
+        self._relay = distributed.Relay()  # diagnoses a rank reached alone, for rank zero (no scaler, several ranks)
 
     @property
     def applied(self) -> list[AppliedRemedy]:
@@ -269,7 +278,8 @@ class RunWatcher:
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
-                                    automatic=host.automatic, step_loss=host.step_loss)
+                                    automatic=host.automatic, step_loss=host.step_loss,
+                                    root=getattr(host, "wrapped_module", None))
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
@@ -298,8 +308,11 @@ class RunWatcher:
         config, investigations, host = self.config, self.investigations, self.host
         if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
             return
-        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
-                                    config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
+        # the default budget is the node's, shared by the processes training on it
+        ring = SnapshotRing(config.snapshot_budget, config.snapshot_every,
+                            processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
+        control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
+                                    self.say_once, on_failure=self.internal_failure)
         self.trajectory = control
 
     def _attach_guards(self) -> None:
@@ -381,6 +394,9 @@ class RunWatcher:
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        if values and self._relaying:  # a fault another rank judged alone reaches rank zero
+            for relayed in self._relay.at_log_step(values[0]):
+                self._publish_relayed(relayed)
         machine.note_losses(ledger.take_unnoted())
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
@@ -398,6 +414,9 @@ class RunWatcher:
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
         self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
+        if self._relaying:  # every rank is here: the last exchange
+            for relayed in self._relay.exchange():
+                self._publish_relayed(relayed)
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
         self.close()
@@ -589,12 +608,29 @@ class RunWatcher:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
+        if self._relaying:  # rank zero hears of it at the next agreement point (distributed.Relay)
+            self._relay.hold(diagnosis)
         if diagnosis.remedy is not None and self.reporters is not None and self.treatment.applied:
             self.reporters.record_remedy(self.treatment.applied[-1].step, diagnosis.remedy)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
         if diagnosis.is_alarm and diagnosis.remedy is None:
             self._unrecoverable(diagnosis)
+
+    @property
+    def _relaying(self) -> bool:
+        """Whether the ranks judge anomalies alone (several ranks, no scaler), so that rank zero must be told."""
+        return self.world_size > 1 and not (self.ledger is not None and self.ledger.scaler_active)
+
+    def _publish_relayed(self, diagnosis: Diagnosis) -> None:
+        """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
+        it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
+        published after a remedy took the scaler away) is not repeated."""
+        if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
+            return
+        self.diagnoses.append(diagnosis)
+        if self.reporters is not None:
+            self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
 
     def _update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
