@@ -227,6 +227,7 @@ class RunWatcher:
         self._failures: set[str] = set()
         self._said: set[str] = set()
         self._relay = distributed.Relay()  # diagnoses a rank reached alone, for rank zero (no scaler, several ranks)
+        self._bystander: _Bystander | None = None  # this rank switched off while others watch: it still takes part
 
     @property
     def applied(self) -> list[AppliedRemedy]:
@@ -351,6 +352,8 @@ class RunWatcher:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
+            if self._bystander is not None:
+                self._bystander.optimizer_step()
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch
@@ -364,6 +367,8 @@ class RunWatcher:
     def batch_end(self, batch: Any, batch_idx: int) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
+            if self._bystander is not None:
+                self._bystander.batch_end()
             return
         try:
             investigations = self.investigations
@@ -402,9 +407,17 @@ class RunWatcher:
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
 
-    @_guarded
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
+        if self.disabled:
+            if self._bystander is not None:
+                self._bystander.finish()
+            self.close()
+            return
+        self._finish()
+
+    @_guarded
+    def _finish(self) -> None:
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self._read_losses()
@@ -726,9 +739,14 @@ class RunWatcher:
             self._failures.add(key)
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
         if self.ledger is not None:
             self.ledger.stepped = False  # never carry a half-built step into the next one
-        if len(self._failures) >= MAX_FAILURES:
+        if len(self._failures) >= MAX_FAILURES and not self.disabled:
+            ledger = self.ledger
+            if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
+                # the other ranks still meet this one at every log step and at the end: it keeps its place there
+                self._bystander = _Bystander(self, ledger.step_index + (1 if stepped else 0))
             self.disabled = True
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
                           RuntimeWarning, stacklevel=3)
@@ -743,3 +761,51 @@ class RunWatcher:
         if key not in self._said and self.reporters is not None:
             self._said.add(key)
             self.reporters.say(message)
+
+
+class _Bystander:
+    """A rank whose watch switched itself off while the other ranks go on watching. They still meet it where the
+    watch talks across ranks on every rank's schedule: the log step's non-finite sum (and, when that moved, the
+    relay's exchange) and the relay's last exchange at the end. Were it to stay away, they would wait for it for
+    ever (NCCL) or abort on a collective mismatch (gloo). It counts optimizer steps the way the ledger does, takes
+    part with nothing to add, and reads nothing else. Anomaly-time collectives under a scaler are not covered."""
+
+    def __init__(self, watcher: RunWatcher, steps: int) -> None:
+        self.watcher = watcher
+        self.steps = steps  # optimizer steps closed so far, as the other ranks' ledgers count them
+        self.stepped = False
+        self.log_every = watcher._log_every
+
+    def optimizer_step(self) -> None:
+        if self.stepped:  # manual optimization: a second step in the same batch
+            self._close()
+        self.stepped = True
+
+    def batch_end(self) -> None:
+        if self.stepped:
+            self._close()
+
+    def _close(self) -> None:
+        self.stepped = False
+        self.steps += 1
+        if self.log_every and self.steps % self.log_every == 0:
+            self._at_log_step()
+
+    def _at_log_step(self) -> None:
+        watcher = self.watcher
+        reporters, host = watcher.reporters, watcher.host
+        if reporters is None or host is None:
+            return
+        try:
+            metrics = reporters.metric_tensors(host, steps=0, skipped=0, nonfinite=0)  # the others' cross-rank sum
+            if metrics and watcher._relaying:
+                watcher._relay.at_log_step(float(metrics[0]))  # what it held goes to rank zero; it publishes nothing
+        except Exception:  # noqa: BLE001 - switched off: it has nothing more to say, and never stops the run
+            pass
+
+    def finish(self) -> None:
+        try:
+            if self.watcher._relaying:
+                self.watcher._relay.exchange()
+        except Exception:  # noqa: BLE001
+            pass
