@@ -293,3 +293,26 @@ def test_fsdp2_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_l
     path = rollback.split("(the checkpoint file ")[1].split(")")[0]
     assert Path(path).is_dir()  # a sharded checkpoint is a directory
     assert d["outcome"] == "recovered"
+
+
+def test_fsdp1_a_remedy_without_rollback_says_fsdp1_is_why(tmp_path: Path) -> None:
+    # FSDP1 keeps no snapshots, and Lightning's FSDP1 loading puts a checkpoint into the live model before its step
+    # can be checked: the rollback evidence names that, not a missing checkpoint file.
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1(), plugins=[fsdp1_fp16()], max_steps=30, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+    trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["finding"] == Finding.LR_SCHEDULE.value
+    rollback = d["evidence"]["rollback"]
+    assert rollback.startswith("none: snapshots are off, and no checkpoint can be rolled back to under FSDP1")
+    assert "no checkpoint file" not in rollback
