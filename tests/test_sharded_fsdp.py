@@ -113,6 +113,7 @@ def test_fsdp2_a_forward_overflow_on_one_rank_is_located_the_same_on_both(tmp_pa
     assert "replay_grads" not in ev  # the sharded gradients were measured (reduced across the ranks)
     # the trajectory control ran on the sharded state (snapshots of each rank's shards) and confirms float16
     assert ev["trajectory_verdict"] == "amp_confirmed" and ev["trajectory_snapshot_step"] == 4
+    assert ev["trajectory_rank"] == 1  # every rank replayed its own batches: the evidence is the faulty rank's
     # every step and every skip counted as the run made them
     for rank in (rank0, rank1):
         assert rank["steps"] == rank["run_steps"] == 10

@@ -315,7 +315,7 @@ class Investigations:
         if trajectory is not None and refined.finding in AMP_BLAMING:
             try:
                 refined, renamed_again = trajectory.judge(refined, step.opened.step, self.machine.loss_level,
-                                                          agree=scaler_active)
+                                                          agree=scaler_active, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
@@ -411,8 +411,10 @@ class TrajectoryControl:
                      "loss trend still separates divergence from overflow.")
 
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,
-              agree: bool) -> tuple[Diagnosis, Finding | None]:
-        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does)."""
+              agree: bool, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
+        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). Where every rank
+        replayed (``agree``), the gravest verdict stands; among equally grave ones, a rank at fault's (its
+        batches are the ones that went wrong), and the evidence names the rank."""
         ev = dict(diagnosis.evidence)
         snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
         stale = snapshot.stale(self.state) if snapshot is not None else None
@@ -440,14 +442,18 @@ class TrajectoryControl:
                 local = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = f"{type(err).__name__}: {err}"
-        results = [r for r in (distributed.gather(local) if agree else [local]) if r is not None]
-        failed = [r for r in results if isinstance(r, str)]
+        gathered = distributed.gather(local) if agree else [local]
+        ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
+        failed = [r for _, r in ranked if isinstance(r, str)]
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
-        verdicts = [r for r in results if isinstance(r, TrajectoryVerdict)]
+        verdicts = [(rank, r) for rank, r in ranked if isinstance(r, TrajectoryVerdict)]
         if not verdicts:
             return replace(diagnosis, evidence=ev), None
-        verdict = min(verdicts, key=lambda v: _VERDICT_ORDER.index(v.kind))
+        judged_on, verdict = min(verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1].kind),
+                                                            rv[0] not in fault_ranks, rv[0]))
+        if agree and len(gathered) > 1:
+            ev["trajectory_rank"] = judged_on
         batch_verdict = ev.pop("control_verdict", None)
         control = facts_of(diagnosis).control
         if batch_verdict is not None and control is not None and control.verdict is not ControlVerdict.NOT_RUN:
