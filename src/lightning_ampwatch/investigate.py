@@ -77,7 +77,7 @@ class Investigator:
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
-        # h-shard: a sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
+        # A sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
         # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
         everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
         if everyone and not agree:
@@ -159,7 +159,7 @@ class Investigator:
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
         half = sharding.half_param_dtype(self.replayer.root_module()) if self.control else None
-        if half is not None:  # h-shard: FSDP computes in its param dtype whatever autocast says
+        if half is not None:  # FSDP computes in its param dtype whatever autocast says
             ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
                                   "compute, so a replay without autocast would not be FP32")
         elif self.control:

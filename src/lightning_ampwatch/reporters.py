@@ -232,7 +232,7 @@ class Reporters:
         packed read. Empty with one process, or when there is no logger. Also takes the interval's counts."""
         if not trainer.loggers and self._nonfinite_sum is None:
             return []
-        # h-shard: under DDP the cross-rank sum is taken with or without a logger: it is the agreement point at
+        # Under DDP the cross-rank sum is taken with or without a logger: it is the agreement point at
         # which rank zero learns of a fault another rank judged alone (distributed.Relay)
         self._skip_window.append((steps, skipped))
         self._nonfinite_total += nonfinite
