@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_ampwatch import compat, distributed
+from lightning_ampwatch import compat, distributed, sharding
 from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: F401 - re-exported
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
@@ -23,7 +23,7 @@ from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.trajectory import TrainState
+from lightning_ampwatch.trajectory import Snapshot, TrainState
 
 
 class LightningHost:
@@ -37,6 +37,8 @@ class LightningHost:
         self.automatic = bool(pl_module.automatic_optimization)
         self.is_global_zero = trainer.is_global_zero
         self.world_size = distributed.world_size()
+        # the default snapshot budget is the node's, shared by the processes training on it
+        self.processes_per_node = max(1, int(getattr(trainer, "num_devices", 1) or 1))
         self._metrics: compat.StepMetrics | None = None
 
     @property
@@ -66,8 +68,15 @@ class LightningHost:
         # looked up at each replay: a bf16 fallback swaps the plugin mid-run
         return self.trainer.precision_plugin.forward_context()
 
+    def wrapped_module(self) -> torch.nn.Module:
+        """The module as the strategy wraps it (DDP, FSDP1's root wrapper, an FSDP2 module), looked up each time."""
+        model = self.trainer.strategy.model
+        return model if isinstance(model, torch.nn.Module) else self.module
+
     def step_loss(self, batch: Any, batch_idx: int) -> Any:
-        return self.module.training_step(batch, batch_idx)
+        # through a root FSDP1 wrapper's forward, so that its parameters are gathered (Lightning's own forward
+        # redirection); a plain call everywhere else
+        return sharding.training_step(self.wrapped_module(), self.module, batch, batch_idx)
 
     def train_state(self) -> TrainState:
         return TrainState.from_trainer(self.trainer, self.module)
@@ -79,8 +88,28 @@ class LightningHost:
         return RemedyContext(trainer=self.trainer, module=self.module, scaler=scaler, device=self.module.device,
                              safe_scale=safe_scale, guards=guards)
 
+    def rollback_unavailable(self) -> str | None:
+        """Why no checkpoint can be rolled back to in this fit, or None."""
+        if sharding.uses_fsdp1(self.wrapped_module()):
+            return ("no checkpoint can be rolled back to under FSDP1 (FullyShardedDataParallel): loading one puts it "
+                    "into the live model before its step can be checked, and FSDP1's live state cannot be put back "
+                    "in place if it turns out too new")
+        return None
+
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
-        return compat.rollback_to_checkpoint(self.trainer, before)
+        """A sharded strategy loads a checkpoint (a sharded directory included) into the live model before its step
+        can be checked: the live state is kept on the host meanwhile and put back when it turns out too new."""
+        if self.rollback_unavailable() is not None:
+            return None, None
+        state = TrainState.from_trainer(self.trainer, self.module)
+        if not sharding.replay_needs_all_ranks(state.root):
+            return compat.rollback_to_checkpoint(self.trainer, before)
+
+        def keep_live() -> Any:
+            live = Snapshot.take(state, -1)
+            return lambda: live.restore(state)
+
+        return compat.rollback_to_checkpoint(self.trainer, before, keep_live=keep_live)
 
     def broadcast(self, value: Any) -> Any:
         return self.trainer.strategy.broadcast(value, src=0)

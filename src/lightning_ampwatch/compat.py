@@ -67,8 +67,10 @@ def unscales_in_kernel(optimizer: Any) -> bool:
 @contextlib.contextmanager
 def without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
     """Optimizer steps taken inside stay unseen by the step hooks watching the live run (AmpWatch's own among
-    them): the hooks are set aside and put back exactly."""
-    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
+    them): the hooks are set aside and put back exactly. Optimizers without torch's hook dicts (DeepSpeed's) are
+    left as they are."""
+    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers
+             if hasattr(opt, "_optimizer_step_pre_hooks") and hasattr(opt, "_optimizer_step_post_hooks")]
     for opt, _, _ in saved:
         opt._optimizer_step_pre_hooks = OrderedDict()
         opt._optimizer_step_post_hooks = OrderedDict()
@@ -111,6 +113,32 @@ def saved_operand(node: Any, which: str) -> Any:
 
 #: Module types that draw random numbers in training (every dropout variant shares the private base class).
 STOCHASTIC_MODULES: tuple[type, ...] = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+def tensor_version(t: Tensor) -> int:
+    """The tensor's version counter: every in-place change bumps it (no public reader exists)."""
+    return int(t._version)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.fsdp
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp1_flattened(p: Tensor) -> bool:
+    """Whether ``p`` is one of FSDP1's flattened parameters (its forward gathers it from every rank)."""
+    return bool(getattr(p, "_fsdp_flattened", False))
+
+
+def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The ``param_dtype`` of the ``MixedPrecisionPolicy`` ``fully_shard`` gave ``module`` (FSDP2), or None."""
+    get_state = getattr(module, "_get_fsdp_state", None)  # fully_shard's module class has it
+    if not callable(get_state):
+        return None
+    try:
+        return getattr(getattr(get_state(), "_mp_policy", None), "param_dtype", None)
+    except Exception:  # noqa: BLE001 - a module fully_shard has not set up: no policy to read
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,10 +193,16 @@ class StepMetrics:
             del self.connector.log_metrics  # the class's own method again
 
 
-def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int | None]:
-    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``before`` ran, through
-    Lightning's own checkpoint connector: weights, precision plugin (the scaler), optimizers and schedulers; not the
-    loops, so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
+def rollback_to_checkpoint(trainer: Any, before: int, keep_live: Callable[[], Callable[[], None]] | None = None
+                           ) -> tuple[str | None, int | None]:
+    """Load the newest checkpoint (a file, or a sharded checkpoint's directory) that a ``ModelCheckpoint`` wrote
+    before step ``before`` ran, through Lightning's own checkpoint connector: weights, precision plugin (the scaler),
+    optimizers and schedulers; not the loops, so ``global_step`` stays monotonic. Returns (path, the step it was
+    written at), or (None, None).
+
+    A sharded strategy (FSDP, ModelParallelStrategy) loads a checkpoint into the live model inside
+    ``load_checkpoint``, before its step can be checked: ``keep_live()`` is called before each load and returns what
+    puts the live state back, called when the checkpoint turns out to be too new."""
     candidates: set[str] = set()
     for cb in getattr(trainer, "checkpoint_callbacks", []):
         candidates.update(p for p in (getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})) if p)
@@ -176,10 +210,13 @@ def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int |
         if dirpath and os.path.isdir(dirpath):
             candidates.update(os.path.join(dirpath, f) for f in os.listdir(dirpath) if f.endswith(".ckpt"))
     connector = trainer._checkpoint_connector
-    for path in sorted((p for p in candidates if os.path.isfile(p)), key=os.path.getmtime, reverse=True):
+    for path in sorted((p for p in candidates if os.path.exists(p)), key=os.path.getmtime, reverse=True):
+        put_back = keep_live() if keep_live is not None else None
         checkpoint = trainer.strategy.load_checkpoint(path)
         step = checkpoint.get("global_step")
         if not isinstance(step, int) or step > before:  # written after `step` steps: before step `step` ran
+            if put_back is not None:
+                put_back()
             continue
         connector._loaded_checkpoint = checkpoint
         try:

@@ -60,6 +60,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, r
 
 import torch
 
+from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
@@ -166,6 +167,13 @@ class Host(Protocol):
     def say(self, message: str) -> None:
         """One plain line for the user (the framework's rank-zero info log)."""
 
+    # Optional members (read with ``getattr``; a host without them is still a Host):
+    #
+    # ``wrapped_module() -> nn.Module``: the module as the strategy wraps it (DDP, a root FSDP1 wrapper, an
+    #     FSDP2 module): a replay asks it whether its forward talks to every rank and in which dtype FSDP computes.
+    # ``processes_per_node: int``: the processes training on this host, which share the default snapshot budget.
+    # ``rollback_unavailable() -> str | None``: why no checkpoint can be rolled back to in this run, if none can.
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -223,6 +231,8 @@ class RunWatcher:
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
+        self._relay = distributed.Relay()  # diagnoses a rank reached alone, for rank zero (no scaler, several ranks)
+        self._bystander: _Bystander | None = None  # this rank switched off while others watch: it still takes part
 
     @property
     def applied(self) -> list[AppliedRemedy]:
@@ -279,7 +289,8 @@ class RunWatcher:
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
                                     automatic=host.automatic, step_loss=host.step_loss,
-                                    outside_modules=getattr(host, "outside_modules", None))
+                                    outside_modules=getattr(host, "outside_modules", None),
+                                    root=getattr(host, "wrapped_module", None))
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
@@ -310,9 +321,11 @@ class RunWatcher:
         if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
             return
         every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
-        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, every), host.train_state(),
-                                    config.thresholds.divergence_ratio, self.say_once,  # type: ignore[union-attr]
-                                    adaptive=adaptive)
+        # the default budget is the node's, shared by the processes training on it
+        ring = SnapshotRing(config.snapshot_budget, every,
+                            processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
+        control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
+                                    self.say_once, adaptive=adaptive, on_failure=self.internal_failure)
         self.trajectory = control
 
     def _attach_guards(self) -> None:
@@ -352,6 +365,8 @@ class RunWatcher:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
+            if self._bystander is not None:
+                self._bystander.optimizer_step()
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch
@@ -366,6 +381,8 @@ class RunWatcher:
     def batch_end(self, batch: Any, batch_idx: int) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
+            if self._bystander is not None:
+                self._bystander.batch_end()
             return
         try:
             investigations = self.investigations
@@ -403,14 +420,25 @@ class RunWatcher:
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        if values and self._relaying:  # a fault another rank judged alone reaches rank zero
+            for relayed in self._relay.at_log_step(values[0]):
+                self._publish_relayed(relayed)
         machine.note_losses(ledger.take_unnoted())
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
 
-    @_guarded
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
+        if self.disabled:
+            if self._bystander is not None:
+                self._bystander.finish()
+            self.close()
+            return
+        self._finish()
+
+    @_guarded
+    def _finish(self) -> None:
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self._read_losses()
@@ -421,6 +449,9 @@ class RunWatcher:
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
         self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
+        if self._relaying:  # every rank is here: the last exchange
+            for relayed in self._relay.exchange():
+                self._publish_relayed(relayed)
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
         self.close()
@@ -616,12 +647,29 @@ class RunWatcher:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
+        if self._relaying:  # rank zero hears of it at the next agreement point (distributed.Relay)
+            self._relay.hold(diagnosis)
         if diagnosis.remedy is not None and self.reporters is not None and self.treatment.applied:
             self.reporters.record_remedy(self.treatment.applied[-1].step, diagnosis.remedy)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
         if diagnosis.is_alarm and diagnosis.remedy is None:
             self._unrecoverable(diagnosis)
+
+    @property
+    def _relaying(self) -> bool:
+        """Whether the ranks judge anomalies alone (several ranks, no scaler), so that rank zero must be told."""
+        return self.world_size > 1 and not (self.ledger is not None and self.ledger.scaler_active)
+
+    def _publish_relayed(self, diagnosis: Diagnosis) -> None:
+        """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
+        it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
+        published after a remedy took the scaler away) is not repeated."""
+        if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
+            return
+        self.diagnoses.append(diagnosis)
+        if self.reporters is not None:
+            self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
 
     def _update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
@@ -717,9 +765,14 @@ class RunWatcher:
             self._failures.add(key)
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
                           f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
         if self.ledger is not None:
             self.ledger.stepped = False  # never carry a half-built step into the next one
-        if len(self._failures) >= MAX_FAILURES:
+        if len(self._failures) >= MAX_FAILURES and not self.disabled:
+            ledger = self.ledger
+            if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
+                # the other ranks still meet this one at every log step and at the end: it keeps its place there
+                self._bystander = _Bystander(self, ledger.step_index + (1 if stepped else 0))
             self.disabled = True
             self.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
@@ -735,3 +788,51 @@ class RunWatcher:
         if key not in self._said and self.reporters is not None:
             self._said.add(key)
             self.reporters.say(message)
+
+
+class _Bystander:
+    """A rank whose watch switched itself off while the other ranks go on watching. They still meet it where the
+    watch talks across ranks on every rank's schedule: the log step's non-finite sum (and, when that moved, the
+    relay's exchange) and the relay's last exchange at the end. Were it to stay away, they would wait for it for
+    ever (NCCL) or abort on a collective mismatch (gloo). It counts optimizer steps the way the ledger does, takes
+    part with nothing to add, and reads nothing else. Anomaly-time collectives under a scaler are not covered."""
+
+    def __init__(self, watcher: RunWatcher, steps: int) -> None:
+        self.watcher = watcher
+        self.steps = steps  # optimizer steps closed so far, as the other ranks' ledgers count them
+        self.stepped = False
+        self.log_every = watcher._log_every
+
+    def optimizer_step(self) -> None:
+        if self.stepped:  # manual optimization: a second step in the same batch
+            self._close()
+        self.stepped = True
+
+    def batch_end(self) -> None:
+        if self.stepped:
+            self._close()
+
+    def _close(self) -> None:
+        self.stepped = False
+        self.steps += 1
+        if self.log_every and self.steps % self.log_every == 0:
+            self._at_log_step()
+
+    def _at_log_step(self) -> None:
+        watcher = self.watcher
+        reporters, host = watcher.reporters, watcher.host
+        if reporters is None or host is None:
+            return
+        try:
+            metrics = reporters.metric_tensors(host, steps=0, skipped=0, nonfinite=0)  # the others' cross-rank sum
+            if metrics and watcher._relaying:
+                watcher._relay.at_log_step(float(metrics[0]))  # what it held goes to rank zero; it publishes nothing
+        except Exception:  # noqa: BLE001 - switched off: it has nothing more to say, and never stops the run
+            pass
+
+    def finish(self) -> None:
+        try:
+            if self.watcher._relaying:
+                self.watcher._relay.exchange()
+        except Exception:  # noqa: BLE001
+            pass

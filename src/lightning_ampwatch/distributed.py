@@ -9,11 +9,16 @@ judges alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_ampwatch.machine import BatchStats
+from lightning_ampwatch.taxonomy import Diagnosis
+
+#: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
+RELAY_MAX = 32
 
 
 def world_size() -> int:
@@ -63,3 +68,44 @@ def merge_step(records: list[dict[str, Any]]) -> tuple[float | None, bool | None
             if biggest.absmax_where else None,
         )
     return loss, loss_finite, batch, bad_ranks or list(range(len(records)))
+
+
+class Relay:
+    """Diagnoses a rank other than zero reached alone, carried to rank zero, which alone prints and logs.
+
+    Without a GradScaler the ranks meet anomalies at different steps (a NaN in one rank's data), so each judges
+    alone and a fault on rank 1 would reach no console and no event log. No collective is added to any step for
+    it: the log step already sums the non-finite count across ranks (one value every rank reads alike); only when
+    that count has moved do the ranks exchange what they hold, in one ``all_gather_object``. At the end of the fit
+    (every rank is there) they exchange once more."""
+
+    def __init__(self) -> None:
+        self.held: list[Diagnosis] = []
+        self._agreed_total = 0.0
+
+    def hold(self, diagnosis: Diagnosis) -> None:
+        if rank() != 0:
+            self.held = [*self.held[-(RELAY_MAX - 1):], diagnosis]
+
+    def at_log_step(self, agreed_nonfinite_total: float) -> list[Diagnosis]:
+        """Call on every rank with the cross-rank non-finite total just read; rank zero gets the others' diagnoses."""
+        if agreed_nonfinite_total <= self._agreed_total:
+            return []
+        self._agreed_total = agreed_nonfinite_total
+        return self.exchange()
+
+    def exchange(self) -> list[Diagnosis]:
+        """Every rank must call it together. Rank zero gets each other rank's held diagnoses (the rank named in
+        their evidence); the others get nothing."""
+        held, self.held = self.held, []
+        records = gather([d.to_dict() for d in held])
+        if rank() != 0:
+            return []
+        out: list[Diagnosis] = []
+        for r, dicts in enumerate(records):
+            if r == 0:
+                continue
+            for d in dicts:
+                diagnosis = Diagnosis.from_dict(d)
+                out.append(replace(diagnosis, evidence={**diagnosis.evidence, "reported_from_rank": r}))
+        return out

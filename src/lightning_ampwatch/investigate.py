@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
@@ -57,8 +57,9 @@ class Investigator:
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
                  localize: bool, control: bool, automatic: bool,
                  step_loss: Callable[[Any, int], Any] | None = None,
-                 outside_modules: Callable[[], str] | None = None) -> None:
-        self.replayer = Replayer(module, forward_context, device, step_loss)
+                 outside_modules: Callable[[], str] | None = None, root: Any = None) -> None:
+        # root: the module as the strategy wraps it (or a callable giving it), for what a replay must know of it
+        self.replayer = Replayer(module, forward_context, device, step_loss, root)
         self.module = module
         # where a fault that no module's output shows is placed: the adapter's name for the code around the model
         self.outside_modules = outside_modules
@@ -81,7 +82,14 @@ class Investigator:
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
-        if not agree or distributed.rank() in fault_ranks:
+        # A sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
+        # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
+        everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
+        if everyone and not agree:
+            return ReplayRecord(evidence={"replay": (
+                "not run: the model is sharded, so a replay's forward talks to every rank, and without a scaler the "
+                "ranks meet anomalies at different steps: a replay on this rank alone would wait for the others")})
+        if not agree or distributed.rank() in fault_ranks or everyone:
             try:
                 local = self._local(batches, scale, weights_stepped)
                 local.loss_level = loss_level
@@ -91,7 +99,9 @@ class Investigator:
         failed = [(r, res.error) for r, res in enumerate(results) if res is not None and res.error]
         if failed:
             raise InvestigationError(f"the replay failed on rank {failed[0][0]}: {failed[0][1]}")
-        for r, res in enumerate(results):
+        order = [r for r in fault_ranks if r < len(results)] + list(range(len(results)))
+        for r in order:  # the first rank at fault that replayed (every rank replays a sharded model)
+            res = results[r]
             if res is not None:
                 if agree and distributed.world_size() > 1:
                     res.evidence.update(fault_ranks=list(fault_ranks), investigated_on_rank=r)
@@ -150,11 +160,15 @@ class Investigator:
             out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
                 out.module = self.outside_modules() if self.outside_modules is not None else \
-                    f"{type(self.module).__name__}.training_step"
+                    f"{sharding.class_name(self.module)}.training_step"
             out.param = amp.first_nonfinite_param
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
-        if self.control:
+        half = sharding.half_param_dtype(self.replayer.root_module()) if self.control else None
+        if half is not None:  # FSDP computes in its param dtype whatever autocast says
+            ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
+                                  "compute, so a replay without autocast would not be FP32")
+        elif self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
             ev.update(_replay_evidence(ctl, "fp32_control"))
             out.control_loss = ctl.loss
@@ -191,6 +205,8 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
 
 def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:
     ev: dict[str, Any] = {f"{prefix}_loss": result.loss}
+    if result.grads_unavailable is not None:
+        ev[f"{prefix}_grads"] = f"unavailable: {result.grads_unavailable}"
     if result.grads_finite is not None:
         ev[f"{prefix}_grads_finite"] = result.grads_finite
     if result.unscaled_grads_finite is not None and result.grad_scale != 1.0:  # at scale 1 it is grads_finite
@@ -305,7 +321,7 @@ class Investigations:
         if trajectory is not None and refined.finding in AMP_BLAMING:
             try:
                 refined, renamed_again = trajectory.judge(refined, step.opened.step, self.machine.loss_level,
-                                                          agree=scaler_active)
+                                                          agree=scaler_active, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
@@ -371,11 +387,13 @@ class TrajectoryControl:
     precision (then the live state is put back exactly). Its verdict is the one that stands."""
 
     def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
-                 say: Callable[[str], None], adaptive: bool = False) -> None:
+                 say: Callable[[str], None], adaptive: bool = False,
+                 on_failure: Callable[[str, Exception], None] | None = None) -> None:
         self.ring = ring
         self.state = state
         self.divergence_ratio = divergence_ratio
         self.say = say
+        self.on_failure = on_failure  # the callback's: a failure is reported once, the watch goes on
         if state.unavailable is not None:
             ring.turn_off(state.unavailable)  # said in the evidence of each alarm it would have judged
         self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
@@ -390,12 +408,18 @@ class TrajectoryControl:
         ring = self.ring
         if not ring.enabled:
             return
-        ring.add_batches(step, batches)
-        if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
-            if self.cadence is None or self.cadence.decided:
-                ring.after_step(step, self.state)
-            else:
-                self._timed_snapshot(step)
+        try:
+            ring.add_batches(step, batches)
+            if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
+                if self.cadence is None or self.cadence.decided:
+                    ring.after_step(step, self.state)
+                else:
+                    self._timed_snapshot(step)
+        except Exception as err:  # noqa: BLE001 - the step is still taken in by the ledger: never drop it
+            ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
+            if self.on_failure is not None:
+                self.on_failure("a snapshot for the FP32 trajectory control", err)
+            return
         if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
             self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
                      "loss trend still separates divergence from overflow.")
@@ -420,10 +444,22 @@ class TrajectoryControl:
             self.say(said)
 
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,
-              agree: bool) -> tuple[Diagnosis, Finding | None]:
-        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does)."""
+              agree: bool, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
+        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). Where every rank
+        replayed (``agree``), the gravest verdict stands; among equally grave ones, a rank at fault's (its
+        batches are the ones that went wrong), and the evidence names the rank."""
         ev = dict(diagnosis.evidence)
         snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
+        stale = snapshot.stale(self.state) if snapshot is not None else None
+        if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
+            self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
+            snapshot = None
+        if snapshot is not None and not agree and distributed.world_size() > 1 \
+                and sharding.replay_needs_all_ranks(self.state.root):
+            ev["trajectory_control"] = ("not run: the model is sharded, so a replay talks to every rank, and without "
+                                        "a scaler the ranks meet anomalies at different steps: a replay on this "
+                                        "rank alone would wait for the others")
+            return replace(diagnosis, evidence=ev), None
         local: TrajectoryVerdict | str | None = None  # the verdict, or what went wrong (a string)
         if snapshot is None:
             reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
@@ -434,17 +470,23 @@ class TrajectoryControl:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
                 fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
                 amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
-                local = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
+                verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
+                # what the snapshot held on this rank (trained state only: frozen parameters are left out)
+                local = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = f"{type(err).__name__}: {err}"
-        results = [r for r in (distributed.gather(local) if agree else [local]) if r is not None]
-        failed = [r for r in results if isinstance(r, str)]
+        gathered = distributed.gather(local) if agree else [local]
+        ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
+        failed = [r for _, r in ranked if isinstance(r, str)]
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
-        verdicts = [r for r in results if isinstance(r, TrajectoryVerdict)]
+        verdicts = [(rank, r) for rank, r in ranked if isinstance(r, TrajectoryVerdict)]
         if not verdicts:
             return replace(diagnosis, evidence=ev), None
-        verdict = min(verdicts, key=lambda v: _VERDICT_ORDER.index(v.kind))
+        judged_on, verdict = min(verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1].kind),
+                                                            rv[0] not in fault_ranks, rv[0]))
+        if agree and len(gathered) > 1:
+            ev["trajectory_rank"] = judged_on
         batch_verdict = ev.pop("control_verdict", None)
         control = facts_of(diagnosis).control
         if batch_verdict is not None and control is not None and control.verdict is not ControlVerdict.NOT_RUN:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, sharding
 
 FP16_MAX = 65504.0
 _STOCHASTIC = compat.STOCHASTIC_MODULES
@@ -60,6 +60,8 @@ class ReplayResult:
     #: the largest finite |gradient| at scale 1 over all parameters (a safe scale is about 65504 / this)
     grad_absmax: float | None = None
     error: str | None = None
+    #: why the gradient probe measured nothing (no gradient reached any parameter); None when it measured
+    grads_unavailable: str | None = None
 
     @property
     def loss_finite(self) -> bool | None:
@@ -70,8 +72,9 @@ class ForwardProbe:
     """Forward hooks on every named module, recording on the device whether each output is finite, its largest
     magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self._names = {m: (n or type(root).__name__) for n, m in root.named_modules()}
+    def __init__(self, root: nn.Module, skip_root: bool = False) -> None:
+        self._names = {m: (n or sharding.class_name(root)) for n, m in root.named_modules()
+                       if not (skip_root and m is root)}
         self._leaves = {name for m, name in self._names.items() if not any(True for _ in m.children())}
         self._records: list[tuple[str, Tensor, bool]] = []  # name, [out_finite, out_absmax, in_finite], fp16
         self._handles: list[Any] = []
@@ -217,15 +220,35 @@ class Replayer:
     autocast or without it (the FP32 control)."""
 
     def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device,
-                 step_loss: Callable[[Any, int], Any] | None = None) -> None:
+                 step_loss: Callable[[Any, int], Any] | None = None, root: Any = None) -> None:
         self.module = module
         self.step_loss = step_loss  # one micro-batch's loss; None: the module's training_step, looked up each time
         self.autocast = autocast  # the precision plugin's forward context factory
         self.device = device
+        self._root = root  # the module as the strategy wraps it, or a callable giving it (read at each replay)
+
+    def root_module(self) -> Any:
+        root = self._root() if callable(self._root) and not isinstance(self._root, nn.Module) else self._root
+        return root if isinstance(root, nn.Module) else self.module
+
+    def _redirected(self) -> bool:
+        """Whether ``training_step`` runs through the wrapper's forward, which calls the module's own forward hooks
+        with ``training_step``'s output (not a forward's): the probe leaves the root module out then."""
+        root = self.root_module()
+        return root is not self.module and sharding.redirects(root)
+
+    def _training_step(self, batch: Any, batch_idx: int) -> Any:
+        """One micro-batch's loss: the host's ``step_loss`` (the Lightning host's goes through the strategy's
+        forward redirection itself), else ``training_step`` as the strategy runs it."""
+        if self.step_loss is not None:
+            return self.step_loss(batch, batch_idx)
+        return sharding.training_step(self.root_module(), self.module, batch, batch_idx)
 
     def run(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float | None,
             probe: bool) -> ReplayResult:
         """Replay; with ``grad_scale``, take the gradients at that loss scale and, from the same graph, at scale 1."""
+        if grad_scale is not None and sharding.replay_needs_all_ranks(self.root_module()) and _world_size() > 1:
+            return self._run_sharded(micro_batches, use_autocast=use_autocast, grad_scale=grad_scale, probe=probe)
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         tensors = [p for _, p in params]
@@ -233,8 +256,10 @@ class Replayer:
         total: Tensor | None = None
         scaled: list[Tensor | None] | None = None
         unscaled: list[Tensor | None] | None = None
-        probe_ctx: ForwardProbe | None = ForwardProbe(self.module) if probe else None
-        with no_trace(self.module), (probe_ctx or contextlib.nullcontext()):
+        probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
+        # the FP32 control is FP32 throughout: a frozen half-precision base is computed in float32 meanwhile
+        fp32 = contextlib.nullcontext(0) if use_autocast else sharding.fp32_frozen(self.module)
+        with no_trace(self.module), (probe_ctx or contextlib.nullcontext()), fp32:
             for mb in micro_batches:
                 if mb.rng is not None:
                     torch.set_rng_state(mb.rng)
@@ -242,8 +267,7 @@ class Replayer:
                     torch.cuda.set_rng_state(mb.cuda_rng, self.device)
                 ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
                 with ctx:
-                    step_loss = self.step_loss or self.module.training_step
-                    loss = loss_of(step_loss(mb.batch, mb.batch_idx))
+                    loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
                 if loss is None:
                     continue
                 loss = loss.float() / len(micro_batches)
@@ -263,8 +287,13 @@ class Replayer:
         if scaled is not None:
             present = [(name, s, u) for (name, _), s, u in zip(params, scaled, unscaled or scaled) if s is not None]
             result.grad_scale = grad_scale
-            result.grads_finite, result.unscaled_grads_finite = True, True
+            if not present and tensors:
+                # autograd reached no parameter (FSDP2 computes with gathered copies, not the sharded parameters
+                # it holds): the probe measured nothing, so it says so rather than "finite"
+                result.grads_unavailable = ("no gradient reached the parameters in the replay (a sharded model "
+                                            "computes with gathered copies of them)")
             if present:
+                result.grads_finite, result.unscaled_grads_finite = True, True
                 values = torch.stack([torch.stack([torch.isfinite(s).all().float(), torch.isfinite(u).all().float(),
                                                    _finite_absmax(u)]) for _, s, u in present]).cpu().tolist()
                 bad = [name for (name, _, _), (ok, _, _) in zip(present, values) if not ok]
@@ -273,6 +302,87 @@ class Replayer:
                 result.grad_absmax = max(absmax for _, _, absmax in values)
                 result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
         return result
+
+
+    def _run_sharded(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float,
+                     probe: bool) -> ReplayResult:
+        """The replay of a sharded model (FSDP), which every rank runs at the same time. ``torch.autograd.grad``
+        reaches no sharded parameter (the forward computes with gathered copies), so gradients come from real
+        backward passes, which FSDP reduce-scatters into each rank's shard of ``.grad``: one at ``grad_scale``,
+        one at scale 1 (a second forward; a retained graph would outlive FSDP's freed gathers). Each parameter's
+        flags (non-finite at the scale, non-finite at 1, largest finite magnitude at 1) are reduced across ranks in
+        one all-reduce, so every rank reads the same answer. The live ``.grad`` is put back afterwards."""
+        import torch.distributed as dist
+
+        result = ReplayResult(autocast=use_autocast)
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        live_grads = [p.grad for _, p in params]
+        scales = [grad_scale] + ([1.0] if grad_scale != 1.0 else [])
+        probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
+        total: Tensor | None = None
+        rows: list[Tensor] = []
+        try:
+            with no_trace(self.module):
+                for i, scale in enumerate(scales):
+                    for _, p in params:
+                        p.grad = None
+                    with (probe_ctx if probe_ctx is not None and i == 0 else contextlib.nullcontext()):
+                        for mb in micro_batches:
+                            if mb.rng is not None:
+                                torch.set_rng_state(mb.rng)
+                            if mb.cuda_rng is not None:
+                                torch.cuda.set_rng_state(mb.cuda_rng, self.device)
+                            ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
+                            with ctx:
+                                loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
+                            if loss is None:
+                                continue
+                            loss = loss.float() / len(micro_batches)
+                            if i == 0:
+                                total = loss.detach() if total is None else total + loss.detach()
+                            if loss.requires_grad:
+                                (loss * scale).backward()
+                    rows.append(torch.stack([_grad_flags(p.grad) for _, p in params]) if params
+                                else torch.zeros((0, 3), device=self.device))
+        finally:
+            for (_, p), grad in zip(params, live_grads):
+                p.grad = grad
+        flags = torch.stack(rows)  # (passes, params, [present, non-finite, finite absmax])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if total is not None:
+            result.loss = float(total.cpu())
+        if probe_ctx is not None:
+            first, result.headroom = probe_ctx.read()
+            result.first_nonfinite_module = first
+            result.nonfinite_outside_modules = first is None and result.loss_finite is False
+        values = flags.cpu().tolist()
+        present = [i for i, row in enumerate(values[0]) if row[0]]
+        result.grad_scale = grad_scale
+        if not present:
+            result.grads_unavailable = "no gradient reached the parameters on any rank in the replay"
+            return result
+        bad = [params[i][0] for i in present if values[0][i][1]]
+        result.grads_finite = not bad
+        result.unscaled_grads_finite = not any(values[-1][i][1] for i in present)
+        result.grad_absmax = max(values[-1][i][2] for i in present)
+        result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
+        return result
+
+
+def _grad_flags(grad: Tensor | None) -> Tensor:
+    """[present, non-finite, largest finite magnitude] of this rank's shard of a gradient (zeros when absent)."""
+    if grad is None:
+        return torch.zeros(3)
+    g = sharding.local(grad).detach()
+    if g.numel() == 0:  # this rank holds no part of it
+        return torch.tensor([1.0, 0.0, 0.0], device=g.device)
+    return torch.stack([torch.ones((), device=g.device), (~torch.isfinite(g)).any().float(), _finite_absmax(g)])
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _accumulate(total: list[Tensor | None] | None, grads: Sequence[Tensor | None]) -> list[Tensor | None]:

@@ -230,8 +230,10 @@ class Reporters:
     def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int) -> list[torch.Tensor]:
         """Under DDP, the cross-rank non-finite count as a device scalar, not read: it joins the log step's one
         packed read. Empty with one process, or when there is no logger. Also takes the interval's counts."""
-        if not trainer.loggers:
+        if not trainer.loggers and self._nonfinite_sum is None:
             return []
+        # Under DDP the cross-rank sum is taken with or without a logger: it is the agreement point at
+        # which rank zero learns of a fault another rank judged alone (distributed.Relay)
         self._skip_window.append((steps, skipped))
         self._nonfinite_total += nonfinite
         if self._nonfinite_sum is None:

@@ -88,6 +88,10 @@ class StepTaken:
         self.detach()
         self.fused = False
         for opt in optimizers:
+            if not hasattr(opt, "register_step_post_hook"):
+                # not a torch optimizer (DeepSpeed's ZeRO optimizers): its steps are not seen here, and there
+                # is no GradScaler whose skips this hook would tell (DeepSpeed keeps its own loss scaler)
+                continue
             if compat.unscales_in_kernel(opt):  # fused: only these need the pre-hook
                 self.fused = True
                 self._handles.append(opt.register_step_pre_hook(self._pre))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -61,22 +61,46 @@ class TrainState:
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
     step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
+    root: Any = None  # the module as the strategy wraps it (DDP, FSDP2): state dicts are read from it; else module
+    #: DDP with a scaler: every rank holds the same state, so each keeps 1/N of a snapshot and the ranks put it
+    #: back together on restore (a collective; restores then happen on every rank at once: the ranks meet
+    #: anomalies together under a scaler). Off without a scaler, where a rank may replay alone.
+    split: bool = False
+
+    def __post_init__(self) -> None:
+        if self.root is None:
+            self.root = self.module
+
     @classmethod
     def from_trainer(cls, trainer: Any, pl_module: Any) -> "TrainState":
         """Read from a fitting Trainer (call it once optimizers exist: ``on_train_start`` or later)."""
         plugin = trainer.precision_plugin
+        root = getattr(trainer.strategy, "model", None)
+        root = root if isinstance(root, torch.nn.Module) else pl_module
         unavailable = None
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
-        elif any(p.dtype in (torch.float16, torch.bfloat16) for p in pl_module.parameters()):
-            unavailable = ("the trajectory control is not available: the weights themselves are half precision "
-                           "(a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
+            # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
+            # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
+            unavailable = ("the trajectory control is not available: the trained weights themselves are half "
+                           "precision (a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
+        elif sharding.half_param_dtype(root) is not None:
+            unavailable = (f"the trajectory control is not available: FSDP gathers the parameters in "
+                           f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a replay "
+                           "without autocast would not be an FP32 run")
+        else:
+            unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and not _enabled(scaler):
+            scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
         algorithm = trainer.gradient_clip_algorithm
+        split = scaler is not None and sharding.replicated(root)
         return cls(
             module=pl_module,
             optimizers=list(trainer.optimizers),
-            scaler=getattr(plugin, "scaler", None),
+            scaler=scaler,
             schedulers=[(c.scheduler, c.frequency) for c in trainer.lr_scheduler_configs
                         if c.interval == "step" and not c.reduce_on_plateau],
             clip_val=trainer.gradient_clip_val,
@@ -85,6 +109,8 @@ class TrainState:
             device=pl_module.device,
             forward_context=plugin.forward_context,
             unavailable=unavailable,
+            root=root,
+            split=split,
         )
 
 
@@ -94,10 +120,15 @@ class TrainState:
 
 
 class _At(NamedTuple):
-    """Where a tensor went in a snapshot's flat list of host copies, and the device it is restored to."""
+    """Where a tensor went in a snapshot's flat list of host copies, and the device it is restored to. In a
+    snapshot split across DDP ranks, ``owner`` is the rank that holds the copy (``index`` is -1 on the others, which
+    receive it from the owner on restore, into a tensor of ``shape`` and ``dtype`` where no live one fits)."""
 
     index: int
     device: torch.device
+    owner: int = -1  # -1: this rank holds it (not split)
+    shape: Any = None
+    dtype: Any = None
 
 
 @dataclass
@@ -109,23 +140,31 @@ class _ScalerState:
     growth_interval: int
 
 
+class SnapshotError(RuntimeError):
+    """A snapshot cannot be put back as it stands (the live state no longer matches what it left out)."""
+
+
 @dataclass
 class Snapshot:
-    """Module parameters and buffers, every optimizer's state, the scaler's and the step schedulers' state and the
-    RNG, taken after optimizer step ``step``. Tensors are host copies; the loops' counters are not included
-    (``global_step`` stays monotonic)."""
+    """The trained state (module parameters that require gradients and buffers, every optimizer's state), the
+    scaler's and the step schedulers' state and the RNG, taken after optimizer step ``step``. The module and
+    optimizer state come from torch's distributed state-dict machinery (:mod:`~lightning_ampwatch.sharding`), so
+    under DDP and FSDP2 each rank copies what it holds; frozen parameters are left out and only their version
+    counters kept. Tensors are host copies; the loops' counters are not included (``global_step`` stays
+    monotonic)."""
 
     step: int
     host: list[Tensor]  # every tensor, flat; a ring slot reused by the next snapshot of the same layout
-    params: list[_At]
-    buffers: list[_At]
+    model: list[tuple[str, _At | Any]]  # the model state dict's entries (trainable parameters and buffers)
+    optim_state: list[tuple[str, dict[str, Any]]]  # per parameter name: its optimizer state
+    groups: list[list[dict[str, Any]]]  # per optimizer: its param groups, without the params
     grads: list[_At | None] | None  # only in the live state a replay puts back
-    optimizers: list[tuple[list[dict[str, Any] | None], list[dict[str, Any]]]]  # per-param state, param groups
     schedulers: list[dict[str, Any]]
     scaler: _ScalerState | None
     rng: Tensor
     cuda_rng: Tensor | None
     pinned: bool
+    frozen: tuple[tuple[str, int], ...] = ()  # (name, version counter) of each frozen parameter when taken
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -133,11 +172,12 @@ class Snapshot:
 
     @classmethod
     def take(cls, state: TrainState, step: int, *, slot: list[Tensor] | None = None,
-             grads: bool = False) -> "Snapshot":
+             grads: bool = False, split: bool = False) -> "Snapshot":
         """Copy the live state to the host. On an accelerator the copies go into pinned buffers without a sync
         (``slot``, when its layout matches, is reused rather than allocated). ``step`` is the optimizer step it
-        is taken after (-1 for the live state a replay puts back, which is no step's)."""
-        return cls._copied(state, step, *_gather(state, grads), slot)
+        is taken after (-1 for the live state a replay puts back, which is no step's). ``split``: this rank's
+        share only, as the ring takes it under DDP (``state.split``); restoring it takes every rank."""
+        return cls._copied(state, step, *_gather(state, grads, split=split), slot)
 
     @classmethod
     def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
@@ -150,27 +190,45 @@ class Snapshot:
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned)
 
+    def stale(self, state: TrainState) -> str | None:
+        """Why this snapshot can no longer be put back (a frozen parameter changed in place since), or None."""
+        name = sharding.changed_frozen(self.frozen, state.root)
+        if name is None:
+            return None
+        return (f"the frozen parameter {name!r} was changed in place after the snapshot of step {self.step} was "
+                "taken (its version counter moved); snapshots leave frozen parameters out, so this one cannot be "
+                "put back")
+
     def restore(self, state: TrainState) -> None:
-        """Put this state into the live objects, in place where the layout allows (no second model)."""
-        module = state.module
-        params = list(module.parameters())
+        """Put this state into the live objects, in place (no second model, no new tensors where the layout
+        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot."""
+        if self.step >= 0:
+            why = self.stale(state)
+            if why is not None:
+                raise SnapshotError(why)
+        model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
+        self._rank = sharding.rank()
+        missing = [k for k, _ in self.model if k not in model_sd] + \
+                  [k for k, _ in self.optim_state if k not in optim_sd]
+        if missing:
+            raise SnapshotError(f"the live state has no entry {missing[0]!r} that the snapshot holds")
         with torch.no_grad():
-            for live, saved in zip(params, self.params):
-                live.copy_(self.host[saved.index], non_blocking=self.pinned)
-            for live, saved in zip(module.buffers(), self.buffers):
-                live.copy_(self.host[saved.index], non_blocking=self.pinned)
+            for key, saved in self.model:
+                if isinstance(saved, _At):
+                    self._put(saved, sharding.local(model_sd[key]))
+            held = {k for k, _ in self.optim_state}
+            for key, current in optim_sd.items():
+                if key not in held:
+                    current.clear()  # state created after the snapshot: torch's optimizers start it afresh
+            for key, saved_state in self.optim_state:
+                current = optim_sd[key]
+                restored = {k: self._value(v, current.get(k)) for k, v in saved_state.items()}
+                current.clear()
+                current.update(restored)
             if self.grads is not None:
-                for p, saved in zip(params, self.grads):
+                for p, saved in zip(_trainable(state), self.grads):
                     p.grad = None if saved is None else self._value(saved, p.grad)
-            for opt, (per_param, groups) in zip(state.optimizers, self.optimizers):
-                for p, saved_state in zip(_params_of(opt), per_param):
-                    if saved_state is None:
-                        opt.state.pop(p, None)
-                        continue
-                    current = opt.state[p]
-                    restored = {k: self._value(v, current.get(k)) for k, v in saved_state.items()}
-                    current.clear()
-                    current.update(restored)
+            for opt, groups in zip(state.optimizers, self.groups):
                 for group, saved_group in zip(opt.param_groups, groups):
                     for key in [k for k in group if k != "params" and k not in saved_group]:
                         del group[key]
@@ -185,14 +243,30 @@ class Snapshot:
             torch.cuda.set_rng_state(self.cuda_rng, state.device)
 
     def _value(self, saved: Any, current: Any) -> Any:
-        """A saved value made live again: copied into ``current`` when it is a tensor of the same layout."""
+        """A saved value made live again: copied into ``current`` (its local shard) when it is a tensor of the same
+        layout."""
         if not isinstance(saved, _At):
             return copy.deepcopy(saved)
-        host = self.host[saved.index]
-        if isinstance(current, Tensor) and current.shape == host.shape and current.dtype == host.dtype \
-                and current.device == saved.device:
-            return current.copy_(host, non_blocking=self.pinned)
-        return host.to(saved.device, copy=True)
+        shape, dtype = (saved.shape, saved.dtype) if saved.owner >= 0 else \
+            (self.host[saved.index].shape, self.host[saved.index].dtype)
+        if isinstance(current, Tensor):
+            target = sharding.local(current)
+            if target.shape == shape and target.dtype == dtype and target.device == saved.device:
+                self._put(saved, target)
+                return current
+        fresh = torch.empty(shape, dtype=dtype, device=saved.device)
+        self._put(saved, fresh)
+        return fresh
+
+    def _put(self, saved: _At, target: Tensor) -> None:
+        """The saved tensor into ``target``: copied from this rank's host copy, or, in a split snapshot, sent by the
+        rank that holds it (every rank calls this for every entry, in the same order)."""
+        if saved.owner < 0:
+            target.copy_(self.host[saved.index], non_blocking=self.pinned)
+            return
+        if saved.owner == getattr(self, "_rank", 0):
+            target.copy_(self.host[saved.index])
+        sharding.broadcast(target, saved.owner)
 
     def _restore_scaler(self, scaler: Any) -> None:
         saved = self.scaler
@@ -217,40 +291,66 @@ class Snapshot:
         }
 
 
-def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any]]:
-    """Every live tensor a snapshot copies, flat, and where each goes back (the other values copied as they are)."""
+def _trainable(state: TrainState) -> list[Tensor]:
+    return [p for p in state.module.parameters() if p.requires_grad]
+
+
+def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[Tensor], dict[str, Any]]:
+    """Every live tensor a snapshot copies, flat (a DTensor's local shard), and where each goes back (the other
+    values copied as they are). ``split``: this rank's share only of the state every DDP rank holds alike (the
+    scaler, the gradients and the RNG stay whole: they are small, or differ by rank)."""
     live: list[Tensor] = []
+    split = split and sharding.world_size() > 1
+    me = sharding.rank()
+    loads = [0] * sharding.world_size()  # bytes each rank holds so far: the next tensor goes to the least loaded
 
     def at(t: Tensor) -> _At:
-        live.append(t.detach())
+        t = sharding.local(t.detach())
+        live.append(t)
         return _At(len(live) - 1, t.device)
 
-    def keep(value: Any) -> Any:
-        return at(value) if isinstance(value, Tensor) else copy.deepcopy(value)
+    def shared(t: Tensor) -> _At:
+        """A tensor every DDP rank holds alike: in a split snapshot only its owner copies it."""
+        if not split:
+            return at(t)
+        t = sharding.local(t.detach())
+        owner = loads.index(min(loads))
+        loads[owner] += t.nbytes
+        if owner != me:
+            return _At(-1, t.device, owner, t.shape, t.dtype)
+        live.append(t)
+        return _At(len(live) - 1, t.device, owner, t.shape, t.dtype)
 
-    params = list(state.module.parameters())
+    def keep(value: Any) -> Any:
+        return shared(value) if isinstance(value, Tensor) else copy.deepcopy(value)
+
+    model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
     parts: dict[str, Any] = {
-        "params": [at(p) for p in params],
-        "buffers": [at(b) for b in state.module.buffers()],
-        "grads": [None if p.grad is None else at(p.grad) for p in params] if grads else None,
-        "optimizers": [
-            ([{k: keep(v) for k, v in opt.state[p].items()} if p in opt.state else None for p in _params_of(opt)],
-             [{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
-            for opt in state.optimizers
-        ],
+        "model": [(k, keep(v)) for k, v in model_sd.items()],
+        "optim_state": [(k, {name: keep(v) for name, v in per.items()}) for k, per in optim_sd.items()],
+        "groups": [[{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                   for opt in state.optimizers],
+        "grads": [None if p.grad is None else at(p.grad) for p in _trainable(state)] if grads else None,
         "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
         "scaler": None,
+        "frozen": sharding.frozen_versions(state.root),
     }
     sc = state.scaler
-    if sc is not None:
+    if sc is not None and _enabled(sc):
         if compat.scale_tensor(sc) is None:  # not used yet: its state is plain numbers, read without a sync
-            sd = sc.state_dict()
-            scale, tracker = sd["scale"], sd["_growth_tracker"]
+            scale, tracker = compat.initial_scale(sc)
         else:  # device tensors, copied without a sync (GradScaler.state_dict() would .item() them)
             scale, tracker = at(compat.scale_tensor(sc)), at(compat.growth_tracker_tensor(sc))  # type: ignore[arg-type]
         parts["scaler"] = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
                                        sc.get_growth_interval())
     return live, parts
+
+
+def _enabled(scaler: Any) -> bool:
+    """A GradScaler made with ``enabled=False`` (as Lightning's FSDP precision makes one without CUDA) scales
+    nothing and keeps no state."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
 
 
 def _nbytes(micro_batches: Sequence[Any]) -> int:
@@ -274,17 +374,20 @@ def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
 class SnapshotRing:
     """Host snapshots every ``every`` optimizer steps (the newest ``keep``) and the micro-batches run since the
-    oldest, all within one byte budget. When one snapshot plus ``every`` steps of batches does not fit, the ring
+    oldest, all within one byte budget (by default the host's, shared by its ``processes_per_node``). When one snapshot plus ``every`` steps of batches does not fit, the ring
     is off for the run and ``reason`` says why and what it would need."""
 
-    def __init__(self, budget_bytes: int | None = None, every: int = 10, keep: int = 2) -> None:
+    def __init__(self, budget_bytes: int | None = None, every: int = 10, keep: int = 2,
+                 processes_per_node: int = 1) -> None:
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"budget_bytes={budget_bytes!r}: expected a positive number of bytes, or None for "
                              f"the default ({default_budget_bytes()} bytes on this host)")
         for name, value in (("every", every), ("keep", keep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a whole number of at least 1")
-        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        # the default budget is the node's: each of the processes training on this host gets its share of it
+        self.budget_bytes = default_budget_bytes() // max(1, int(processes_per_node)) if budget_bytes is None \
+            else budget_bytes
         self.every = every
         self.keep = keep
         self.enabled = True
@@ -325,7 +428,7 @@ class SnapshotRing:
             self.turn_off(state.unavailable)
             return
         self._count_batches()
-        live, parts = _gather(state, grads=False)
+        live, parts = _gather(state, grads=False, split=state.split)
         self.bytes_per_snapshot = sum(t.nbytes for t in live)
         if not self._fits():
             self.turn_off()
@@ -422,13 +525,14 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     losses: list[Tensor | None] = []
     skipped: list[Tensor] = []
     try:
-        with no_trace(state.module), _without_step_hooks(state.optimizers):
+        with no_trace(state.module), _without_step_hooks(state.optimizers), \
+                (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)):
             snapshot.restore(state)
             for _, micro_batches in steps:
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
                 skipped.append(skip)
-            finite = torch.stack([torch.isfinite(p).all() for p in state.module.parameters()]).all()
+            finite = torch.stack([torch.isfinite(sharding.local(p)).all() for p in state.module.parameters()]).all()
             present = [t.float().reshape(()) for t in losses if t is not None]
             read = torch.stack([*present, finite.float(), *(s.float() for s in skipped)]).tolist()  # the one read
     finally:

@@ -117,6 +117,11 @@ class Treatment:
                 "applied in place")), []
         why = "snapshots are off" if control is None or not control.ring.enabled else \
             f"no snapshot from before step {before} is held"
+        unavailable = getattr(host, "rollback_unavailable", None)  # optional on a host
+        no_checkpoint = unavailable() if callable(unavailable) else None
+        if no_checkpoint is not None:  # the strategy's reason, not "no file was found"
+            return None, Rollback(RollbackKind.NONE, now, why=f"{why}, and {no_checkpoint}; the remedy is applied "
+                                                                  "in place"), []
         return None, Rollback(RollbackKind.NONE, now, why=f"{why} and no checkpoint file from before it was found, "
                                                               "so the remedy is applied in place"), []
 

@@ -1,0 +1,319 @@
+"""FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard``) in two CPU processes with gloo, real float16 autocast
+and a real GradScaler: a fault on one rank's data is replayed by every rank together (a sharded forward is
+collective), and both ranks reach the same located diagnosis; the step and skip counts are the run's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from _sharded import RowsByRank, cpu_fsdp1, cpu_fsdp2, fsdp1_fp16
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.scenarios import true_fp16_plugin
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+class ShardedSoftmax(pl.LightningModule):
+    """Two hidden layers and a head, each ``fully_shard``-ed, and a hand-written softmax: ``exp`` of the raw logits
+    overflows float16 past ~11 (FP32 has room up to ~88)."""
+
+    def __init__(self, param_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.param_dtype = param_dtype
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype)
+        for m in (self.body[0], self.body[2], self.head, self):
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        e = self.head(self.body(x)).exp()
+        p = e / e.sum(-1, keepdim=True)
+        return -p.gather(1, y[:, None]).float().log().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def one_rank_overflows(row: int = 16 * 2 * 5 + 1, factor: float = 60.0) -> TensorDataset:
+    """Separable data; one row scaled so that its logits' exp overflows float16 but not float32. Row 161 is rank
+    1's batch 5 (batch size 16, rows alternate between the ranks): only rank 1 ever sees it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = (x @ torch.randn(8, 4, generator=g)).argmax(-1)
+    x[row] *= factor
+    return TensorDataset(x, y)
+
+
+class Dump(pl.Callback):
+    """Each rank writes its diagnoses, its summary counts and the run's own: the optimizer's real steps (a post-hook
+    on it; the scaler skips a step by not calling it) and the scaler's final scale, for the parent to compare."""
+
+    def __init__(self, watch: AmpWatch, out_dir: str) -> None:
+        self.watch, self.out_dir = watch, out_dir
+        self.taken = 0
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        def count(*_: Any) -> None:
+            self.taken += 1
+
+        trainer.optimizers[0].register_step_post_hook(count)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = self.watch.watcher._run_stats()
+        out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
+               "skipped": stats.skipped, "scale": stats.scale, "run_steps": trainer.global_step,
+               "run_skipped": trainer.global_step - self.taken,
+               "run_scale": float(trainer.precision_plugin.scaler.get_scale())}
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+def _fit(tmp_path: Path, module: Any, data: TensorDataset, max_steps: int = 10, init_scale: float = 2.0**8,
+         fsdp1: bool = False, **watch_kw: Any) -> list[dict[str, Any]]:
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, **watch_kw)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1() if fsdp1 else cpu_fsdp2(),
+        plugins=[fsdp1_fp16(init_scale=init_scale) if fsdp1 else true_fp16_plugin(init_scale=init_scale)],
+        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+    trainer.fit(module(), datamodule=RowsByRank(data))  # made after seeding: the same weights every run
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _alarm(rank: dict[str, Any]) -> dict[str, Any]:
+    return next(d for d in rank["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+
+
+def test_fsdp2_a_forward_overflow_on_one_rank_is_located_the_same_on_both(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, ShardedSoftmax, one_rank_overflows(), snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = _alarm(rank0)
+    assert (d["finding"], d["step"]) == (Finding.FORWARD_OVERFLOW.value, 5)
+    assert d["location"] == "ShardedSoftmax.training_step"  # exp overflows outside any module
+    ev = d["evidence"]
+    assert ev["fault_ranks"] == [1] and ev["investigated_on_rank"] == 1
+    assert ev["replay_loss"] == "inf" and isinstance(ev["fp32_control_loss"], float)
+    assert "replay_grads" not in ev  # the sharded gradients were measured (reduced across the ranks)
+    # the trajectory control ran on the sharded state (snapshots of each rank's shards) and confirms float16
+    assert ev["trajectory_verdict"] == "amp_confirmed" and ev["trajectory_snapshot_step"] == 4
+    assert ev["trajectory_rank"] == 1  # every rank replayed its own batches: the evidence is the faulty rank's
+    # every step and every skip counted as the run made them
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 10
+        assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7
+
+
+def test_fsdp2_half_param_dtype_runs_no_false_fp32_control(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, lambda: ShardedSoftmax(param_dtype=torch.float16), one_rank_overflows(), snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = _alarm(rank0)
+    assert d["finding"] != Finding.FP32_UNSTABLE.value  # a pure float16 overflow is not blamed on FP32
+    assert d["finding"] == Finding.FORWARD_OVERFLOW.value
+    ev = d["evidence"]
+    assert ev["fp32_control"].startswith("not run: FSDP gathers the parameters in float16")
+    assert "FSDP gathers the parameters in float16" in ev["trajectory_control"]
+
+
+class Loud(ShardedSoftmax):
+    """A plain cross-entropy whose gradients, at a start-up scale of 2**24, overflow float16 in backward."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.body(x)).float(), y) * 64
+
+
+class LoudUnsharded(Loud):
+    def configure_model(self) -> None:  # FSDP1 wraps the whole module at the root
+        pass
+
+
+@pytest.mark.parametrize("fsdp1", [False, True], ids=["fsdp2", "fsdp1"])
+def test_fsdp_a_start_up_gradient_overflow_gets_a_measured_safe_scale(tmp_path: Path, fsdp1: bool) -> None:
+    rank0, rank1 = _fit(tmp_path, LoudUnsharded if fsdp1 else Loud, one_rank_overflows(factor=1.0), max_steps=14,
+                        init_scale=2.0**24, fsdp1=fsdp1, remediate="lower_init_scale")
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = _alarm(rank0)
+    assert d["finding"] == Finding.GRADIENT_OVERFLOW.value and d["evidence"]["pattern"] == "startup"
+    ev = d["evidence"]
+    # measured from the sharded gradients, every rank's shard reduced: not "finite" by default
+    assert ev["replay_grads_finite"] is False and ev["replay_unscaled_grads_finite"] is True
+    absmax = ev["replay_grad_absmax"]
+    assert isinstance(absmax, float) and 0 < absmax < 65504
+    assert ev["safe_scale"] * absmax <= 65504 / 2 and "replay's largest unscaled gradient" in ev["safe_scale_from"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 14 and rank["skipped"] == rank["run_skipped"] >= 2
+
+
+class Unsharded(ShardedSoftmax):
+    """The same model for FSDP1, which wraps it whole at the root (no ``fully_shard`` of its own)."""
+
+    def configure_model(self) -> None:
+        pass
+
+
+def test_fsdp1_replays_through_the_root_wrapper_and_runs_no_false_fp32_control(tmp_path: Path) -> None:
+    rank0, rank1 = _fit(tmp_path, Unsharded, one_rank_overflows(), fsdp1=True, snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = _alarm(rank0)
+    # replayed through FSDP's root forward (past it the parameters are flat shards): located, not failed
+    assert (d["finding"], d["step"], d["location"]) == (Finding.FORWARD_OVERFLOW.value, 5,
+                                                        "Unsharded.training_step")
+    ev = d["evidence"]
+    assert ev["fault_ranks"] == [1] and ev["replay_loss"] == "inf" and "replay" not in ev
+    # Lightning's FSDP "16-mixed" gathers float16 parameters: no FP32 control pretends otherwise
+    assert ev["fp32_control"].startswith("not run: FSDP gathers the parameters in float16")
+    assert ev["trajectory_control"].startswith("not run:")
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 10
+        assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7
+
+
+def _fit_bf16(out_dir: str) -> None:
+    """Run in a child process (the parent enforces the time limit): FSDP2, bf16 (no scaler), NaN on rank 1 only."""
+    from _sharded import RowsByRank, cpu_fsdp2
+    from test_ddp import DumpDiagnoses
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class Sharded(ShardedSoftmax):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.body(x[:, :8])).sum(-1).float(), y)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), precision="bf16-mixed", max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        callbacks=[watch, DumpDiagnoses(watch, out_dir)], use_distributed_sampler=False)
+    trainer.fit(Sharded(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+
+
+def test_fsdp2_without_a_scaler_no_rank_replays_alone_and_the_evidence_says_why(tmp_path: Path) -> None:
+    # Without a scaler the ranks meet the NaN at different steps; a sharded replay on one rank alone would wait for
+    # the others' all-gathers for ever. The child must finish well inside the limit.
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
+            f"t._fit_bf16({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    d = rank1[0]
+    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
+    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
+    # rank zero, which prints and logs, reports what rank 1 judged alone
+    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+
+
+def test_fsdp2_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tmp_path: Path) -> None:
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class ShardedLrJump(LrJump):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.encoder[0], self.encoder[2], self.head, self):
+                fully_shard(m, mesh=mesh)
+
+    class Weights(pl.Callback):
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            full = {k: v.full_tensor() for k, v in pl_module.state_dict().items()}  # every rank takes part
+            torch.save(full, tmp_path / f"weights{trainer.global_rank}.pt")
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin()], max_steps=40,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path)), Weights()],
+        use_distributed_sampler=False)
+    trainer.fit(ShardedLrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["finding"] == Finding.LR_SCHEDULE.value and d["outcome"] == "recovered"
+    assert "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 40 and rank["skipped"] == rank["run_skipped"]
+    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
+
+
+def test_fsdp2_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_loading(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class ShardedLrJump(LrJump):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.encoder[0], self.encoder[2], self.head, self):
+                fully_shard(m, mesh=mesh)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=0)  # no snapshots: the checkpoint
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp2(), plugins=[true_fp16_plugin()], max_steps=40,
+        logger=False, enable_checkpointing=True, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path)), ckpt],
+        use_distributed_sampler=False)
+    trainer.fit(ShardedLrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    rollback = d["evidence"]["rollback"]
+    assert "rolled back from step" in rollback and str(tmp_path / "ckpt") in rollback, rollback
+    path = rollback.split("(the checkpoint file ")[1].split(")")[0]
+    assert Path(path).is_dir()  # a sharded checkpoint is a directory
+    assert d["outcome"] == "recovered"
+
+
+def test_fsdp1_a_remedy_without_rollback_says_fsdp1_is_why(tmp_path: Path) -> None:
+    # FSDP1 keeps no snapshots, and Lightning's FSDP1 loading puts a checkpoint into the live model before its step
+    # can be checked: the rollback evidence names that, not a missing checkpoint file.
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1(), plugins=[fsdp1_fp16()], max_steps=30, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+    trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["finding"] == Finding.LR_SCHEDULE.value
+    rollback = d["evidence"]["rollback"]
+    assert rollback.startswith("none: snapshots are off, and no checkpoint can be rolled back to under FSDP1")
+    assert "no checkpoint file" not in rollback
