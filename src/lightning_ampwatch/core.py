@@ -399,7 +399,8 @@ class RunWatcher:
                 if micro_batch is not None:
                     ledger.keep_batch(micro_batch)
                 return  # mid-accumulation: no optimizer step in this batch
-            quiet = self.machine.quiet  # type: ignore[union-attr]  # read once: closing a step leaves the machine as it is
+            # the machine's quiet, read once: closing a step leaves the machine as it is
+            quiet = self.machine.quiet  # type: ignore[union-attr]
             self._take_closed(ledger.close(self.host, quiet, micro_batch), quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
