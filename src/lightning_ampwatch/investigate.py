@@ -37,7 +37,8 @@ class ReplayRecord:
     param: str | None = None  # the first parameter whose gradient went non-finite, in backward order
     control_loss: float | None = None
     control_grads_finite: bool | None = None
-    loss_level: float | None = None  # the investigating rank's usual loss
+    loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
+    loss_level_from: str = "the run's loss level"
     error: str | None = None  # the replay failed on this rank
 
 
@@ -58,7 +59,8 @@ class Investigator:
         self.automatic = automatic
 
     def collect(self, batches: Sequence[MicroBatch], *, scale: float | None, fault_ranks: Sequence[int],
-                weights_stepped: bool, loss_level: float | None, agree: bool) -> ReplayRecord | None:
+                weights_stepped: bool, loss_level: float | None, agree: bool,
+                loss_level_from: str = "the run's loss level") -> ReplayRecord | None:
         """Replay on the rank(s) at fault; with ``agree`` every rank must call this together and all get one record.
 
         ``agree`` holds only where the ranks meet the anomaly at the same step (under a GradScaler every rank skips
@@ -74,7 +76,7 @@ class Investigator:
         if not agree or distributed.rank() in fault_ranks:
             try:
                 local = self._local(batches, scale, weights_stepped)
-                local.loss_level = loss_level
+                local.loss_level, local.loss_level_from = loss_level, loss_level_from
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = ReplayRecord(error=f"{type(err).__name__}: {err}")
         results = distributed.gather(local) if agree else [local]
@@ -100,10 +102,13 @@ class Investigator:
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
+            level_from=record.loss_level_from,
         )
         ev["control_verdict"] = reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
+            if record.loss_level_from != "the run's loss level":
+                ev["loss_level_from"] = record.loss_level_from
         finding = _gradient_scale_evidence(finding, ev)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
@@ -311,10 +316,13 @@ class Investigations:
         investigator = self.investigator
         if investigator is None:
             return None
+        level, level_from = self.machine.loss_level, "the run's loss level"
+        if level is None and self.machine.start_loss is not None:
+            level, level_from = self.machine.start_loss, "the run's first loss (there is no healthy level yet)"
         try:
             return investigator.collect(step.opened.batches, scale=step.opened.scale, fault_ranks=step.fault_ranks,
-                                        weights_stepped=weights_stepped, loss_level=self.machine.loss_level,
-                                        agree=agree)
+                                        weights_stepped=weights_stepped, loss_level=level, agree=agree,
+                                        loss_level_from=level_from)
         except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
             self.investigator = None
             self.on_failure("the replay of the faulty batch", err)

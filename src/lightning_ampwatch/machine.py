@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise
 
 
 class PrecisionMode(str, Enum):
@@ -65,6 +65,10 @@ class Thresholds:
     (30 against a healthy 0.82 in the case that motivated it): 4x dates the climb near its start."""
     climb_steps: int = 2
     """Losses in a row above ``divergence_ratio`` x the level before they count as a climb: one is a hard batch."""
+    divergence_steps: int = 8
+    """Losses read in a row above ``divergence_ratio`` x the healthy reference (or the run's first loss, when there
+    is none yet) that make a finite divergence an alarm on their own, with no skip and no NaN: a few hard batches
+    come back well before this many."""
 
     def __post_init__(self) -> None:
         kinds = get_type_hints(Thresholds)
@@ -121,16 +125,26 @@ class Observation:
 SCALE_HISTORY = 24
 #: Healthy losses needed before there is a loss level to compare with.
 _LEVEL_MIN_LOSSES = 3
+#: A stretch whose newer half has a median above this many times its older half's is climbing, not healthy; nor
+#: is one whose median is this many times the healthy level before it (a slow build, under ``divergence_ratio``).
+HEALTHY_RISE = 2.0
+#: The healthy level is re-judged every this many candidate losses (and at the first sign of trouble): a few
+#: medians of ``loss_window`` numbers, not one per step.
+_PROMOTE_EVERY = 4
+#: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
+DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
 
 @dataclass
 class Episode:
-    """An open alarm: raised once, closed when training has been clean for a while."""
+    """An open alarm: raised once, closed when training has been clean for a while (and, for a divergence, once
+    the loss is back under the climb threshold)."""
 
     finding: Finding
     onset: int
     clean_run: int = 0
     growth_survived: int = 0
+    back_run: int = 0  # losses in a row back under ``HEALTHY_RISE`` x the base (a divergence ends only then)
 
 
 @dataclass
@@ -179,6 +193,17 @@ class Climb:
 
 
 @dataclass
+class Reference:
+    """A loss level known to be healthy: the median of a stretch of finite losses taken while nothing was in
+    progress (no episode, no skip awaiting its verdict) and that was not climbing."""
+
+    level: float
+    first_step: int
+    last_step: int
+    count: int
+
+
+@dataclass
 class NormalCall:
     """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
 
@@ -208,8 +233,12 @@ class MachineState:
     first_scale: float | None = None
     max_safe_scale: float | None = None
     losses: deque[float] = field(default_factory=deque)
+    loss_steps: deque[int] = field(default_factory=deque)  # the step of each entry of ``losses``
     climb: Climb | None = None
     closed_episodes: list[dict[str, Any]] = field(default_factory=list)
+    reference: Reference | None = None  # the newest healthy level
+    reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
+    start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
 
 
 def _plain(value: Any) -> Any:
@@ -287,6 +316,8 @@ class AmpStateMachine:
         ends: a remedy can then set the scale at once instead of letting the scaler halve its way down. The scale
         that holds is not known yet; the adapter measures it from the replay's gradients."""
         self.state = self._fresh_state()
+        self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
+        self._since_promote = 0  # candidate losses taken since the healthy level was last judged
 
     def _fresh_state(self) -> MachineState:
         t = self.thresholds
@@ -295,13 +326,16 @@ class AmpStateMachine:
             growth_skips=deque(maxlen=t.growth_repeats),
             lr_history=deque(maxlen=t.window + t.lr_lookback + 2),
             losses=deque(maxlen=t.loss_window),
+            loss_steps=deque(maxlen=t.loss_window),
         )
 
     # ---------------------------------------------------------------- public API
 
     def observe(self, obs: Observation) -> list[Diagnosis]:
         t, s = self.thresholds, self.state
-        out: list[Diagnosis] = []
+        # a finite divergence found in losses taken in since the last observation comes out first (one raised by
+        # this observation's own loss comes out at the next, or through take_pending: the fast path's timing)
+        out: list[Diagnosis] = self.take_pending() if self._pending else []
         s.steps_seen += 1
         if s.first_scale is None:
             s.first_scale = obs.scale  # the scaler's initial scale, kept for the advice
@@ -314,6 +348,11 @@ class AmpStateMachine:
             s.nonfinite_total += 1
 
         if obs.anomalous:
+            if self.quiet:  # the first sign of whatever comes: the healthy level stands as it was before it
+                self._promote()
+                s.reference_before_skip = s.reference
+            if s.start_loss is None and obs.loss is not None and math.isfinite(obs.loss):
+                s.start_loss = obs.loss  # a skipped step leaves the weights as they were: still the start
             if obs.skipped and s.growths and obs.step - s.growths[-1] <= t.growth_lag:
                 if not s.growth_skips or s.growth_skips[-1] != s.growths[-1]:
                     s.growth_skips.append(s.growths[-1])
@@ -330,6 +369,12 @@ class AmpStateMachine:
         if obs.grew:
             s.growths.append(obs.step)
         self._record_lr(obs.step, obs.lrs)
+        return out
+
+    def take_pending(self) -> list[Diagnosis]:
+        """Alarms raised while losses read after the fact were taken in (:meth:`note_losses`, the fast path's
+        ``loss``): a finite divergence, which shows in the losses alone. The adapter collects them after its reads."""
+        out, self._pending = self._pending, []
         return out
 
     @property
@@ -380,10 +425,37 @@ class AmpStateMachine:
 
     @property
     def loss_level(self) -> float | None:
-        """The run's usual loss: the median of the last ``loss_window`` healthy losses (a climb's losses are
-        left out); None before the first. A climb is only judged once a few have been seen."""
-        losses = self.state.losses
-        return statistics.median(losses) if losses else None
+        """The run's healthy loss level: the median of the newest stretch of losses known to be healthy (finite,
+        taken while nothing was in progress, not climbing); None while there is none (the first steps of a run,
+        or a run in trouble from its start). A level is never made of the trouble it is compared with."""
+        ref = self.state.reference
+        return ref.level if ref is not None else None
+
+    def reference_for(self, onset: int) -> Reference | None:
+        """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
+        came before it: then there is nothing the episode can be measured against but what training itself shows."""
+        s = self.state
+        for ref in (s.reference, s.reference_before_skip):
+            if ref is not None and ref.last_step < onset:
+                return ref
+        return None
+
+    def reference_evidence(self, onset: int) -> dict[str, Any]:
+        """``loss_reference`` (the healthy level before ``onset``, or None) and, when there is none, why."""
+        ref = self.reference_for(onset)
+        if ref is not None:
+            return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
+        start = self.state.start_loss
+        why = (f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
+               "could be seen")
+        if start is not None:
+            why += f"; the run's first loss was {start:.4g}"
+        return {"loss_reference": None, "loss_reference_why": why, "loss_at_start": start}
+
+    @property
+    def start_loss(self) -> float | None:
+        """The first finite loss of the fit: the weights it started with, before any update."""
+        return self.state.start_loss
 
     @property
     def max_safe_scale(self) -> float | None:
@@ -457,6 +529,7 @@ class AmpStateMachine:
         if obs.scale is not None and self.mode is PrecisionMode.FP16:
             if s.max_safe_scale is None or obs.scale > s.max_safe_scale:
                 s.max_safe_scale = obs.scale
+        episode_before = s.episode
         if obs.loss is not None:
             self._take_loss(obs.step, obs.loss)
         streak, from_start = s.streak, s.streak_from_start
@@ -476,7 +549,7 @@ class AmpStateMachine:
             out.append(self._make(Finding.NORMAL_SCALING, s.isolated_since, evidence))
             s.isolated_since = None
         ep = s.episode
-        if ep is not None:
+        if ep is not None and ep is episode_before:  # an alarm this very loss raised counts from the next step
             ep.clean_run += 1
             if ep.finding is Finding.GROWTH_OVERFLOW:
                 # Closed only when a growth survives; otherwise it would reopen every growth interval.
@@ -487,6 +560,8 @@ class AmpStateMachine:
                 done = ep.growth_survived >= t.growth_repeats
             else:
                 done = ep.clean_run >= t.recovery_steps
+            if ep.finding in DIVERGENCE_FINDINGS and ep.back_run < t.recovery_steps:
+                done = False  # a divergence lasts until its loss is back, skips or not: alarms meanwhile are part of it
             if done:
                 s.closed_episodes.append({"finding": ep.finding.value, "onset": ep.onset, "end": obs.step})
                 s.episode = None
@@ -494,23 +569,84 @@ class AmpStateMachine:
         return out
 
     def _take_loss(self, step: int, loss: float) -> None:
-        """A healthy step's loss: part of a climb when far above the level, otherwise it feeds the level."""
+        """A step's finite loss: part of a climb when far above the healthy base, otherwise a candidate for the
+        healthy level. A climb that goes on for ``divergence_steps`` losses is a finite divergence."""
         if not math.isfinite(loss):
             return
-        s = self.state
-        ratio, losses = self.thresholds.divergence_ratio, s.losses
-        # min() first: a loss within ratio x the smallest recent loss is below ratio x their median, no sort needed
-        if len(losses) >= _LEVEL_MIN_LOSSES and loss > ratio * min(losses):
-            level = statistics.median(losses)
-            if loss > ratio * level:
-                climb = s.climb
-                if climb is None:
-                    s.climb = Climb(step, level, loss, step, loss)
-                else:
-                    climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
-                return
+        s, t = self.state, self.thresholds
+        if s.start_loss is None:
+            s.start_loss = loss
+        ref = s.reference
+        base = ref.level if ref is not None else s.start_loss
+        ep = s.episode
+        if loss > t.divergence_ratio * base and s.climb is None and self._since_promote and self.quiet:
+            self._promote()  # a climb may start here: measure it against the level as of the step before
+            ref = s.reference
+            base = ref.level if ref is not None else s.start_loss
+        if base > 0 and loss > t.divergence_ratio * base:
+            climb = s.climb
+            if climb is None:
+                climb = s.climb = Climb(step, base, loss, step, loss)
+            else:
+                climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
+            if ep is not None:
+                ep.back_run = 0
+            elif climb.steps >= t.divergence_steps:
+                self._pending.extend(self._finite_divergence(climb))
+            return
         s.climb = None
-        losses.append(loss)
+        if ep is not None:
+            ep.back_run = ep.back_run + 1 if base <= 0 or loss <= HEALTHY_RISE * base else 0
+        s.losses.append(loss)
+        s.loss_steps.append(step)
+        self._since_promote += 1
+        if self._since_promote >= _PROMOTE_EVERY and self.quiet:
+            self._promote()
+
+    def _promote(self) -> None:
+        """Make the candidate stretch the healthy level, if it looks healthy: enough finite losses, its newer half
+        not climbing over its older half, and not a slow build above the level before it."""
+        self._since_promote = 0
+        s = self.state
+        losses = list(s.losses)
+        n = len(losses)
+        if n < _LEVEL_MIN_LOSSES:
+            return
+        half = n // 2
+        if statistics.median(losses[half:]) > HEALTHY_RISE * statistics.median(losses[:half]):
+            return
+        level = statistics.median(losses)
+        ref = s.reference
+        if ref is not None and level > HEALTHY_RISE * ref.level:
+            return
+        steps = list(s.loss_steps)
+        first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
+        s.reference = Reference(level, first, last, n)
+
+    def _finite_divergence(self, climb: Climb) -> list[Diagnosis]:
+        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: an alarm of
+        its own (the optimisation diverges; no skip or NaN needed), dated at the climb's start, or at the skip
+        just before it."""
+        s, t = self.state, self.thresholds
+        onset = climb.start_step
+        if s.isolated_since is not None and 0 <= onset - s.isolated_since <= 2 * t.streak:
+            onset = s.isolated_since  # the skip was the first sign of it
+        ref = self.reference_for(onset)
+        base_from = "the healthy level" if ref is not None else "the run's first loss"
+        ev: dict[str, Any] = {
+            "precision": self.mode.value, "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
+            **self.reference_evidence(onset), "loss_at_onset": climb.start_loss, "diverged_first": True,
+            "climb_base": climb.level, "climb_base_from": base_from, "climb_steps": climb.steps,
+            "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {climb.start_step}.."
+                          f"{climb.last_step}, {climb.steps} losses in a row above {t.divergence_ratio:g}x "
+                          f"{base_from}, none of them NaN or inf",
+            "skipped_steps": s.skipped_total, "steps": s.steps_seen,
+        }
+        lr = self._lr_event(onset)
+        if lr is not None:
+            ev.update(lr)
+            return self._raise(self._make(Finding.LR_SCHEDULE, onset, ev), climb.last_step)
+        return self._raise(self._make(Finding.FP32_UNSTABLE, onset, ev), climb.last_step)
 
     # ---------------------------------------------------------------- classification
 

@@ -64,6 +64,15 @@ class GradientPattern(str, Enum):
         return self.value
 
 
+class DivergencePattern(str, Enum):
+    """Which shape of the loss made a divergence alarm (``FP32_UNSTABLE`` or ``LR_SCHEDULE``); ``pattern``."""
+
+    FINITE_DIVERGENCE = "finite_divergence"  # far above its healthy level and staying there, no skip, no NaN
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _RECIPE = frozenset({"LOSS_OUTSIDE_AUTOCAST", "CLIP_BEFORE_UNSCALE", "STEP_OUTSIDE_SCALER", "MANUAL_PRESCALE",
                      "FP16_PARAMETERS", "EPS_UNDERFLOW"})
 
@@ -150,6 +159,9 @@ class Diagnosis:
         if self.withdrawn:
             return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: the skip was the start of a "
                     f"{self.evidence.get('withdrawn_by')} episode, not dynamic scaling doing its job")
+        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
+            return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
+                    "the optimisation is diverging, not AMP")
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
             return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
         return self.finding.summary
@@ -288,7 +300,10 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
 
 def _advice_fp32(ev: Mapping[str, Any]) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
-    if ev.get("divergence"):
+    if ev.get("pattern") == "finite_divergence":
+        why = (f"The loss climbed ({ev['divergence']}): training diverges at the precision it runs in, and no "
+               "loss-scale or precision setting changes that. ")
+    elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
     elif "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
             and isinstance(control, (int, float)):

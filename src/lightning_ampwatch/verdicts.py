@@ -22,7 +22,8 @@ CONTROL_LEVEL_RATIO = 1e3
 
 
 def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
-                  batch_nonfinite: bool, loss_level: float | None) -> tuple[Finding, str]:
+                  batch_nonfinite: bool, loss_level: float | None,
+                  level_from: str = "the run's loss level") -> tuple[Finding, str]:
     """What the FP32 control says about a finding: (the finding it leaves standing, why, in a few words).
 
     A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
@@ -39,7 +40,7 @@ def judge_control(finding: Finding, *, control_loss: float | None, control_grads
             return Finding.DATA_NONFINITE, "control failed too; the batch holds non-finite values"
         return Finding.FP32_UNSTABLE, "control failed too: not an AMP fault"
     if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
-        return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x the run's loss level: "
+        return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x {level_from}: "
                                        "the optimisation is diverging (or this batch is far outside the data "
                                        "seen so far)")
     return finding, "control finite: an AMP fault"
