@@ -265,14 +265,15 @@ class BlockToggle(pl.Callback):
 
     def _set(self, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
         watch = self.watch
-        if on and watch._disabled:
-            watch._disabled = False
-            watch._attach_guards(trainer, pl_module)
-            watch.on_train_start(trainer, pl_module)  # attaches the step hooks again and re-reads the scaler
-        elif not on and not watch._disabled:
-            watch._disabled = True
-            watch._ledger.taken.detach()
-            watch._guards.detach()
+        watcher = watch.watcher
+        if on and watcher.disabled:
+            watcher.disabled = False
+            watcher._attach_guards()
+            watcher.begin_training()  # attaches the step hooks again and re-reads the scaler
+        elif not on and not watcher.disabled:
+            watcher.disabled = True
+            watcher.ledger.taken.detach()  # type: ignore[union-attr]
+            watcher.guards.detach()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -1,83 +1,108 @@
-"""``AmpWatch``: the Lightning adapter. Hooks in, wiring between the rooms, checkpoint state; little else.
-
-Kept thin on purpose (the way ``ThroughputMonitor`` sits on ``Throughput``): the step bookkeeping lives in
-:mod:`~lightning_ampwatch.steps`, the decisions in :mod:`~lightning_ampwatch.machine`, when and how to look in
-:mod:`~lightning_ampwatch.investigate`, the fixes in :mod:`~lightning_ampwatch.remedies` and everything people
-read in :mod:`~lightning_ampwatch.reporters`.
+"""``AmpWatch``: the Lightning adapter. Lightning's hooks become :class:`~lightning_ampwatch.core.RunWatcher` calls;
+:class:`LightningHost` answers what only the Trainer knows; the checkpoint state is the watcher's. Little else.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
-import warnings
 from collections.abc import Iterable
-from typing import Any, Callable, Literal, TypeVar, Union
+from typing import Any, ContextManager, Literal, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import compat, distributed
+from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: F401 - re-exported
+from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
-from lightning_ampwatch.probes import uses_rng
-from lightning_ampwatch.remedies import (
-    AppliedRemedy,
-    Effect,
-    HoldLrOnSkip,
-    RemedyContext,
-    RemedyPolicy,
-    parse_remediate,
-    reapply_all,
-)
-from lightning_ampwatch.remedies.treatment import Site, Treatment
-from lightning_ampwatch.reporters import Reporters
-from lightning_ampwatch.signals import resolve_precision, scaler_config
-from lightning_ampwatch.steps import ResolvedStep, StepLedger
-from lightning_ampwatch.summary import RunStats
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState
-
-UNRECOVERABLE_MODES = ("warn", "stop", "raise")
-#: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
-STATE_VERSION = 2
-#: Internal failures after which AmpWatch switches itself off for the run (each is warned once).
-MAX_FAILURES = 5
-
-F = TypeVar("F", bound=Callable[..., Any])
+from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
+from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
+from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.trajectory import TrainState
 
 
-def _guarded(hook: F) -> F:
-    """Run a hook so that an internal failure is reported once and never reaches the training loop."""
+class LightningHost:
+    """What only the Trainer knows, for the :class:`~lightning_ampwatch.core.Host` protocol. Made at fit start,
+    dropped at its end (it holds the trainer)."""
 
-    @functools.wraps(hook)
-    def wrapper(self: "AmpWatch", *args: Any, **kwargs: Any) -> Any:
-        if self._disabled:
-            return None
-        try:
-            return hook(self, *args, **kwargs)
-        except AmpWatchError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the point is that nothing escapes
-            self._internal_failure(hook.__name__, err)
-            return None
-
-    return wrapper  # type: ignore[return-value]
-
-
-class _ForwardContext:
-    """The trainer's current forward context (autocast), looked up at each replay: a bf16 fallback swaps the
-    plugin mid-run. A small object rather than a lambda so that the callback pickles."""
-
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer = trainer
+        self.module = pl_module
+        self.device = pl_module.device
+        self.automatic = bool(pl_module.automatic_optimization)
+        self.is_global_zero = trainer.is_global_zero
+        self.world_size = distributed.world_size()
+        self._metrics: compat.StepMetrics | None = None
 
-    def __call__(self) -> Any:
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        return self.trainer.optimizers
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        return self.trainer.loggers
+
+    @property
+    def log_every(self) -> int:
+        return int(self.trainer.log_every_n_steps)
+
+    @property
+    def log_dir(self) -> str:
+        return self.trainer.log_dir or self.trainer.default_root_dir
+
+    def precision(self) -> PrecisionInfo:
+        return resolve_precision(self.trainer.precision_plugin)
+
+    def forward_context(self) -> ContextManager[Any]:
+        # looked up at each replay: a bf16 fallback swaps the plugin mid-run
         return self.trainer.precision_plugin.forward_context()
+
+    def step_loss(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
+
+    def train_state(self) -> TrainState:
+        return TrainState.from_trainer(self.trainer, self.module)
+
+    def step_schedulers(self) -> list[Any]:
+        return [c.scheduler for c in self.trainer.lr_scheduler_configs if c.interval == "step"]
+
+    def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        return RemedyContext(trainer=self.trainer, module=self.module, scaler=scaler, device=self.module.device,
+                             safe_scale=safe_scale, guards=guards)
+
+    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
+        return compat.rollback_to_checkpoint(self.trainer, before)
+
+    def broadcast(self, value: Any) -> Any:
+        return self.trainer.strategy.broadcast(value, src=0)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Through Lightning's logger connector, in the same call as the step's own ``self.log`` values."""
+        connector = compat.logger_connector(self.trainer)
+        if self._metrics is None or self._metrics.connector is not connector:
+            self._metrics = compat.StepMetrics(connector)
+        self._metrics.hold(compat.batches_that_stepped(self.trainer), metrics)
+
+    def release_metrics(self) -> None:
+        metrics, self._metrics = self._metrics, None
+        if metrics is not None:
+            metrics.detach()
+
+    def stop(self) -> None:
+        self.trainer.should_stop = True
+
+    def say(self, message: str) -> None:
+        rank_zero_info(message)
 
 
 class AmpWatch(Callback):
@@ -130,66 +155,23 @@ class AmpWatch(Callback):
         replay_episode: bool = False,
     ) -> None:
         super().__init__()
-        self.remedies = parse_remediate(remediate)
-        if on_unrecoverable not in UNRECOVERABLE_MODES:
-            raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
-        for flag, value in (("control_replay", control_replay), ("localize", localize),
-                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose), ("rollback", rollback),
-                            ("replay_episode", replay_episode)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{flag}={value!r} is not valid; use True or False")
-        if thresholds is not None and not isinstance(thresholds, Thresholds):
-            raise ValueError(f"thresholds={thresholds!r} is not valid; use lightning_ampwatch.Thresholds(...) or None")
-        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-            raise ValueError(f"log_dir={log_dir!r} is not valid; use a path (str or os.PathLike) or None")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name={name!r} is not valid; use a non-empty string or None")
-        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 0:
-            raise ValueError(f"snapshot_every={snapshot_every!r} is not valid; use a whole number of steps (0: off)")
-        if snapshot_budget is not None and (not isinstance(snapshot_budget, int) or isinstance(snapshot_budget, bool)
-                                            or snapshot_budget <= 0):
-            raise ValueError(f"snapshot_budget={snapshot_budget!r} is not valid; use a positive number of bytes or "
-                             "None (a tenth of the host's RAM, at most 8 GiB)")
-        self.on_unrecoverable = on_unrecoverable
-        self.control_replay = control_replay
-        self.localize = localize
-        self.hold_lr_on_skip = hold_lr_on_skip
-        self.verbose = verbose
-        self.thresholds = thresholds or Thresholds()
-        self.log_dir = None if log_dir is None else os.path.expanduser(os.fspath(log_dir))
-        self.name = name
-        self.snapshot_every = snapshot_every
-        self.snapshot_budget = snapshot_budget
-        self.rollback = rollback
-        self.replay_episode = replay_episode
-
-        self.diagnoses: list[Diagnosis] = []
-        self.machine: AmpStateMachine | None = None
-        self.reporters: Reporters | None = None
-        self._loaded_state: dict[str, Any] | None = None
-        self._reset()
-        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
-
-    def _reset(self) -> None:
-        """Per-fit state: a second ``fit`` with the same instance starts afresh (unless it resumes a checkpoint)."""
-        self.diagnoses = []
-        self.machine = None
-        self.reporters = None
-        self._ledger: StepLedger | None = None
-        self._investigations: Investigations | None = None
-        self._guards = RecipeGuards()
-        self._treatment = Treatment(RemedyPolicy(self.remedies), recovery_steps=self.thresholds.recovery_steps,
-                                    rollback=self.rollback, replay_episode=self.replay_episode)
-        self._log_every = 0
-        self._world_size = 1
-        self._disabled = False
-        self._failures: set[str] = set()
-        self._said: set[str] = set()
+        config = WatchConfig(remediate, on_unrecoverable, control_replay, localize, hold_lr_on_skip, verbose,
+                             thresholds, log_dir, name, snapshot_every, snapshot_budget, rollback, replay_episode)
+        self.config = config
+        self.remedies = config.remedies
+        self.on_unrecoverable, self.control_replay, self.localize = on_unrecoverable, control_replay, localize
+        self.hold_lr_on_skip, self.verbose, self.thresholds = hold_lr_on_skip, verbose, config.thresholds
+        self.log_dir, self.name = config.log_dir, name
+        self.snapshot_every, self.snapshot_budget = snapshot_every, snapshot_budget
+        self.rollback, self.replay_episode = rollback, replay_episode
+        self.watcher = RunWatcher(config)
+        self._host: LightningHost | None = None
+        compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         # a ddp_spawn worker unpickles the callback: its launcher must send the results home
-        distributed.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
+        compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def _spawn_results(self) -> dict[str, Any]:
         return {"diagnoses": [d.to_dict() for d in self.diagnoses], "applied": [a.to_dict() for a in self.applied]}
@@ -201,412 +183,105 @@ class AmpWatch(Callback):
     @property
     def state_key(self) -> str:
         # Not the default (which includes the arguments): a resume with other flags keeps its state.
-        return "AmpWatch" if self.name is None else f"AmpWatch[{self.name}]"
+        return self.config.state_key
+
+    @property
+    def diagnoses(self) -> list[Diagnosis]:
+        """Every diagnosis of the run, in order; a remedy's outcome updates its record in place."""
+        return self.watcher.diagnoses
+
+    @diagnoses.setter
+    def diagnoses(self, value: list[Diagnosis]) -> None:
+        self.watcher.diagnoses = list(value)
 
     @property
     def applied(self) -> list[AppliedRemedy]:
         """Every remedy applied in this run, in order (also after a resume)."""
-        return self._treatment.applied
+        return self.watcher.applied
 
     @applied.setter
     def applied(self, value: list[AppliedRemedy]) -> None:
-        self._treatment.applied = list(value)
+        self.watcher.applied = value
+
+    @property
+    def machine(self) -> AmpStateMachine | None:
+        return self.watcher.machine
 
     @property
     def event_log(self) -> Any:
         """The event log of the current fit (its ``path`` and ``dir``), or None before the first fit."""
-        return getattr(self.reporters, "event_log", None)
+        return self.watcher.event_log
 
     @property
     def precision(self) -> Any:
-        return self._ledger.precision if self._ledger is not None else None
+        return self.watcher.precision
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ hooks -> watcher calls
 
     @override
-    @_guarded
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loaded, self._loaded_state = self._loaded_state, None
-        self._reset()
-        info = resolve_precision(trainer.precision_plugin)
-        self.machine = AmpStateMachine(info.mode, self.thresholds, scaler_config(info.scaler) if info.scaler else {},
-                                       early_startup="lower_init_scale" in self.remedies)
-        if loaded is not None:
-            self._restore(loaded, trainer, pl_module)
-            info = resolve_precision(trainer.precision_plugin)  # a restored bf16 fallback swapped the plugin
-            self.machine.reconfigure(mode=info.mode)
-        machine = self.machine
-        self._world_size = distributed.world_size()
-        self.reporters = reporters = Reporters(self.log_dir or trainer.log_dir or trainer.default_root_dir,
-                                               is_global_zero=trainer.is_global_zero, verbose=self.verbose,
-                                               precision=info.mode.value, device=pl_module.device,
-                                               world_size=self._world_size)
-        self._ledger = StepLedger(machine, info, reporters.timeline, device_type=pl_module.device.type,
-                                  world_size=self._world_size)
-        investigator = Investigator(pl_module, _ForwardContext(trainer), pl_module.device, info.mode,
-                                    localize=self.localize, control=self.control_replay,
-                                    automatic=pl_module.automatic_optimization)
-        self._investigations = Investigations(
-            investigator, machine, window=self.thresholds.window, world_size=self._world_size,
-            capture_rng=uses_rng(pl_module), on_failure=self._internal_failure)
-        if info.note:
-            self._say_once(info.note)
-        self._attach_guards(trainer, pl_module)
-        if self.replay_episode and self._world_size > 1:
-            # a rerun outside the loop has no gradient all-reduce: the ranks' weights would drift apart
-            self._treatment.replay_episode = False
-            self._say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
-                           "gradients); the episode's batches are skipped after a rollback.")
-        if self.hold_lr_on_skip:
-            HoldLrOnSkip.install(pl_module, self._ledger.last_step_skipped, _StepSchedulers(trainer))
+        self._host = LightningHost(trainer, pl_module)
+        self.watcher.start(self._host)
 
     @override
-    @_guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The scaler's checkpointed state is loaded by now: mirror it (one read per fit)."""
-        self._log_every = max(int(trainer.log_every_n_steps), 0)
-        assert self._ledger is not None
-        self._ledger.start(trainer, self._log_every)
-        self._start_trajectory(trainer, pl_module)
+        self.watcher.begin_training()
 
-    def _start_trajectory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The snapshot ring and what a replay drives (again after a remedy swaps the precision plugin)."""
-        investigations = self._investigations
-        if not (self.snapshot_every and self.control_replay and investigations is not None):
-            return
-        control = TrajectoryControl(SnapshotRing(self.snapshot_budget, self.snapshot_every),
-                                    TrainState.from_trainer(trainer, pl_module), self.thresholds.divergence_ratio,
-                                    self._say_once)
-        investigations.trajectory = self._ledger.trajectory = control  # type: ignore[union-attr]
-
-    def _attach_guards(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._ledger is not None
-        self._guards.attach(trainer, pl_module, self._ledger.precision, functools.partial(self._emit, trainer),
-                            scale_reader=self._mirrored_scale)
-
-    def _mirrored_scale(self) -> float:
-        mirror = self._ledger.mirror if self._ledger is not None else None
-        return mirror.scale if mirror is not None else 1.0
-
-    # The four per-step hooks below catch their own failures inline rather than through ``_guarded``: on a
-    # healthy step they run a few dozen bytecodes, and an extra wrapper call would be a good part of that.
+    # The per-step hooks call straight through: the watcher's calls catch their own failures.
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        """Only a model that draws random numbers needs anything here (the RNG state, for an exact replay), or a
-        live probe waiting to be armed; every other batch is kept from ``on_train_batch_end``."""
-        investigations = self._investigations
-        if self._disabled or investigations is None or not investigations.wants_batch_start:
-            return
-        try:
-            investigations.batch_start(pl_module, pl_module.device)
-        except Exception as err:  # noqa: BLE001
-            self._internal_failure("on_train_batch_start", err)
+        if self.watcher.wants_batch_start:
+            self.watcher.batch_start()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._disabled or self._ledger is None:
-            return
-        try:
-            self._ledger.backward(loss)
-            if self._guards.wants_loss:
-                self._guards.on_before_backward(loss)
-        except Exception as err:  # noqa: BLE001
-            self._internal_failure("on_before_backward", err)
+        self.watcher.before_backward(loss)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        ledger = self._ledger
-        if self._disabled or ledger is None:
-            return
-        try:
-            if ledger.stepped:  # manual optimization: a second step in the same batch
-                self._take(trainer, ledger.close(trainer))
-            ledger.stepped = True  # the step itself is read when it is over, in on_train_batch_end
-            if self._investigations is not None and self._investigations.probing:
-                self._investigations.optimizer_step(optimizer)
-        except Exception as err:  # noqa: BLE001
-            self._internal_failure("on_before_optimizer_step", err)
+        self.watcher.before_optimizer_step(optimizer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        ledger = self._ledger
-        if self._disabled or ledger is None:
-            return
-        try:
-            investigations = self._investigations
-            ledger.keep_batch(investigations.micro_batch(batch, batch_idx) if investigations is not None
-                              else (batch, batch_idx))
-            if investigations is not None and investigations.probing:
-                for diagnosis in investigations.finish_probe():  # the armed training_step is over
-                    self._emit(trainer, diagnosis)
-            if not ledger.stepped:
-                return  # mid-accumulation: no optimizer step in this batch
-            resolved = ledger.close(trainer)
-            if resolved:
-                self._take(trainer, resolved)
-            if self._log_every and ledger.step_index % self._log_every == 0:
-                self._at_log_step(trainer)
-            treatment = self._treatment
-            if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
-                treatment.at_step_boundary(self._site(trainer, pl_module))
-        except AmpWatchError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            self._internal_failure("on_train_batch_end", err)
-
-    def _at_log_step(self, trainer: pl.Trainer) -> None:
-        """Once per ``log_every_n_steps`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
-        ledger, reporters, machine = self._ledger, self.reporters, self.machine
-        assert ledger is not None and reporters is not None and machine is not None
-        resolved = ledger.drain_at_log_step(trainer)
-        self._take(trainer, resolved)
-        steps, skipped, nonfinite = ledger.take_log_counts()
-        metrics = reporters.metric_tensors(trainer, steps=steps, skipped=skipped, nonfinite=nonfinite)
-        scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
-        reporters.log_metrics(trainer, values, skipped_total=machine.skipped_total, scale=scale)
-        loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
-        reporters.flush(None if loss is None else lambda: loss)
+        self.watcher.batch_end(batch, batch_idx)
 
     @override
-    @_guarded
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._ledger is not None:
-            self._take(trainer, self._ledger.drain(force=True))
-            self._ledger.read_losses()
-        if self._investigations is not None:
-            for diagnosis in self._investigations.finish_probe():  # the fit ended before the armed step
-                self._emit(trainer, diagnosis)
-        if self._treatment.due or self._treatment.watch is not None:
-            self._treatment.at_step_boundary(self._site(trainer, pl_module))
-        self._treatment.finish()  # still watched: its outcome stays unknown, never assumed
-        if self.reporters is not None:
-            self.reporters.finish(self.diagnoses, self._run_stats())
-        self._detach(pl_module)
+        self._release_metrics()
+        self.watcher.finish()
+        self._host = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips the teardown hook when fit raises; this is the one hook that still runs.
-        self._detach(pl_module)
+        self._close()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach(pl_module)
+        self._close()
 
-    def _detach(self, pl_module: pl.LightningModule) -> None:
-        """Leave the run as it was found: optimizer hooks, clipping functions, ``lr_scheduler_step``, probes; the
-        timeline written (a run that crashed keeps the steps that led up to it). Never raises."""
-        for undo in (self._ledger.stop if self._ledger is not None else None,
-                     self._guards.detach,
-                     functools.partial(HoldLrOnSkip.uninstall, pl_module),
-                     self._investigations.close if self._investigations is not None else None,
-                     self.reporters.close if self.reporters is not None else None):
-            if undo is None:
-                continue
-            try:
-                undo()
-            except Exception as err:  # noqa: BLE001
-                self._internal_failure("clean-up", err)
-        # What holds the trainer, the model or snapshots goes: the instance pickles after fit, and small (ddp_spawn)
-        self._investigations = None
-        if self._ledger is not None:
-            self._ledger.trajectory = None
-        self._treatment.forget_states()
+    def _close(self) -> None:
+        self._release_metrics()
+        self.watcher.close()
+        self._host = None
 
-    # ------------------------------------------------------------------ steps -> machine -> diagnoses
-
-    def _take(self, trainer: pl.Trainer, resolved: list[ResolvedStep]) -> None:
-        """Feed resolved steps to the machine; a new alarm is investigated before it is published."""
-        machine, investigations, ledger = self.machine, self._investigations, self._ledger
-        assert machine is not None and ledger is not None
-        for step in resolved:
-            if investigations is not None:
-                investigations.before_observe(step, ledger.scaler_active)
-            for diagnosis in machine.observe(step.obs):
-                if diagnosis.is_alarm and investigations is not None:
-                    refined = investigations.investigate(diagnosis, step, ledger.scaler_active)
-                    if refined is None:
-                        continue  # published after the next step, with what its live probe saw
-                    diagnosis = refined
-                self._emit(trainer, diagnosis)
-
-    def _emit(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
-        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
-        if self._treatment.wants(diagnosis):
-            self._treatment.due.append(diagnosis)
-        else:
-            self._publish(trainer, diagnosis)
-
-    @property
-    def _scaler_active(self) -> bool:
-        return self._ledger is not None and self._ledger.scaler_active
-
-    def _site(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Site:
-        """What a treatment acts on at this step boundary, and how it reports back."""
-        assert self._ledger is not None
-        return Site(trainer=trainer, ctx=self._remedy_context(trainer, pl_module), machine=self.machine,
-                    ledger=self._ledger, on_effects=functools.partial(self._after_remedy, trainer, pl_module),
-                    decide=functools.partial(self._decide, trainer), agreed=self._world_size == 1 or
-                    self._scaler_active, publish=functools.partial(self._publish, trainer),
-                    update=functools.partial(self._update, trainer),
-                    unrecoverable=functools.partial(self._unrecoverable, trainer), say=self._say_once)
-
-    def _decide(self, trainer: pl.Trainer, value: Any) -> Any:
-        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""
-        return trainer.strategy.broadcast(value, src=0) if self._world_size > 1 else value
-
-    def _remedy_context(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RemedyContext:
-        scaler = self._ledger.precision.scaler if self._ledger is not None else None
-        return RemedyContext(trainer=trainer, module=pl_module, scaler=scaler, device=pl_module.device,
-                             safe_scale=self.machine.max_safe_scale if self.machine is not None else None,
-                             guards=self._guards)
-
-    def _after_remedy(self, trainer: pl.Trainer, pl_module: pl.LightningModule, effects: frozenset[Effect]) -> None:
-        """Bring AmpWatch's own view in line with what a remedy or a rollback changed (each declares it)."""
-        assert self._ledger is not None
-        for effect in effects:
-            if effect is Effect.PRECISION:
-                info = resolve_precision(trainer.precision_plugin)
-                self._ledger.switch_precision(info)
-                if self._investigations is not None and self._investigations.investigator is not None:
-                    self._investigations.investigator.mode = info.mode
-                self._attach_guards(trainer, pl_module)
-                self._start_trajectory(trainer, pl_module)  # snapshots of the old arithmetic replay no more
-            elif effect is Effect.SCALER:
-                self._ledger.mirror_scaler()
-            elif effect is Effect.OPTIMIZERS:
-                self._ledger.read_param_groups(trainer.optimizers, lrs_now=True)
-
-    def _publish(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
-        """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
-        replaces the record it takes back; the event log gets one more line saying so."""
-        if diagnosis.withdrawn:
-            self.diagnoses = [d for d in self.diagnoses
-                              if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
-        self.diagnoses.append(diagnosis)
-        if diagnosis.remedy is not None and self.reporters is not None and self._treatment.applied:
-            self.reporters.record_remedy(self._treatment.applied[-1].step, diagnosis.remedy)
-        if self.reporters is not None:
-            self.reporters.publish(diagnosis, trainer.loggers)
-        if diagnosis.is_alarm and diagnosis.remedy is None:
-            self._unrecoverable(trainer, diagnosis)
-
-    def _update(self, trainer: pl.Trainer, old: Diagnosis, new: Diagnosis) -> None:
-        """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
-        record, and the sinks get it once more."""
-        at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
-        if at is None:
-            self.diagnoses.append(new)
-        else:
-            self.diagnoses[at] = new
-        if new.remedy is not None and new.remedy != old.remedy and self.reporters is not None:
-            self.reporters.record_remedy(self._treatment.applied[-1].step, new.remedy)
-        if self.reporters is not None:
-            self.reporters.publish(new, trainer.loggers)
-
-    def _unrecoverable(self, trainer: pl.Trainer, diagnosis: Diagnosis) -> None:
-        if self.on_unrecoverable == "stop":
-            trainer.should_stop = True
-            self._say_once(f"stopping the run after {diagnosis.finding.value} at step {diagnosis.step} "
-                           "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
-        elif self.on_unrecoverable == "raise":
-            raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
-
-    def _run_stats(self) -> RunStats | None:
-        machine, ledger = self.machine, self._ledger
-        if machine is None:
-            return None
-        mirror = ledger.mirror if ledger is not None else None
-        return RunStats(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
-                        scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
+    def _release_metrics(self) -> None:
+        host = self._host
+        if host is not None:
+            with contextlib.suppress(Exception):  # a broken logger costs the metrics, never the run
+                host.release_metrics()
 
     # ------------------------------------------------------------------ checkpoints
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "diagnoses": [d.to_dict() for d in self.diagnoses],
-            "machine": None if self.machine is None else self.machine.state_dict(),
-            "applied": [r.to_dict() for r in self.applied],
-            "policy": self._treatment.policy.state_dict(),
-        }
+        return self.watcher.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning loads callback states before on_fit_start builds the rooms; they are restored there.
-        self._loaded_state = state_dict if isinstance(state_dict, dict) else {"invalid": state_dict}
-
-    def _restore(self, state: dict[str, Any], trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put back what a checkpoint holds, part by part: a part that cannot be read is warned about once, by name,
-        and left out; the watch goes on with what could be read."""
-        if "invalid" in state and len(state) == 1:
-            self._warn_state(f"it is a {type(state['invalid']).__name__}, not a dict", None)
-            return
-        version = state.get("version", 1)
-        if version not in (1, STATE_VERSION):
-            self._warn_state(f"it has version {version!r}; this AmpWatch reads versions 1 and {STATE_VERSION}", None)
-            return
-        parts: list[tuple[str, Callable[[], None]]] = [
-            ("diagnoses", lambda: setattr(self, "diagnoses",
-                                          [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())])),
-            ("applied", lambda: setattr(self, "applied",
-                                        [AppliedRemedy.from_dict(a) for a in state.get("applied", ())])),
-            ("policy", lambda: self._treatment.policy.load_state_dict(state.get("policy", {}))),
-            ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
-             if state.get("machine") else None),
-        ]
-        for part, load in parts:
-            try:
-                load()
-            except Exception as err:  # noqa: BLE001 - a bad part must not cost the watch
-                self._warn_state(f"its {part!r} entry cannot be read ({type(err).__name__}: {err})", part)
-        if self.applied:
-            # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
-            try:
-                reapply_all(self._remedy_context(trainer, pl_module), self.applied)
-            except Exception as err:  # noqa: BLE001
-                self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
-                                 "applied")
-
-    def _warn_state(self, why: str, part: str | None) -> None:
-        if part == "machine" and self.machine is not None:
-            self.machine = AmpStateMachine(self.machine.mode, self.thresholds, self.machine.scaler_config,
-                                           early_startup=self.machine.early_startup)
-        warnings.warn(f"AmpWatch could not use the checkpoint's {self.state_key!r} state: {why}. "
-                      + ("It keeps watching without it." if part is None else
-                         f"It keeps watching without the {part!r} part."), RuntimeWarning, stacklevel=2)
-
-    # ------------------------------------------------------------------ failure containment
-
-    def _internal_failure(self, where: str, err: Exception) -> None:
-        key = f"{where}:{type(err).__name__}"
-        if key not in self._failures:
-            self._failures.add(key)
-            warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
-                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
-        if self._ledger is not None:
-            self._ledger.stepped = False  # never carry a half-built step into the next one
-        if len(self._failures) >= MAX_FAILURES:
-            self._disabled = True
-            warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
-                          RuntimeWarning, stacklevel=3)
-
-    def _say_once(self, message: str, key: str | None = None) -> None:
-        key = key or message
-        if key not in self._said and self.reporters is not None:
-            self._said.add(key)
-            self.reporters.say(message)
-
-
-class _StepSchedulers:
-    """The step-interval LR schedulers of the trainer (for ``hold_lr_on_skip``); picklable, unlike a lambda."""
-
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
-
-    def __call__(self) -> list[Any]:
-        return [c.scheduler for c in self.trainer.lr_scheduler_configs if c.interval == "step"]
+        self.watcher.load_state_dict(state_dict)

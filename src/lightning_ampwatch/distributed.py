@@ -1,4 +1,5 @@
-"""Cross-rank agreement, used only on anomalous steps; and the way results come home from ``ddp_spawn`` workers.
+"""Cross-rank agreement, used only on anomalous steps. (How results come home from ``ddp_spawn`` workers is
+Lightning's business: :func:`lightning_ampwatch.compat.carry_spawn_results`.)
 
 Under a GradScaler every rank skips the same steps (gradients are all-reduced before the inf check, and sharded
 scalers all-reduce ``found_inf``), so an anomalous step is a step every rank is in at the same time: a collective
@@ -8,8 +9,7 @@ judges alone.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,37 +63,3 @@ def merge_step(records: list[dict[str, Any]]) -> tuple[float | None, bool | None
             if biggest.absmax_where else None,
         )
     return loss, loss_finite, batch, bad_ranks or list(range(len(records)))
-
-
-def carry_spawn_results(kind: type, send: Callable[[Any], Any], receive: Callable[[Any, Any], None]) -> None:
-    """Under ``ddp_spawn`` the fit runs in worker processes and the callbacks in the main process never see a hook.
-    Lightning sends results home through its launcher's ``get_extra_results`` and ``update_main_process_results``;
-    the results of every callback of ``kind`` (``send(callback)``, keyed by its state key) ride along there and
-    are handed to its main-process twin (``receive(callback, results)``). Installed once per kind."""
-    try:
-        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-    except ImportError:  # pragma: no cover - another Lightning: the worker's event log still has everything
-        return
-    installed = _MultiProcessingLauncher.__dict__.get("_carried_kinds", set())
-    if kind in installed:
-        return
-    key = f"carried:{kind.__module__}.{kind.__qualname__}"
-    get_extra, update_main = _MultiProcessingLauncher.get_extra_results, _MultiProcessingLauncher.update_main_process_results
-
-    @functools.wraps(get_extra)
-    def get_extra_results(self: Any, trainer: Any) -> dict[str, Any]:
-        extra = get_extra(self, trainer)
-        extra[key] = {cb.state_key: send(cb) for cb in trainer.callbacks if isinstance(cb, kind)}
-        return extra
-
-    @functools.wraps(update_main)
-    def update_main_process_results(self: Any, trainer: Any, extra: dict[str, Any]) -> None:
-        update_main(self, trainer, extra)
-        results = extra.get(key, {})
-        for cb in trainer.callbacks:
-            if isinstance(cb, kind) and cb.state_key in results:
-                receive(cb, results[cb.state_key])
-
-    _MultiProcessingLauncher.get_extra_results = get_extra_results  # type: ignore[method-assign]
-    _MultiProcessingLauncher.update_main_process_results = update_main_process_results  # type: ignore[method-assign]
-    _MultiProcessingLauncher._carried_kinds = installed | {kind}  # type: ignore[attr-defined]

@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from lightning_ampwatch import compat
+from lightning_ampwatch.compat import per_optimizer_states
 from lightning_ampwatch.machine import PrecisionMode
 
 try:
@@ -180,7 +182,7 @@ def optimizer_stage(scaler: Any, optimizer: Any) -> str:
 
     Read with ``.get``: the scaler's table is a defaultdict, and indexing it would add an entry.
     """
-    states = getattr(scaler, "_per_optimizer_states", None)
+    states = compat.per_optimizer_states(scaler)
     state = states.get(id(optimizer)) if isinstance(states, dict) else None
     stage = state.get("stage") if isinstance(state, dict) else None
     return getattr(stage, "name", "READY")
@@ -194,7 +196,7 @@ def stepped_by_scaler(scaler: Any, optimizer: Any, step_kwargs: Mapping[str, Any
     """
     if optimizer_stage(scaler, optimizer) == "UNSCALED":
         return True
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
+    if compat.unscales_in_kernel(optimizer):
         return hasattr(optimizer, "found_inf") or "grad_scaler" in step_kwargs
     return False
 
@@ -213,12 +215,7 @@ class LossGraph:
         return self.second_scale or self.factor >= PRESCALE_MIN_FACTOR
 
 
-def _output_dtype(node: Any) -> torch.dtype | None:
-    meta = getattr(node, "_input_metadata", None)  # private but stable since torch 2.1; absent: no verdict
-    try:
-        return meta[0].dtype if meta else None
-    except (AttributeError, IndexError, TypeError):
-        return None
+_output_dtype = compat.node_output_dtype
 
 
 def _same_storage(a: Any, b: Any) -> bool:
@@ -231,9 +228,9 @@ def _constant_operand(node: Any) -> tuple[Any, Any] | None:
     if len(nexts) != 2:
         return None
     if nexts[1][0] is None and nexts[0][0] is not None:
-        return getattr(node, "_saved_other", None), nexts[0][0]
+        return compat.saved_operand(node, "other"), nexts[0][0]
     if nexts[0][0] is None and nexts[1][0] is not None and node.name().startswith("Mul"):
-        return getattr(node, "_saved_self", None), nexts[1][0]
+        return compat.saved_operand(node, "self"), nexts[1][0]
     return None
 
 
@@ -257,7 +254,7 @@ def analyze_loss(scaled_loss: Tensor, scaler: Any = None, scale: Callable[[], fl
     node = scaled_loss.grad_fn
     if node is None:
         return LossGraph(loss_dtype=scaled_loss.dtype)
-    scale_tensor = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale_tensor = compat.scale_tensor(scaler) if scaler is not None else None
     if scaler is not None and node.name().startswith("Mul"):
         top = _constant_operand(node)
         if top is not None:
@@ -408,7 +405,7 @@ class RecipeGuards:
             self._check_eps(pl_module, trainer)
         if self._scaler is None:
             return
-        if not isinstance(getattr(self._scaler, "_per_optimizer_states", None), dict):
+        if not isinstance(compat.per_optimizer_states(self._scaler), dict):
             self._warn_once("scaler-state", "AmpWatch cannot read this GradScaler's per-optimizer state; the "
                             "clipping and stepping guards are off for this run.")
             return
@@ -514,7 +511,7 @@ class RecipeGuards:
             return
         # The common case first, in as few operations as possible: scaler.step unscaled this optimizer. (The
         # scaler replaces its per-optimizer table at every update, so it is looked up afresh each time.)
-        states = getattr(self._scaler, "_per_optimizer_states", None)
+        states = per_optimizer_states(self._scaler)
         state = states.get(id(optimizer)) if states is not None else None
         if state is not None and state.get("stage") is _UNSCALED:
             return

@@ -16,7 +16,8 @@ from lightning_ampwatch import distributed
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
-from lightning_ampwatch.verdicts import AMP_BLAMING, TrajectoryKind, judge_control, judge_trajectory
+from lightning_ampwatch.records import ControlVerdict, facts_of
+from lightning_ampwatch.verdicts import AMP_BLAMING, TrajectoryKind, TrajectoryVerdict, control_result, judge_trajectory
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.
@@ -50,8 +51,9 @@ class Investigator:
     """Replays a faulty step's batches with probes (under autocast) and without autocast (the control)."""
 
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
-                 localize: bool, control: bool, automatic: bool) -> None:
-        self.replayer = Replayer(module, forward_context, device)
+                 localize: bool, control: bool, automatic: bool,
+                 step_loss: Callable[[Any, int], Any] | None = None) -> None:
+        self.replayer = Replayer(module, forward_context, device, step_loss)
         self.module = module
         self.mode = mode
         self.localize = localize
@@ -98,13 +100,14 @@ class Investigator:
         loss_level = record.loss_level
         ev = dict(diagnosis.evidence)
         ev.update(record.evidence)
-        finding, reason = judge_control(
+        control = control_result(
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
             level_from=record.loss_level_from,
         )
-        ev["control_verdict"] = reason
+        finding = control.finding
+        ev["control_verdict"] = control.reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
             if record.loss_level_from != "the run's loss level":
@@ -119,7 +122,8 @@ class Investigator:
             location = location or record.module or record.param or diagnosis.location
         renamed = finding if finding is not diagnosis.finding else None
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
-                            advice=advise(finding, ev), remedy=diagnosis.remedy)
+                            advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
+                            remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), control=control))
         return refined, renamed
 
     def _local(self, batches: Sequence[MicroBatch], scale: float | None, weights_stepped: bool) -> ReplayRecord:
@@ -173,7 +177,7 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
         ev.pop("safe_scale", None)
         return Finding.GRADIENT_OVERFLOW
     absmax = ev.get("replay_grad_absmax")
-    settled = ev.get("pattern") == GradientPattern.STARTUP.value and "safe_scale" in ev
+    settled = ev.get("pattern") == GradientPattern.STARTUP and "safe_scale" in ev
     wanted = "safe_scale" in ev or finding is Finding.GRADIENT_OVERFLOW
     if wanted and not settled and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
         ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
@@ -394,7 +398,7 @@ class TrajectoryControl:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does)."""
         ev = dict(diagnosis.evidence)
         snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
-        local: tuple[str, str, dict[str, Any]] | None = None
+        local: TrajectoryVerdict | str | None = None  # the verdict, or what went wrong (a string)
         if snapshot is None:
             reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
                                           f"one is taken every {self.ring.every} steps")
@@ -404,23 +408,26 @@ class TrajectoryControl:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
                 fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
                 amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
-                verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
-                local = (verdict.kind.value, verdict.reason, verdict.evidence)
+                local = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
-                local = ("error", f"{type(err).__name__}: {err}", {})
+                local = f"{type(err).__name__}: {err}"
         results = [r for r in (distributed.gather(local) if agree else [local]) if r is not None]
-        failed = [r[1] for r in results if r[0] == "error"]
+        failed = [r for r in results if isinstance(r, str)]
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
-        if not results:
+        verdicts = [r for r in results if isinstance(r, TrajectoryVerdict)]
+        if not verdicts:
             return replace(diagnosis, evidence=ev), None
-        kind, reason, evidence = min(results, key=lambda r: _VERDICT_ORDER.index(TrajectoryKind(r[0])))
+        verdict = min(verdicts, key=lambda v: _VERDICT_ORDER.index(v.kind))
         batch_verdict = ev.pop("control_verdict", None)
-        if batch_verdict not in (None, "control not run"):
+        control = facts_of(diagnosis).control
+        if batch_verdict is not None and control is not None and control.verdict is not ControlVerdict.NOT_RUN:
             ev["batch_control_verdict"] = batch_verdict
-        ev["control_verdict"] = reason
-        ev["trajectory_verdict"] = kind
-        ev.update({f"trajectory_{k}": v for k, v in evidence.items() if k not in ("loss_level", "divergence_ratio")})
-        finding = _RENAMED_BY.get(TrajectoryKind(kind), diagnosis.finding)
+        ev["control_verdict"] = verdict.reason
+        ev["trajectory_verdict"] = verdict.kind
+        ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
+                   if k not in ("loss_level", "divergence_ratio")})
+        finding = _RENAMED_BY.get(verdict.kind, diagnosis.finding)
         renamed = finding if finding is not diagnosis.finding else None
-        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev)), renamed
+        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev),
+                       facts=replace(facts_of(diagnosis), trajectory=verdict)), renamed

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, LrEvent, advise
 
 
 class PrecisionMode(str, Enum):
@@ -815,7 +815,7 @@ class AmpStateMachine:
         rise = s.lr_rise
         if (rise is not None and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
                 and rise.top_lr >= t.warmup_ratio * rise.start_lr):
-            return {"lr_event": "warmup_end", "lr_before": rise.start_lr, "lr_after": rise.top_lr,
+            return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
                     "lr_change_step": rise.top_step}
         start = onset - t.lr_lookback - 1
         in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
@@ -833,7 +833,7 @@ class AmpStateMachine:
         if best is None or best[0] < 1 + t.lr_rise:
             return None
         _, lo, hi = best
-        return {"lr_event": "lr_increase", "lr_before": lo.lr, "lr_after": hi.lr, "lr_change_step": hi.step}
+        return {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr, "lr_change_step": hi.step}
 
     # ---------------------------------------------------------------- helpers
 

@@ -16,8 +16,10 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_ampwatch import compat
+
 FP16_MAX = 65504.0
-_STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_STOCHASTIC = compat.STOCHASTIC_MODULES
 
 
 def uses_rng(module: nn.Module) -> bool:
@@ -213,8 +215,10 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 class Replayer:
     """Runs ``training_step`` again on a step's micro-batches, under autocast or without it (the FP32 control)."""
 
-    def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device) -> None:
+    def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device,
+                 step_loss: Callable[[Any, int], Any] | None = None) -> None:
         self.module = module
+        self.step_loss = step_loss  # one micro-batch's loss; None: the module's training_step, looked up each time
         self.autocast = autocast  # the precision plugin's forward context factory
         self.device = device
 
@@ -237,7 +241,8 @@ class Replayer:
                     torch.cuda.set_rng_state(mb.cuda_rng, self.device)
                 ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
                 with ctx:
-                    loss = loss_of(self.module.training_step(mb.batch, mb.batch_idx))
+                    step_loss = self.step_loss or self.module.training_step
+                    loss = loss_of(step_loss(mb.batch, mb.batch_idx))
                 if loss is None:
                     continue
                 loss = loss.float() / len(micro_batches)

@@ -7,6 +7,7 @@ alone, so a full disk or a broken logger costs that sink and never the run.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import warnings
@@ -16,18 +17,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 from torchmetrics.aggregation import SumMetric
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 EVENT_LOG_NAME = "diagnoses.jsonl"
+#: Where a line goes without an adapter's own ``say``: the logger Lightning's ``rank_zero_info`` writes to.
+_RANK_ZERO_LOG = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 LOG_WINDOWS = 4  # the skip rate is a running mean over this many log intervals
 
 
@@ -152,57 +155,20 @@ def ensure_writable(directory: Path) -> None:
         pass
 
 
-class _StepMetrics:
-    """Puts AmpWatch's metrics in the same logger call as the step's own ``self.log`` values, so that a
-    ``CSVLogger`` writes them on one row. The callback runs before Lightning logs the step, so the metrics wait
-    on the logger connector (one wrapper on that instance) and ride along with Lightning's call at that step;
-    a step Lightning does not log gets them in a call of their own, at the same step."""
-
-    def __init__(self, connector: Any) -> None:
-        self.connector = connector
-        self.pending: tuple[int, dict[str, float]] | None = None
-        self._original = connector.log_metrics
-        connector.log_metrics = self._log_metrics
-
-    def hold(self, step: int, metrics: dict[str, float]) -> None:
-        self.release()
-        self.pending = (step, metrics)
-
-    def _log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self.pending is not None and step is None and "step" not in metrics \
-                and self.pending[0] == self.connector.trainer.fit_loop.epoch_loop._batches_that_stepped:
-            metrics = {**metrics, **self.pending[1]}
-            self.pending = None
-        else:
-            self.release()
-        self._original(metrics, step=step)
-
-    def release(self) -> None:
-        """Log what is waiting on its own (its step was not logged by Lightning, or the fit is over)."""
-        if self.pending is not None:
-            step, metrics = self.pending
-            self.pending = None
-            self._original(metrics, step=step)
-
-    def detach(self) -> None:
-        self.release()
-        if self.connector.__dict__.get("log_metrics") == self._log_metrics:
-            del self.connector.log_metrics  # the class's own method again
-
-
 class Reporters:
     """Every place a diagnosis, a metric or the summary goes. Each sink fails alone: a failure is warned once
     (naming the sink, and the path for files) and never stops the other sinks or the caller."""
 
     def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool, precision: str,
-                 device: torch.device, world_size: int = 1) -> None:
+                 device: torch.device, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
         self.dir = Path(log_dir) / "ampwatch"
+        self._say = say or _RANK_ZERO_LOG.info  # the adapter's rank-zero info line
         self.is_global_zero = is_global_zero
         self.verbose = verbose
         self.event_log = EventLog(log_dir)
         self._warned: set[str] = set()
         self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
-        self._step_metrics: _StepMetrics | None = None
+        self._step_metrics: compat.StepMetrics | None = None
         # The skip rate needs no cross-rank sum (under a scaler every rank skips the same steps) and its window
         # holds a few host integers: a deque does it at no cost, where torchmetrics' RunningMean took ~130 us a
         # log step. The non-finite count differs by rank: under DDP a torchmetrics sum, synchronised across ranks
@@ -266,7 +232,7 @@ class Reporters:
     def say(self, message: str) -> None:
         """One plain line on rank zero, prefixed with "AmpWatch: " unless it already names AmpWatch."""
         if self.is_global_zero:
-            rank_zero_info(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
+            self._say(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
 
     def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int) -> list[torch.Tensor]:
         """Under DDP, the cross-rank non-finite count as a device scalar, not read: it joins the log step's one
@@ -280,9 +246,10 @@ class Reporters:
         self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=self._nonfinite_sum.device))
         return [self._nonfinite_sum.compute()]
 
-    def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None) -> None:
+    def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None,
+                    send: Callable[[dict[str, float]], None] | None = None) -> None:
         """The ``ampwatch/*`` metrics (``values``: what :meth:`metric_tensors` gave, read), only when there is a
-        logger, through Lightning's logger connector at the step Lightning logs at (see ``_StepMetrics``). Not
+        logger, through Lightning's logger connector at the step Lightning logs at (see ``compat.StepMetrics``). Not
         ``self.log``: its bookkeeping costs milliseconds per call."""
         if not trainer.loggers:
             return
@@ -296,13 +263,14 @@ class Reporters:
         }
         if scale is not None:
             metrics["ampwatch/scale"] = float(scale)
-        self._sink("loggers", lambda: self._hold_metrics(trainer, metrics))
+        self._sink("loggers", lambda: send(metrics) if send is not None else self._hold_metrics(trainer, metrics))
 
     def _hold_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
-        connector = trainer._logger_connector
+        """A Lightning trainer's way: in the same logger call as the step's own values (``compat.StepMetrics``)."""
+        connector = compat.logger_connector(trainer)
         if self._step_metrics is None or self._step_metrics.connector is not connector:
-            self._step_metrics = _StepMetrics(connector)
-        self._step_metrics.hold(trainer.fit_loop.epoch_loop._batches_that_stepped, metrics)
+            self._step_metrics = compat.StepMetrics(connector)
+        self._step_metrics.hold(compat.batches_that_stepped(trainer), metrics)
 
     def flush(self, read_last_loss: Callable[[], float] | None = None) -> None:
         """Write the buffered timeline rows; ``read_last_loss`` samples the latest loss. Never raises."""

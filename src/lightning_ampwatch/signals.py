@@ -1,7 +1,8 @@
 """Reading the run: where each precision plugin keeps its scaler, and how to learn scale, skipped steps,
 loss and learning rate without adding a host-device synchronisation to a healthy step.
 
-This is the only module that knows about plugin internals. It hands the core plain numbers.
+Where the precision plugins keep their scalers is learned here; the scaler's private tensors are read through
+:mod:`~lightning_ampwatch.compat`. It hands the core plain numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 
 
@@ -60,10 +62,11 @@ def scaler_config(scaler: Any) -> dict[str, Any]:
 
 def read_scale(scaler: Any) -> tuple[float, int]:
     """The scaler's current scale and growth tracker. A device read: only at log steps, anomalies or start."""
-    scale_t = getattr(scaler, "_scale", None)
+    scale_t = compat.scale_tensor(scaler)
     if scale_t is None:  # lazily initialised: nothing scaled yet (or just resumed)
-        return float(scaler._init_scale), int(getattr(scaler, "_init_growth_tracker", 0))
-    values = torch.stack([scale_t.reshape(()).float(), scaler._growth_tracker.reshape(()).float()]).tolist()
+        return compat.initial_scale(scaler)
+    tracker = compat.growth_tracker_tensor(scaler)
+    values = torch.stack([scale_t.reshape(()).float(), tracker.reshape(()).float()]).tolist()  # type: ignore[union-attr]
     return float(values[0]), int(values[1])
 
 
@@ -85,7 +88,7 @@ class StepTaken:
         self.detach()
         self.fused = False
         for opt in optimizers:
-            if getattr(opt, "_step_supports_amp_scaling", False):  # fused: only these need the pre-hook
+            if compat.unscales_in_kernel(opt):  # fused: only these need the pre-hook
                 self.fused = True
                 self._handles.append(opt.register_step_pre_hook(self._pre))
             self._handles.append(opt.register_step_post_hook(self._post))

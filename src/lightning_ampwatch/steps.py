@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import compat, distributed
 from lightning_ampwatch.machine import AmpStateMachine, Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
@@ -355,11 +355,11 @@ class StepLedger:
         them), ``extra`` scalars and the held losses. Returns the real scale (the mirror's without a scaler
         tensor yet) and ``extra``'s values."""
         scaler = self.precision.scaler
-        scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
+        scale_t = compat.scale_tensor(scaler) if scaler is not None else None
         if scale_t is None:
             values = self.read_losses(extra)
             return (self.mirror.scale if self.mirror is not None else None), values
-        scale, tracker, *values = self.read_losses([scale_t, scaler._growth_tracker, *extra])
+        scale, tracker, *values = self.read_losses([scale_t, compat.growth_tracker_tensor(scaler), *extra])
         if self.mirror is not None:
             self.mirror.reconcile(scale, int(tracker))
         return scale, values

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
@@ -68,6 +69,16 @@ class DivergencePattern(str, Enum):
     """Which shape of the loss made a divergence alarm (``FP32_UNSTABLE`` or ``LR_SCHEDULE``); ``pattern``."""
 
     FINITE_DIVERGENCE = "finite_divergence"  # far above its healthy level and staying there, no skip, no NaN
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LrEvent(str, Enum):
+    """Which rise of the learning rate set an episode off; written to the evidence as ``lr_event``."""
+
+    WARMUP_END = "warmup_end"  # a warmup that climbed over many steps just peaked
+    LR_INCREASE = "lr_increase"  # a single rise
 
     def __str__(self) -> str:
         return self.value
@@ -138,6 +149,9 @@ class Diagnosis:
     outcome: str | None = None
     """After a remedy: ``"recovered"`` (verified healthy again) or ``"not_recovered"``; None while it is watched,
     or when no remedy was applied. The numbers are in ``evidence["recovery"]``."""
+    facts: Any = field(default=None, compare=False, repr=False)
+    """The typed records behind the evidence (:class:`lightning_ampwatch.records.Facts`), for the decisions that
+    follow; never serialised: a diagnosis read back from JSON has none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.finding, Finding):
@@ -167,9 +181,9 @@ class Diagnosis:
         return self.finding.summary
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["finding"] = self.finding.value
-        return data
+        return {"finding": self.finding.value, "step": self.step, "location": self.location,
+                "evidence": copy.deepcopy(self.evidence), "advice": self.advice, "remedy": self.remedy,
+                "outcome": self.outcome}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -278,8 +292,8 @@ def _divergence(ev: Mapping[str, Any]) -> str:
 
 def _advice_lr(ev: Mapping[str, Any]) -> str:
     before, after = ev.get("lr_before"), ev.get("lr_after")
-    kind = ev.get("lr_event")
-    what = "warmup reached its peak" if kind == "warmup_end" else "the learning rate rose"
+    kind = ev.get("lr_event")  # an LrEvent, or its value once read back from JSON
+    what = "warmup reached its peak" if kind == LrEvent.WARMUP_END else "the learning rate rose"
     return _divergence(ev) + (
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
@@ -298,15 +312,14 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
     )
 
 
-def _advice_fp32(ev: Mapping[str, Any]) -> str:
+def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
     if ev.get("pattern") == "finite_divergence":
         why = (f"The loss climbed ({ev['divergence']}): training diverges at the precision it runs in, and no "
                "loss-scale or precision setting changes that. ")
     elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
-    elif "diverging" in str(ev.get("control_verdict", "")) and isinstance(level, (int, float)) \
-            and isinstance(control, (int, float)):
+    elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "
                "training is diverging and float16 merely overflowed first. ")
     else:
@@ -467,6 +480,9 @@ ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
 }
 
 
-def advise(finding: Finding, evidence: Mapping[str, Any]) -> str:
-    """The concrete fix for ``finding`` given what was measured."""
+def advise(finding: Finding, evidence: Mapping[str, Any], *, control_diverging: bool = False) -> str:
+    """The concrete fix for ``finding`` given what was measured. ``control_diverging``: the single-batch FP32
+    control found a finite loss far above the run's level (the optimisation diverges; float16 overflowed first)."""
+    if finding is Finding.FP32_UNSTABLE:
+        return _advice_fp32(evidence, control_diverging)
     return ADVICE[finding](evidence)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -58,6 +59,7 @@ class TrainState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_context: Callable[[], Any] = contextlib.nullcontext  # the precision plugin's: the amp replay's autocast
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
+    step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
     @classmethod
     def from_trainer(cls, trainer: Any, pl_module: Any) -> "TrainState":
@@ -195,9 +197,10 @@ class Snapshot:
     def _restore_scaler(self, scaler: Any) -> None:
         saved = self.scaler
         assert saved is not None
-        if isinstance(saved.scale, _At) and getattr(scaler, "_scale", None) is not None:
-            scaler._scale.copy_(self.host[saved.scale.index], non_blocking=self.pinned)
-            scaler._growth_tracker.copy_(self.host[saved.tracker.index], non_blocking=self.pinned)
+        scale_t, tracker_t = compat.scale_tensor(scaler), compat.growth_tracker_tensor(scaler)
+        if isinstance(saved.scale, _At) and scale_t is not None:
+            scale_t.copy_(self.host[saved.scale.index], non_blocking=self.pinned)
+            tracker_t.copy_(self.host[saved.tracker.index], non_blocking=self.pinned)  # type: ignore[union-attr]
         else:
             scaler.load_state_dict(self.scaler_state_dict())
 
@@ -240,11 +243,11 @@ def _gather(state: TrainState, grads: bool) -> tuple[list[Tensor], dict[str, Any
     }
     sc = state.scaler
     if sc is not None:
-        if getattr(sc, "_scale", None) is None:  # not used yet: its state is plain numbers, read without a sync
+        if compat.scale_tensor(sc) is None:  # not used yet: its state is plain numbers, read without a sync
             sd = sc.state_dict()
             scale, tracker = sd["scale"], sd["_growth_tracker"]
         else:  # device tensors, copied without a sync (GradScaler.state_dict() would .item() them)
-            scale, tracker = at(sc._scale), at(sc._growth_tracker)
+            scale, tracker = at(compat.scale_tensor(sc)), at(compat.growth_tracker_tensor(sc))  # type: ignore[arg-type]
         parts["scaler"] = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
                                        sc.get_growth_interval())
     return live, parts
@@ -465,7 +468,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
         if mb.cuda_rng is not None:
             torch.cuda.set_rng_state(mb.cuda_rng, state.device)
         with state.forward_context() if amp else torch.autocast(state.device.type, enabled=False):
-            loss = loss_of(state.module.training_step(mb.batch, mb.batch_idx))
+            loss = loss_of((state.step_loss or state.module.training_step)(mb.batch, mb.batch_idx))
         if loss is None:
             continue
         loss = loss / state.accumulate
@@ -473,7 +476,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
         total = loss.detach() if total is None else total + loss.detach()
     skipped = torch.zeros((), dtype=torch.bool, device=state.device)
     if total is not None:  # a step whose training_step returned None has no gradients to step with
-        scale_before = scaler._scale.clone() if scaler is not None else None
+        scale_before = compat.scale_tensor(scaler).clone() if scaler is not None else None  # type: ignore[union-attr]
         for opt in state.optimizers:
             if scaler is not None:
                 scaler.unscale_(opt)
@@ -484,7 +487,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
                 opt.step()
         if scaler is not None:
             scaler.update()
-            skipped = scaler._scale < scale_before  # the scale backs off exactly when the step was skipped
+            skipped = compat.scale_tensor(scaler) < scale_before  # the scale backs off exactly when the step was skipped
     last_batch_idx = micro_batches[-1].batch_idx if micro_batches else 0
     for scheduler, frequency in state.schedulers:
         if (last_batch_idx + 1) % frequency == 0:  # Lightning's rule for step-interval schedulers
@@ -504,16 +507,4 @@ def _clip(state: TrainState, optimizer: torch.optim.Optimizer) -> None:
     getattr(clip, "__ampwatch_original__", clip)(list(_params_of(optimizer)), state.clip_val)
 
 
-@contextlib.contextmanager
-def _without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
-    """Replayed optimizer steps stay unseen by the step hooks watching the live run (AmpWatch's own among them)."""
-    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
-    for opt, _, _ in saved:
-        opt._optimizer_step_pre_hooks = OrderedDict()
-        opt._optimizer_step_post_hooks = OrderedDict()
-    try:
-        yield
-    finally:
-        for opt, pre, post in saved:
-            opt._optimizer_step_pre_hooks = pre
-            opt._optimizer_step_post_hooks = post
+_without_step_hooks = compat.without_step_hooks  # replayed steps stay unseen by the live run's step hooks

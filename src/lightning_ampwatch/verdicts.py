@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Sequence
 
@@ -21,45 +21,106 @@ AMP_BLAMING = frozenset({Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.
 CONTROL_LEVEL_RATIO = 1e3
 
 
-def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
-                  batch_nonfinite: bool, loss_level: float | None,
-                  level_from: str = "the run's loss level") -> tuple[Finding, str]:
-    """What the FP32 control says about a finding: (the finding it leaves standing, why, in a few words).
+class ControlVerdict(str, Enum):
+    """What the single-batch FP32 control concluded; the sentence users read is :attr:`ControlResult.reason`."""
+
+    NOT_RUN = "not_run"
+    FAILED = "failed"  # FP32 fails too, on a finding that does not blame AMP (it stands)
+    FINITE = "finite"  # FP32 is finite, on a finding that does not blame AMP (it stands)
+    DATA = "data"  # FP32 fails too and the batch holds non-finite values: the data
+    NOT_AMP = "not_amp"  # FP32 fails too: the optimisation
+    DIVERGING = "diverging"  # FP32 finite but orders of magnitude above the loss level: the optimisation
+    AMP_FAULT = "amp_fault"  # FP32 finite near the level: reduced precision is at fault
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """The FP32 control's conclusion: the finding it leaves standing, the verdict, and why in a few words."""
+
+    finding: Finding
+    verdict: ControlVerdict
+    reason: str
+    control_loss: float | None = None
+
+
+def control_result(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
+                   batch_nonfinite: bool, loss_level: float | None,
+                   level_from: str = "the run's loss level") -> ControlResult:
+    """What the FP32 control says about a finding. ``level_from`` names what ``loss_level`` is (the run's healthy
+    level, or its first loss when there is no healthy level yet).
 
     A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
     A control that is finite but orders of magnitude above the run's usual loss reads as divergence, not AMP.
     Findings that do not blame reduced precision (data, LR schedule) keep their name; the control is evidence.
     """
+    def result(kept: Finding, verdict: ControlVerdict, reason: str) -> ControlResult:
+        return ControlResult(kept, verdict, reason, control_loss)
+
     if control_loss is None:
-        return finding, "control not run"
+        return result(finding, ControlVerdict.NOT_RUN, "control not run")
     control_failed = not math.isfinite(control_loss) or control_grads_finite is False
     if finding not in AMP_BLAMING:
-        return finding, "control failed too" if control_failed else "control finite"
+        return result(finding, ControlVerdict.FAILED, "control failed too") if control_failed else \
+            result(finding, ControlVerdict.FINITE, "control finite")
     if control_failed:
         if batch_nonfinite:
-            return Finding.DATA_NONFINITE, "control failed too; the batch holds non-finite values"
-        return Finding.FP32_UNSTABLE, "control failed too: not an AMP fault"
+            return result(Finding.DATA_NONFINITE, ControlVerdict.DATA,
+                          "control failed too; the batch holds non-finite values")
+        return result(Finding.FP32_UNSTABLE, ControlVerdict.NOT_AMP, "control failed too: not an AMP fault")
     if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
-        return Finding.FP32_UNSTABLE, (f"control finite but {control_loss / loss_level:.3g}x {level_from}: "
-                                       "the optimisation is diverging (or this batch is far outside the data "
-                                       "seen so far)")
-    return finding, "control finite: an AMP fault"
+        return result(Finding.FP32_UNSTABLE, ControlVerdict.DIVERGING, (
+            f"control finite but {control_loss / loss_level:.3g}x {level_from}: the optimisation is "
+            "diverging (or this batch is far outside the data seen so far)"))
+    return result(finding, ControlVerdict.AMP_FAULT, "control finite: an AMP fault")
+
+
+def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
+                  batch_nonfinite: bool, loss_level: float | None) -> tuple[Finding, str]:
+    """:func:`control_result` as (the finding it leaves standing, why in a few words)."""
+    result = control_result(finding, control_loss=control_loss, control_grads_finite=control_grads_finite,
+                            batch_nonfinite=batch_nonfinite, loss_level=loss_level)
+    return result.finding, result.reason
 
 
 #: After a remedy the loss must come back within this factor of its level before the episode to count as
 #: recovered: a run whose NaNs stopped but whose loss stays several times higher was ruined, not fixed.
 RECOVERY_LOSS_FACTOR = 2.0
-RECOVERED, NOT_RECOVERED = "recovered", "not_recovered"
+
+
+class Outcome(str, Enum):
+    """A remedy's outcome. ``NOT_VERIFIED`` is neither "fixed" nor a reason to escalate; what users see for it is
+    no outcome at all (``Diagnosis.outcome`` None), with the reason in the evidence."""
+
+    RECOVERED = "recovered"
+    NOT_RECOVERED = "not_recovered"
+    NOT_VERIFIED = "not_verified"
+
+    @property
+    def published(self) -> str | None:
+        """The value ``Diagnosis.outcome`` takes: the name, or None when not verified."""
+        return None if self is Outcome.NOT_VERIFIED else self.value
+
+
+class Unverified(str, Enum):
+    """Why a remedy's outcome is not verified."""
+
+    NO_REFERENCE = "no_reference"  # no loss to compare with a level before the episode
+    INTERRUPTED = "interrupted"  # another alarm was treated before it could be judged
+    RUN_ENDED = "run_ended"  # the run ended while it was watched
+
+
+RECOVERED, NOT_RECOVERED = Outcome.RECOVERED, Outcome.NOT_RECOVERED
 
 
 @dataclass(frozen=True)
 class Recovery:
-    """Whether a remedied run is verifiably healthy again, with the numbers it rests on. ``outcome`` is None when
-    nothing could be verified (no loss level to come back to): neither "fixed" nor a reason to escalate."""
+    """Whether a remedied run is verifiably healthy again, with the numbers it rests on (``unverified``: why not,
+    when the outcome is ``NOT_VERIFIED``)."""
 
-    outcome: str | None
+    outcome: Outcome
     reason: str
     details: dict[str, Any]
+    unverified: Unverified | None = None
 
 
 def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, reference: float | None,
@@ -67,7 +128,7 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
     """The outcome of a remedy from the ``steps`` optimizer steps after it: recovered only when at most one of
     them was skipped (dynamic scaling may still probe once), every loss read is finite, and their median is within
     ``RECOVERY_LOSS_FACTOR`` of ``reference`` (the loss level before the episode, or what an FP32 replay reached:
-    ``reference_from`` says which). Without a reference or a loss, nothing is verified (outcome None)."""
+    ``reference_from`` says which). Without a reference or a loss, nothing is verified (``NOT_VERIFIED``)."""
     finite = [x for x in losses if math.isfinite(x)]
     after = statistics.median(finite) if finite else None
     details: dict[str, Any] = {"steps": steps, "skipped": skipped, "loss_after": after, "loss_before": reference,
@@ -78,8 +139,8 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
     if skipped > 1:
         return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
     if after is None or reference is None or not reference > 0:
-        return Recovery(None, "no loss could be compared with a level before the episode, so recovery is not "
-                              "verified", details)
+        return Recovery(Outcome.NOT_VERIFIED, "no loss could be compared with a level before the episode, so "
+                                              "recovery is not verified", details, Unverified.NO_REFERENCE)
     ratio = after / reference
     details["loss_ratio"] = round(ratio, 4)
     if ratio > RECOVERY_LOSS_FACTOR:
@@ -138,10 +199,18 @@ class TrajectoryVerdict:
     kind: TrajectoryKind
     reason: str  # plain words, for the diagnosis
     evidence: dict[str, Any]  # JSON-ready: non-finite losses are strings
+    fp32_losses: tuple[float | None, ...] = ()  # the FP32 replay's losses, as numbers
 
 
 def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_level: float | None,
                      divergence_ratio: float) -> TrajectoryVerdict:
+    """See :func:`_judge_trajectory`; the verdict carries the FP32 losses as numbers too."""
+    verdict = _judge_trajectory(fp32, amp, loss_level, divergence_ratio)
+    return replace(verdict, fp32_losses=tuple(fp32.losses))
+
+
+def _judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_level: float | None,
+                      divergence_ratio: float) -> TrajectoryVerdict:
     """What the FP32 trajectory (and, when run, the replay at the run's precision) says about the fault.
 
     FP32 going non-finite, or above ``divergence_ratio`` x ``loss_level`` (the loss before the onset), clears AMP.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ class RemedyContext:
     device: torch.device
     safe_scale: float | None = None  # the largest scale at which a step went through
     guards: RecipeGuards | None = None  # the run's recipe guards (unscale_before_clip switches them)
+    switch_precision: Callable[[str], None] | None = None
+    """Swap the run's precision for the named one (``"bf16-mixed"``); None: ``trainer`` is a Lightning Trainer and
+    its strategy's precision plugin is replaced."""
 
 
 @dataclass

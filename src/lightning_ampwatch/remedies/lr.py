@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.remedies.base import Effect, Remedy, RemedyContext, RemedyName, register
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
@@ -51,8 +52,7 @@ class ReduceLr(Remedy):
             sched = config.scheduler
             if hasattr(sched, "base_lrs"):
                 sched.base_lrs = [lr * factor for lr in sched.base_lrs]
-            if hasattr(sched, "_last_lr"):
-                sched._last_lr = [lr * factor for lr in sched._last_lr]
+            compat.scale_last_lr(sched, factor)
         details: dict[str, Any] = {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
         if isinstance(diagnosis.evidence.get("lr_before"), (int, float)):
             details["back_to"] = diagnosis.evidence["lr_before"]  # the LR just before the rise

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, Remedy, RemedyContext, RemedyError, RemedyName, \
     register
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -24,11 +25,12 @@ def _precision(ctx: RemedyContext) -> str:
 
 
 def _switch_to_bf16(ctx: RemedyContext) -> None:
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     if not bf16_supported(ctx.device):
         raise RemedyError(f"bfloat16 autocast is not supported on {ctx.device}")
-    ctx.trainer.strategy.precision_plugin = MixedPrecision(BF16, ctx.device.type)
+    if ctx.switch_precision is not None:
+        ctx.switch_precision(BF16)  # the adapter's own way
+    else:
+        compat.set_trainer_precision(ctx.trainer, BF16, ctx.device.type)
 
 
 @register

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from lightning_ampwatch import compat
 from lightning_ampwatch.remedies.base import (
     AppliedRemedy,
     Effect,
@@ -39,7 +40,7 @@ class LowerInitScale(Remedy):
         interval_before = int(scaler.get_growth_interval())
         scaler.update(new_scale=float(target))
         scaler.set_growth_interval(interval_before * 4)
-        scaler._growth_tracker.zero_()
+        compat.reset_growth_tracker(scaler)
         return {"scale_before": before, "scale_after": target,
                 "growth_interval_before": interval_before, "growth_interval_after": interval_before * 4}
 
@@ -62,7 +63,7 @@ class SlowGrowth(Remedy):
         new_factor = max(1.0 + (factor - 1.0) / 2, 1.0001)
         scaler.set_growth_interval(new_interval)
         scaler.set_growth_factor(new_factor)
-        scaler._growth_tracker.zero_()
+        compat.reset_growth_tracker(scaler)
         return {"growth_interval_before": interval, "growth_interval_after": new_interval,
                 "growth_factor_before": factor, "growth_factor_after": new_factor}
 

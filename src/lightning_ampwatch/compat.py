@@ -1,0 +1,233 @@
+"""Every private attribute of torch and Lightning the project touches, in one module.
+
+A torch or Lightning release that renames one of these breaks this module and nothing else; ``tests/test_compat.py``
+fails when another module touches a private attribute of either. Each accessor says what it reads and why the
+public API does not do: most exist to learn something without a host-device synchronisation (the scaler's state as
+device tensors, not ``GradScaler.state_dict()``'s ``.item()``), or to leave a live run exactly as it was found.
+
+Lightning is imported lazily, inside the functions only the Lightning adapter calls: the framework-free core may
+import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+# --------------------------------------------------------------------------------------------
+# torch.amp.GradScaler
+# --------------------------------------------------------------------------------------------
+
+
+def scale_tensor(scaler: Any) -> Tensor | None:
+    """The scaler's scale as its device tensor (``get_scale()`` would read it); None before its first use."""
+    return getattr(scaler, "_scale", None)
+
+
+def growth_tracker_tensor(scaler: Any) -> Tensor | None:
+    """The scaler's count of clean steps towards the next growth, as its device tensor."""
+    return getattr(scaler, "_growth_tracker", None)
+
+
+def reset_growth_tracker(scaler: Any) -> None:
+    """Start counting clean steps towards the next growth afresh (no public setter exists)."""
+    tracker = growth_tracker_tensor(scaler)
+    if tracker is not None:
+        tracker.zero_()
+
+
+def initial_scale(scaler: Any) -> tuple[float, int]:
+    """(scale, growth tracker) of a scaler not used yet (or just resumed): plain numbers, no device read."""
+    return float(scaler._init_scale), int(getattr(scaler, "_init_growth_tracker", 0))
+
+
+def per_optimizer_states(scaler: Any) -> Any:
+    """GradScaler's per-optimizer bookkeeping (``{id(optimizer): {"stage": OptState, ...}}``, a defaultdict: read
+    it with ``.get``), or None for a scaler that has none."""
+    return getattr(scaler, "_per_optimizer_states", None)
+
+
+def unscales_in_kernel(optimizer: Any) -> bool:
+    """Whether the optimizer takes the scaler's ``found_inf``/``grad_scale`` and unscales in its own (fused)
+    kernel."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+# --------------------------------------------------------------------------------------------
+# torch.optim and its schedulers
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def without_step_hooks(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Optimizer steps taken inside stay unseen by the step hooks watching the live run (AmpWatch's own among
+    them): the hooks are set aside and put back exactly."""
+    saved = [(opt, opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks) for opt in optimizers]
+    for opt, _, _ in saved:
+        opt._optimizer_step_pre_hooks = OrderedDict()
+        opt._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        for opt, pre, post in saved:
+            opt._optimizer_step_pre_hooks = pre
+            opt._optimizer_step_post_hooks = post
+
+
+def scale_last_lr(scheduler: Any, factor: float) -> None:
+    """Scale what ``get_last_lr()`` reports along with the optimizer's learning rates (no public setter)."""
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
+
+
+# --------------------------------------------------------------------------------------------
+# torch.autograd graph nodes (read a few nodes below the loss)
+# --------------------------------------------------------------------------------------------
+
+
+def node_output_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of what a backward node's forward op produced; None where the graph does not say."""
+    meta = getattr(node, "_input_metadata", None)  # private but stable since torch 2.1; absent: no verdict
+    try:
+        return meta[0].dtype if meta else None
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def saved_operand(node: Any, which: str) -> Any:
+    """The operand a ``Mul``/``Div`` backward node saved: ``"self"`` or ``"other"``; None if it saved none."""
+    return getattr(node, f"_saved_{which}", None)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.nn
+# --------------------------------------------------------------------------------------------
+
+#: Module types that draw random numbers in training (every dropout variant shares the private base class).
+STOCHASTIC_MODULES: tuple[type, ...] = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning (imported lazily: only the Lightning adapter calls these)
+# --------------------------------------------------------------------------------------------
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    """The step Lightning logs at (``trainer.global_step`` counts each optimizer of a step; this does not)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def logger_connector(trainer: Any) -> Any:
+    return trainer._logger_connector
+
+
+class StepMetrics:
+    """Puts AmpWatch's metrics in the same logger call as the step's own ``self.log`` values, so that a
+    ``CSVLogger`` writes them on one row. The callback runs before Lightning logs the step, so the metrics wait
+    on the logger connector (one wrapper on that instance) and ride along with Lightning's call at that step;
+    a step Lightning does not log gets them in a call of their own, at the same step."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+        self.pending: tuple[int, dict[str, float]] | None = None
+        self._original = connector.log_metrics
+        connector.log_metrics = self._log_metrics
+
+    def hold(self, step: int, metrics: dict[str, float]) -> None:
+        self.release()
+        self.pending = (step, metrics)
+
+    def _log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self.pending is not None and step is None and "step" not in metrics \
+                and self.pending[0] == batches_that_stepped(self.connector.trainer):
+            metrics = {**metrics, **self.pending[1]}
+            self.pending = None
+        else:
+            self.release()
+        self._original(metrics, step=step)
+
+    def release(self) -> None:
+        """Log what is waiting on its own (its step was not logged by Lightning, or the fit is over)."""
+        if self.pending is not None:
+            step, metrics = self.pending
+            self.pending = None
+            self._original(metrics, step=step)
+
+    def detach(self) -> None:
+        self.release()
+        if self.connector.__dict__.get("log_metrics") == self._log_metrics:
+            del self.connector.log_metrics  # the class's own method again
+
+
+def rollback_to_checkpoint(trainer: Any, before: int) -> tuple[str | None, int | None]:
+    """Load the newest checkpoint file that a ``ModelCheckpoint`` wrote before step ``before`` ran, through
+    Lightning's own checkpoint connector: weights, precision plugin (the scaler), optimizers and schedulers; not the
+    loops, so ``global_step`` stays monotonic. Returns (path, the step it was written at), or (None, None)."""
+    candidates: set[str] = set()
+    for cb in getattr(trainer, "checkpoint_callbacks", []):
+        candidates.update(p for p in (getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})) if p)
+        dirpath = getattr(cb, "dirpath", None)
+        if dirpath and os.path.isdir(dirpath):
+            candidates.update(os.path.join(dirpath, f) for f in os.listdir(dirpath) if f.endswith(".ckpt"))
+    connector = trainer._checkpoint_connector
+    for path in sorted((p for p in candidates if os.path.isfile(p)), key=os.path.getmtime, reverse=True):
+        checkpoint = trainer.strategy.load_checkpoint(path)
+        step = checkpoint.get("global_step")
+        if not isinstance(step, int) or step > before:  # written after `step` steps: before step `step` ran
+            continue
+        connector._loaded_checkpoint = checkpoint
+        try:
+            connector.restore_model()
+            connector.restore_precision_plugin_state()
+            connector.restore_optimizers_and_schedulers()
+        finally:
+            connector._loaded_checkpoint = {}
+        return path, step
+    return None, None
+
+
+def set_trainer_precision(trainer: Any, precision: str, device_type: str) -> None:
+    """Swap a Lightning Trainer's precision plugin for ``MixedPrecision(precision)`` mid-fit (the bf16 fallback)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    trainer.strategy.precision_plugin = MixedPrecision(precision, device_type)  # type: ignore[arg-type]
+
+
+def carry_spawn_results(kind: type, send: Callable[[Any], Any], receive: Callable[[Any, Any], None]) -> None:
+    """Under ``ddp_spawn`` the fit runs in worker processes and the callbacks in the main process never see a hook.
+    Lightning sends results home through its launcher's ``get_extra_results`` and ``update_main_process_results``;
+    the results of every callback of ``kind`` (``send(callback)``, keyed by its state key) ride along there and
+    are handed to its main-process twin (``receive(callback, results)``). Installed once per kind."""
+    try:
+        from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    except ImportError:  # pragma: no cover - another Lightning: the worker's event log still has everything
+        return
+    installed = _MultiProcessingLauncher.__dict__.get("_carried_kinds", set())
+    if kind in installed:
+        return
+    key = f"carried:{kind.__module__}.{kind.__qualname__}"
+    get_extra, update_main = _MultiProcessingLauncher.get_extra_results, _MultiProcessingLauncher.update_main_process_results
+
+    @functools.wraps(get_extra)
+    def get_extra_results(self: Any, trainer: Any) -> dict[str, Any]:
+        extra = get_extra(self, trainer)
+        extra[key] = {cb.state_key: send(cb) for cb in trainer.callbacks if isinstance(cb, kind)}
+        return extra
+
+    @functools.wraps(update_main)
+    def update_main_process_results(self: Any, trainer: Any, extra: dict[str, Any]) -> None:
+        update_main(self, trainer, extra)
+        results = extra.get(key, {})
+        for cb in trainer.callbacks:
+            if isinstance(cb, kind) and cb.state_key in results:
+                receive(cb, results[cb.state_key])
+
+    _MultiProcessingLauncher.get_extra_results = get_extra_results  # type: ignore[method-assign]
+    _MultiProcessingLauncher.update_main_process_results = update_main_process_results  # type: ignore[method-assign]
+    _MultiProcessingLauncher._carried_kinds = installed | {kind}  # type: ignore[attr-defined]

@@ -1,0 +1,654 @@
+"""``RunWatcher``: the whole watch of one training run, with no Lightning import. Adapters translate their
+framework's hooks into its calls and implement :class:`Host` for what only the framework knows.
+
+The contract (what an adapter codes against)
+============================================
+
+An adapter (``AmpWatch`` for Lightning, ``FabricWatch`` for Fabric) owns a :class:`RunWatcher` made from a
+:class:`~lightning_ampwatch.config.WatchConfig`, and a :class:`Host` object of its own. It calls, in this order:
+
+1. ``watcher.load_state_dict(state)`` (optional, any time before ``start``): a checkpointed state, restored at
+   ``start`` part by part.
+2. ``watcher.start(host)``: once the model, optimizers and precision exist. Builds the rooms (ledger, machine,
+   investigations, guards, treatment, reporters), reapplies restored remedies, checks the recipe set-up.
+3. ``watcher.begin_training()``: once the scaler's own checkpointed state is loaded (Lightning:
+   ``on_train_start``; Fabric: right after ``start``). One read of the scaler.
+4. Per batch (every micro-batch, including accumulation):
+
+   - ``watcher.batch_start()`` — before the forward (only needed if ``watcher.wants_batch_start``; cheap);
+   - ``watcher.before_backward(loss)`` — the loss handed to backward (scaled or not, as the framework has it);
+   - ``watcher.before_optimizer_step(optimizer)`` — each optimizer, before it steps (or is stepped by the
+     scaler);
+   - ``watcher.batch_end(batch, batch_idx)`` — after the batch, once the optimizer step (if any), the scaler's
+     update and the step-interval schedulers are done. This is the optimizer-step boundary: steps are taken in,
+     log steps run (every ``host.log_every`` optimizer steps), and remedies and rollbacks are applied here.
+     ``batch`` is what a replay feeds to ``host.step_loss`` again.
+
+5. ``watcher.finish()`` at the end of training (Lightning: ``on_fit_end``), then ``watcher.close()``
+   (always, also after an exception: removes every hook and patch; never raises).
+6. ``watcher.state_dict()`` whenever the framework checkpoints.
+
+Every call is safe: an internal failure is warned once and the watch degrades (after ``MAX_FAILURES`` distinct
+failures it switches itself off); only :class:`~lightning_ampwatch.taxonomy.AmpWatchError`
+(``on_unrecoverable="raise"``) reaches the training loop.
+
+What the adapter reads back: ``diagnoses`` (the journal: every published diagnosis, updated in place when a remedy's
+outcome is known), ``applied`` (remedies applied), ``machine``, ``event_log``, ``precision``.
+
+The :class:`Host` protocol
+--------------------------
+Attribute names follow the Lightning ``Trainer`` where the rooms already read them (``global_step``,
+``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
+
+import torch
+
+from lightning_ampwatch import distributed
+from lightning_ampwatch.config import WatchConfig
+from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
+from lightning_ampwatch.machine import AmpStateMachine
+from lightning_ampwatch.probes import uses_rng
+from lightning_ampwatch.remedies import (
+    REGISTRY,
+    AppliedRemedy,
+    Effect,
+    HoldLrOnSkip,
+    RemedyContext,
+    RemedyPolicy,
+    reapply_all,
+)
+from lightning_ampwatch.records import Outcome
+from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
+from lightning_ampwatch.reporters import Reporters
+from lightning_ampwatch.signals import PrecisionInfo, scaler_config
+from lightning_ampwatch.steps import ResolvedStep, StepLedger
+from lightning_ampwatch.summary import RunStats
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
+
+#: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
+STATE_VERSION = 2
+#: Internal failures after which the watch switches itself off for the run (each is warned once).
+MAX_FAILURES = 5
+
+
+@runtime_checkable
+class Host(Protocol):
+    """What only the training framework knows, as one object the adapter implements.
+
+    Read at ``start`` (and again where noted): nothing here is called on a healthy step except ``global_step``
+    and ``optimizers`` at log steps and when a step is opened.
+    """
+
+    module: torch.nn.Module
+    """The model being trained (Lightning: the LightningModule; Fabric: the user's module, unwrapped)."""
+    device: torch.device
+    automatic: bool
+    """One loss -> backward -> optimizer step per batch, driven by the framework, so a step can be replayed from
+    its batches alone through :meth:`step_loss`. False for Lightning's manual optimization."""
+    is_global_zero: bool
+    world_size: int
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """The raw torch optimizers (not framework wrappers)."""
+
+    @property
+    def loggers(self) -> Sequence[Any]:
+        """The framework's loggers; diagnoses go to those that take text (TensorBoard, MLflow, W&B)."""
+
+    @property
+    def log_every(self) -> int:
+        """Optimizer steps between log steps (metrics, one packed read, timeline flush); 0: never."""
+
+    @property
+    def log_dir(self) -> str:
+        """Where ``ampwatch/`` goes unless ``log_dir=`` was given."""
+
+    def precision(self) -> PrecisionInfo:
+        """The run's arithmetic and scaler, now (a bf16 fallback changes it mid-run)."""
+
+    def forward_context(self) -> ContextManager[Any]:
+        """The autocast context the run's forward uses now (a replay at the run's own precision enters it)."""
+
+    def step_loss(self, batch: Any, batch_idx: int) -> Any:
+        """One micro-batch's loss, computed as the training step does (Lightning: ``training_step``; Fabric: the
+        user's ``loss_fn(module, batch)``); a dict with ``"loss"`` or None is allowed. Replays call it with autocast
+        on or off around it, and with the weights of the faulty step; it must not step an optimizer."""
+
+    def train_state(self) -> TrainState:
+        """What the FP32 trajectory control drives step by step (optimizers, scaler, step schedulers, clipping,
+        accumulation); ``TrainState.unavailable`` says why it cannot run, if it cannot."""
+
+    def step_schedulers(self) -> list[Any]:
+        """The LR schedulers stepped every optimizer step (``hold_lr_on_skip`` holds them on a skipped step)."""
+
+    def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        """What a remedy acts on (the module, the scaler, the device, the guards, as given). ``trainer`` is the
+        object whose ``optimizers`` and ``lr_scheduler_configs`` (``.scheduler``) ``reduce_lr`` changes and whose
+        ``strategy.precision_plugin.precision`` names the run's precision; ``switch_precision`` swaps the precision
+        for the bf16 fallback (None: ``trainer`` is a Lightning Trainer, whose plugin is replaced)."""
+
+    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
+        """Load the newest checkpoint file written before step ``before`` ran (weights, scaler, optimizers,
+        schedulers; not the loop): (its path, its step), or (None, None) when there is none."""
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank zero's ``value`` on every rank (only called where every rank is at the same step)."""
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """The ``ampwatch/*`` metrics of the current log step, to the framework's loggers."""
+
+    def stop(self) -> None:
+        """End the run cleanly after this step (``on_unrecoverable="stop"``)."""
+
+    def say(self, message: str) -> None:
+        """One plain line for the user (the framework's rank-zero info log)."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guarded(call: F) -> F:
+    """Run a call so that an internal failure is reported once and never reaches the training loop."""
+
+    @functools.wraps(call)
+    def wrapper(self: "RunWatcher", *args: Any, **kwargs: Any) -> Any:
+        if self.disabled:
+            return None
+        try:
+            return call(self, *args, **kwargs)
+        except AmpWatchError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the point is that nothing escapes
+            self.internal_failure(call.__name__, err)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class RunWatcher:
+    """Owns the rooms of one watched run and routes every step through them (see the module docstring)."""
+
+    def __init__(self, config: WatchConfig) -> None:
+        self.config = config
+        self.host: Host | None = None
+        self.diagnoses: list[Diagnosis] = []
+        self.machine: AmpStateMachine | None = None
+        self.reporters: Reporters | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """Per-run state: a second run with the same instance starts afresh (unless it resumes a checkpoint)."""
+        config = self.config
+        self.diagnoses = []
+        self.machine = None
+        self.reporters = None
+        self.ledger: StepLedger | None = None
+        self.investigations: Investigations | None = None
+        self.guards = RecipeGuards()
+        self.treatment = Treatment(RemedyPolicy(config.remedies),
+                                   recovery_steps=config.thresholds.recovery_steps,  # type: ignore[union-attr]
+                                   rollback=config.rollback, replay_episode=config.replay_episode)
+        self.world_size = 1
+        self._log_every = 0
+        self.disabled = False
+        self._failures: set[str] = set()
+        self._said: set[str] = set()
+
+    @property
+    def applied(self) -> list[AppliedRemedy]:
+        """Every remedy applied in this run, in order (also after a resume)."""
+        return self.treatment.applied
+
+    @applied.setter
+    def applied(self, value: list[AppliedRemedy]) -> None:
+        self.treatment.applied = list(value)
+
+    @property
+    def event_log(self) -> Any:
+        return getattr(self.reporters, "event_log", None)
+
+    @property
+    def precision(self) -> PrecisionInfo | None:
+        return self.ledger.precision if self.ledger is not None else None
+
+    @property
+    def wants_batch_start(self) -> bool:
+        investigations = self.investigations
+        return not self.disabled and investigations is not None and investigations.wants_batch_start
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @_guarded
+    def start(self, host: Host) -> None:
+        loaded, self._loaded_state = self._loaded_state, None
+        self._reset()
+        self.host = host
+        config, thresholds = self.config, self.config.thresholds
+        assert thresholds is not None
+        info = host.precision()
+        self.machine = AmpStateMachine(info.mode, thresholds, scaler_config(info.scaler) if info.scaler else {},
+                                       early_startup="lower_init_scale" in config.remedies)
+        if loaded is not None:
+            self._restore(loaded)
+            info = host.precision()  # a restored bf16 fallback swapped the plugin
+            self.machine.reconfigure(mode=info.mode)
+        self.world_size = host.world_size
+        self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
+                                   verbose=config.verbose, precision=info.mode.value, device=host.device,
+                                   world_size=self.world_size, say=self._say)
+        self.ledger = StepLedger(self.machine, info, self.reporters.timeline, device_type=host.device.type,
+                                 world_size=self.world_size)
+        investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
+                                    localize=config.localize, control=config.control_replay,
+                                    automatic=host.automatic, step_loss=host.step_loss)
+        self.investigations = Investigations(
+            investigator, self.machine, window=thresholds.window, world_size=self.world_size,
+            capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
+        if info.note:
+            self.say_once(info.note)
+        self._attach_guards()
+        if config.replay_episode and self.world_size > 1:
+            # a rerun outside the loop has no gradient all-reduce: the ranks' weights would drift apart
+            self.treatment.replay_episode = False
+            self.say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
+                          "gradients); the episode's batches are skipped after a rollback.")
+        if config.hold_lr_on_skip:
+            HoldLrOnSkip.install(host.module, self.ledger.last_step_skipped, host.step_schedulers)
+
+    @_guarded
+    def begin_training(self) -> None:
+        """The scaler's checkpointed state is loaded by now: mirror it (one read per run)."""
+        host, ledger = self.host, self.ledger
+        assert host is not None and ledger is not None
+        self._log_every = max(int(host.log_every), 0)
+        ledger.start(host, self._log_every)
+        self._start_trajectory()
+
+    def _start_trajectory(self) -> None:
+        """The snapshot ring and what a replay drives (again after a remedy swaps the precision)."""
+        config, investigations, host = self.config, self.investigations, self.host
+        if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
+            return
+        control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
+                                    config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
+        investigations.trajectory = self.ledger.trajectory = control  # type: ignore[union-attr]
+
+    def _attach_guards(self) -> None:
+        assert self.ledger is not None and self.host is not None
+        self.guards.attach(self.host, self.host.module, self.ledger.precision, self._emit,
+                           scale_reader=self._mirrored_scale)
+
+    def _mirrored_scale(self) -> float:
+        mirror = self.ledger.mirror if self.ledger is not None else None
+        return mirror.scale if mirror is not None else 1.0
+
+    # ------------------------------------------------------------------ the per-step calls
+    # They catch their own failures inline rather than through ``_guarded``: on a healthy step they run a few
+    # dozen bytecodes, and an extra wrapper call would be a good part of that.
+
+    def batch_start(self) -> None:
+        """Before a batch's forward: the RNG state (for an exact replay), or a live probe waiting to be armed."""
+        investigations, host = self.investigations, self.host
+        if self.disabled or investigations is None or host is None or not investigations.wants_batch_start:
+            return
+        try:
+            investigations.batch_start(host.module, host.device)
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("batch_start", err)
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        if self.disabled or self.ledger is None:
+            return
+        try:
+            self.ledger.backward(loss)
+            if self.guards.wants_loss:
+                self.guards.on_before_backward(loss)
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("before_backward", err)
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        ledger = self.ledger
+        if self.disabled or ledger is None:
+            return
+        try:
+            if ledger.stepped:  # manual optimization: a second step in the same batch
+                self._take(ledger.close(self.host))
+            ledger.stepped = True  # the step itself is read when it is over, in batch_end
+            if self.investigations is not None and self.investigations.probing:
+                self.investigations.optimizer_step(optimizer)
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("before_optimizer_step", err)
+
+    def batch_end(self, batch: Any, batch_idx: int) -> None:
+        ledger = self.ledger
+        if self.disabled or ledger is None:
+            return
+        try:
+            investigations = self.investigations
+            ledger.keep_batch(investigations.micro_batch(batch, batch_idx) if investigations is not None
+                              else (batch, batch_idx))
+            if investigations is not None and investigations.probing:
+                for diagnosis in investigations.finish_probe():  # the armed training step is over
+                    self._emit(diagnosis)
+            if not ledger.stepped:
+                return  # mid-accumulation: no optimizer step in this batch
+            resolved = ledger.close(self.host)
+            if resolved:
+                self._take(resolved)
+            log_every = self._log_every
+            if log_every and ledger.step_index % log_every == 0:
+                self._at_log_step()
+            treatment = self.treatment
+            if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
+                self._at_step_boundary()
+        except AmpWatchError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("batch_end", err)
+
+    def _at_log_step(self) -> None:
+        """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
+        ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
+        assert ledger is not None and reporters is not None and machine is not None and host is not None
+        self._take(ledger.drain_at_log_step(host))
+        steps, skipped, nonfinite = ledger.take_log_counts()
+        metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
+        scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
+        loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
+        reporters.flush(None if loss is None else lambda: loss)
+
+    @_guarded
+    def finish(self) -> None:
+        """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
+        if self.ledger is not None:
+            self._take(self.ledger.drain(force=True))
+            self.ledger.read_losses()
+        if self.investigations is not None:
+            for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
+                self._emit(diagnosis)
+        if self.treatment.due or self.treatment.watch is not None:
+            self._at_step_boundary()
+        self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
+        if self.reporters is not None:
+            self.reporters.finish(self.diagnoses, self._run_stats())
+        self.close()
+
+    def close(self) -> None:
+        """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
+        timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
+        host = self.host
+        for undo in (self.ledger.stop if self.ledger is not None else None,
+                     self.guards.detach,
+                     functools.partial(HoldLrOnSkip.uninstall, host.module) if host is not None else None,
+                     self.investigations.close if self.investigations is not None else None,
+                     self.reporters.close if self.reporters is not None else None):
+            if undo is None:
+                continue
+            try:
+                undo()
+            except Exception as err:  # noqa: BLE001
+                self.internal_failure("clean-up", err)
+        # What holds the framework, the model or snapshots goes: the watcher pickles after a run, and small
+        self.investigations = None
+        if self.ledger is not None:
+            self.ledger.trajectory = None
+        self.treatment.forget_states()
+        self.host = None
+
+    # ------------------------------------------------------------------ steps -> machine -> diagnoses
+
+    def _take(self, resolved: list[ResolvedStep]) -> None:
+        """Feed resolved steps to the machine; a new alarm is investigated before it is published."""
+        machine, investigations, ledger = self.machine, self.investigations, self.ledger
+        assert machine is not None and ledger is not None
+        for step in resolved:
+            if investigations is not None:
+                investigations.before_observe(step, ledger.scaler_active)
+            for diagnosis in machine.observe(step.obs):
+                if diagnosis.is_alarm and investigations is not None:
+                    refined = investigations.investigate(diagnosis, step, ledger.scaler_active)
+                    if refined is None:
+                        continue  # published after the next step, with what its live probe saw
+                    diagnosis = refined
+                self._emit(diagnosis)
+
+    def _emit(self, diagnosis: Diagnosis) -> None:
+        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
+        if self.treatment.wants(diagnosis):
+            self.treatment.due.append(diagnosis)
+        else:
+            self._publish(diagnosis)
+
+    # ------------------------------------------------------------------ remedies, at an optimizer-step boundary
+
+    def _at_step_boundary(self) -> None:
+        """A remedy for each waiting alarm (rolled back, applied, then watched), published with it or as
+        unrecoverable; then the watched remedy's outcome, once it has run its course. The treatment decides and
+        returns records; the changes to the run, the machine and the ledger are made here."""
+        treatment, machine, ledger = self.treatment, self.machine, self.ledger
+        assert machine is not None and ledger is not None
+        agreed = self.world_size == 1 or ledger.scaler_active
+        for diagnosis in treatment.take_due():
+            ended = treatment.interrupted(diagnosis)
+            if ended is not None:
+                self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
+            if not agreed and not diagnosis.finding.is_recipe:
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on.
+                self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does not "
+                              "remedy them under DDP; it reports them.")
+                self._publish(diagnosis)
+                continue
+            self._publish(self._treat(diagnosis))
+        if treatment.judgement_due(machine.steps_seen):
+            ledger.read_losses()  # once per remedy: the steps since it are all read
+            recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
+                                                    skipped_total=machine.skipped_total))
+            ended = treatment.end(recovery)
+            self._update(ended.old, ended.new)
+            if recovery.outcome is Outcome.NOT_RECOVERED:
+                retried = self._treat(treatment.for_retry(ended))
+                treatment.retry_done()
+                if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
+                    self._unrecoverable(ended.new)
+                else:
+                    self._update(ended.new, retried)
+        control = ledger.trajectory
+        if control is not None:
+            control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+
+    def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
+        """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
+        comes back with the remedy (and its rollback), or unchanged without one."""
+        treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
+        assert machine is not None and ledger is not None and host is not None
+        choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
+        if choice is None:
+            return diagnosis
+        ledger.read_losses()  # the losses up to now, for the level the run goes back to
+        now = host.global_step
+        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=ledger.trajectory,
+                                                          decide=self._decide, host=host)
+        if rollback.resumed_at is not None:
+            self._after_remedy(ROLLED_BACK)
+        treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
+        if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
+            return treatment.treated(treated, None, rollback)
+        machine.close_episode(now, f"remedy {applied.name}")
+        self._after_remedy(REGISTRY[applied.name].effects)
+        control = ledger.trajectory  # the precision may have changed: the current state
+        if episode and control is not None:
+            rollback = rollback.after_retraining(retrain(control.state, episode))
+        treated = treatment.treated(treated, applied, rollback)
+        treatment.start_watch(treated, applied, snapshot, level=machine.loss_level, recent=ledger.recent_losses,
+                              window=machine.thresholds.loss_window, steps_seen=machine.steps_seen,
+                              skipped_total=machine.skipped_total)
+        return treated
+
+    def _decide(self, value: Any) -> Any:
+        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""
+        return self.host.broadcast(value) if self.world_size > 1 and self.host is not None else value
+
+    def remedy_context(self) -> RemedyContext:
+        assert self.host is not None
+        scaler = self.ledger.precision.scaler if self.ledger is not None else None
+        return self.host.remedy_context(scaler, self.machine.max_safe_scale if self.machine is not None else None,
+                                        self.guards)
+
+    def _after_remedy(self, effects: frozenset[Effect]) -> None:
+        """Bring the watch's own view in line with what a remedy or a rollback changed (each declares it)."""
+        ledger, host = self.ledger, self.host
+        assert ledger is not None and host is not None
+        for effect in effects:
+            if effect is Effect.PRECISION:
+                info = host.precision()
+                ledger.switch_precision(info)
+                if self.investigations is not None and self.investigations.investigator is not None:
+                    self.investigations.investigator.mode = info.mode
+                self._attach_guards()
+                self._start_trajectory()  # snapshots of the old arithmetic replay no more
+            elif effect is Effect.SCALER:
+                ledger.mirror_scaler()
+            elif effect is Effect.OPTIMIZERS:
+                ledger.read_param_groups(host.optimizers, lrs_now=True)
+
+    def _publish(self, diagnosis: Diagnosis) -> None:
+        """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
+        replaces the record it takes back; the event log gets one more line saying so."""
+        if diagnosis.withdrawn:
+            self.diagnoses = [d for d in self.diagnoses
+                              if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
+        self.diagnoses.append(diagnosis)
+        if diagnosis.remedy is not None and self.reporters is not None and self.treatment.applied:
+            self.reporters.record_remedy(self.treatment.applied[-1].step, diagnosis.remedy)
+        if self.reporters is not None:
+            self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
+        if diagnosis.is_alarm and diagnosis.remedy is None:
+            self._unrecoverable(diagnosis)
+
+    def _update(self, old: Diagnosis, new: Diagnosis) -> None:
+        """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
+        record, and the sinks get it once more."""
+        at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
+        if at is None:
+            self.diagnoses.append(new)
+        else:
+            self.diagnoses[at] = new
+        if new.remedy is not None and new.remedy != old.remedy and self.reporters is not None:
+            self.reporters.record_remedy(self.treatment.applied[-1].step, new.remedy)
+        if self.reporters is not None:
+            self.reporters.publish(new, self.host.loggers if self.host is not None else [])
+
+    def _unrecoverable(self, diagnosis: Diagnosis) -> None:
+        mode = self.config.on_unrecoverable
+        if mode == "stop":
+            if self.host is not None:
+                self.host.stop()
+            self.say_once(f"stopping the run after {diagnosis.finding.value} at step {diagnosis.step} "
+                          "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
+        elif mode == "raise":
+            raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
+
+    def _run_stats(self) -> RunStats | None:
+        machine, ledger = self.machine, self.ledger
+        if machine is None:
+            return None
+        mirror = ledger.mirror if ledger is not None else None
+        return RunStats(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
+                        scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "diagnoses": [d.to_dict() for d in self.diagnoses],
+            "machine": None if self.machine is None else self.machine.state_dict(),
+            "applied": [r.to_dict() for r in self.applied],
+            "policy": self.treatment.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Kept until ``start`` builds the rooms; restored there, part by part."""
+        self._loaded_state = state_dict if isinstance(state_dict, dict) else {"invalid": state_dict}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Put back what a checkpoint holds, part by part: a part that cannot be read is warned about once, by name,
+        and left out; the watch goes on with what could be read."""
+        if "invalid" in state and len(state) == 1:
+            self._warn_state(f"it is a {type(state['invalid']).__name__}, not a dict", None)
+            return
+        version = state.get("version", 1)
+        if version not in (1, STATE_VERSION):
+            self._warn_state(f"it has version {version!r}; this AmpWatch reads versions 1 and {STATE_VERSION}", None)
+            return
+        parts: list[tuple[str, Callable[[], None]]] = [
+            ("diagnoses", lambda: setattr(self, "diagnoses",
+                                          [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())])),
+            ("applied", lambda: setattr(self, "applied",
+                                        [AppliedRemedy.from_dict(a) for a in state.get("applied", ())])),
+            ("policy", lambda: self.treatment.policy.load_state_dict(state.get("policy", {}))),
+            ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
+             if state.get("machine") else None),
+        ]
+        for part, load in parts:
+            try:
+                load()
+            except Exception as err:  # noqa: BLE001 - a bad part must not cost the watch
+                self._warn_state(f"its {part!r} entry cannot be read ({type(err).__name__}: {err})", part)
+        if self.applied:
+            # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
+            try:
+                reapply_all(self.remedy_context(), self.applied)
+            except Exception as err:  # noqa: BLE001
+                self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
+                                 "applied")
+
+    def _warn_state(self, why: str, part: str | None) -> None:
+        if part == "machine" and self.machine is not None:
+            self.machine = AmpStateMachine(self.machine.mode, self.config.thresholds, self.machine.scaler_config,
+                                           early_startup=self.machine.early_startup)
+        warnings.warn(f"AmpWatch could not use the checkpoint's {self.config.state_key!r} state: {why}. "
+                      + ("It keeps watching without it." if part is None else
+                         f"It keeps watching without the {part!r} part."), RuntimeWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ failure containment
+
+    def internal_failure(self, where: str, err: Exception) -> None:
+        key = f"{where}:{type(err).__name__}"
+        if key not in self._failures:
+            self._failures.add(key)
+            warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+        if self.ledger is not None:
+            self.ledger.stepped = False  # never carry a half-built step into the next one
+        if len(self._failures) >= MAX_FAILURES:
+            self.disabled = True
+            warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
+                          RuntimeWarning, stacklevel=3)
+
+    def _say(self, message: str) -> None:
+        """The host's line (a method of the watcher, not the host's: the reporters must not hold the host)."""
+        if self.host is not None:
+            self.host.say(message)
+
+    def say_once(self, message: str, key: str | None = None) -> None:
+        key = key or message
+        if key not in self._said and self.reporters is not None:
+            self._said.add(key)
+            self.reporters.say(message)
