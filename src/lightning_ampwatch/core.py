@@ -65,12 +65,12 @@ from lightning_ampwatch.remedies import (
     reapply_all,
 )
 from lightning_ampwatch.records import Outcome
-from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
+from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment, level_at
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
 
 #: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
@@ -286,6 +286,7 @@ class RunWatcher:
         control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
                                     config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
         investigations.trajectory = self.ledger.trajectory = control  # type: ignore[union-attr]
+        control.start(host.global_step)  # a state from before the first step this run takes
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None
@@ -368,6 +369,7 @@ class RunWatcher:
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        self._take_divergences()  # the losses just read may show a finite divergence
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
@@ -378,6 +380,7 @@ class RunWatcher:
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self.ledger.read_losses()
+            self._take_divergences()
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self._emit(diagnosis)
@@ -427,9 +430,23 @@ class RunWatcher:
                     diagnosis = refined
                 self._emit(diagnosis)
 
+    def _take_divergences(self) -> None:
+        """Alarms the machine raised from losses read after the fact (a finite divergence): investigated with the
+        trajectory replays where a snapshot allows, then published or treated like any other."""
+        machine, investigations, ledger = self.machine, self.investigations, self.ledger
+        assert machine is not None and ledger is not None
+        for diagnosis in machine.take_pending():
+            if investigations is not None:
+                diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1)
+            self._emit(diagnosis)
+
     def _emit(self, diagnosis: Diagnosis) -> None:
-        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
-        if self.treatment.wants(diagnosis):
+        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
+        divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
+        since a treatment is a decision every rank must take together."""
+        if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
+            self._publish(diagnosis)
+        elif self.treatment.wants(diagnosis):
             self.treatment.due.append(diagnosis)
         else:
             self._publish(diagnosis)
@@ -482,10 +499,16 @@ class RunWatcher:
             return diagnosis
         ledger.read_losses()  # the losses up to now, for the level the run goes back to
         now = host.global_step
+        # an episode from the fit's first step that the scaler skipped throughout left the starting weights as they
+        # were: going back to the starting state would only undo the scaler's backoffs
+        control = ledger.trajectory
+        untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
+            and machine.untouched_since(diagnosis.step, now - 1)
         snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=ledger.trajectory,
-                                                          decide=self._decide, host=host)
+                                                          decide=self._decide, host=host, untouched=untouched)
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
+            machine.rebase(*level_at(ledger.recent_losses, rollback.resumed_at, machine.thresholds.loss_window))
         treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
             return treatment.treated(treated, None, rollback)

@@ -145,6 +145,7 @@ class Episode:
     clean_run: int = 0
     growth_survived: int = 0
     back_run: int = 0  # losses in a row back under ``HEALTHY_RISE`` x the base (a divergence ends only then)
+    finite: bool = False  # opened by a finite divergence (found in this rank's own losses)
 
 
 @dataclass
@@ -416,6 +417,19 @@ class AmpStateMachine:
             self._take_loss(step, loss)
 
     @property
+    def has_reference(self) -> bool:
+        """A healthy loss level is known (a stretch of steps was seen to be healthy)."""
+        return self.state.reference is not None
+
+    @property
+    def quiet_agreed(self) -> bool:
+        """:attr:`quiet`, leaving out a finite divergence's episode: what every rank of a DDP run under a scaler
+        agrees on (skips are agreed; each rank's losses, and so a finite divergence, are its own)."""
+        s = self.state
+        ep = s.episode
+        return (ep is None or ep.finite) and s.streak is None and s.isolated_since is None
+
+    @property
     def alarm_imminent(self) -> bool:
         """No episode is open and one more skipped step would complete a start-up-length streak: the last
         moment to replay the faulty step while the weights are still those it ran with."""
@@ -508,6 +522,17 @@ class AmpStateMachine:
         s.climb = None
         s.recent_skips.clear()
         s.growth_skips.clear()
+
+    def rebase(self, level: float | None, first_step: int, last_step: int) -> None:
+        """The run went back to an earlier state (a rollback): its healthy level is the one it had there (None: the
+        fit's start, where the first loss is the base again), and what was climbing belongs to abandoned steps."""
+        s = self.state
+        s.reference = None if level is None else Reference(level, first_step, last_step, 0)
+        s.reference_before_skip = s.reference
+        s.losses.clear()
+        s.loss_steps.clear()
+        s.climb = None
+        self._since_promote = 0
 
     def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
         """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
@@ -629,8 +654,12 @@ class AmpStateMachine:
         just before it."""
         s, t = self.state, self.thresholds
         onset = climb.start_step
-        if s.isolated_since is not None and 0 <= onset - s.isolated_since <= 2 * t.streak:
-            onset = s.isolated_since  # the skip was the first sign of it
+        for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
+            if skip >= onset:
+                continue
+            if onset - skip > 2 * t.streak:
+                break
+            onset = skip
         ref = self.reference_for(onset)
         base_from = "the healthy level" if ref is not None else "the run's first loss"
         ev: dict[str, Any] = {
@@ -645,8 +674,11 @@ class AmpStateMachine:
         lr = self._lr_event(onset)
         if lr is not None:
             ev.update(lr)
-            return self._raise(self._make(Finding.LR_SCHEDULE, onset, ev), climb.last_step)
-        return self._raise(self._make(Finding.FP32_UNSTABLE, onset, ev), climb.last_step)
+        finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
+        out = self._raise(self._make(finding, onset, ev), climb.last_step)
+        assert s.episode is not None
+        s.episode.finite = True
+        return out
 
     # ---------------------------------------------------------------- classification
 
@@ -658,6 +690,16 @@ class AmpStateMachine:
         streak.scales.append(obs.scale)
         if obs.loss_finite is False:
             streak.all_loss_finite = False
+
+    def first_sign(self, step: int) -> int:
+        """Where trouble at ``step`` first showed, as far as the machine knows now (see :meth:`_first_sign`)."""
+        return self._first_sign(step)
+
+    def untouched_since(self, step: int, now: int) -> bool:
+        """Every step from ``step`` to ``now`` (both included) was anomalous, in one streak: under a GradScaler they
+        were all skipped, so the weights and the optimizer are as they were before ``step``."""
+        streak = self.state.streak
+        return streak is not None and streak.first_step <= step and streak.first_step + streak.count - 1 == now
 
     def _first_sign(self, step: int) -> int:
         """Where the trouble now at ``step`` first showed: the start of the anomalous streak, or earlier, the

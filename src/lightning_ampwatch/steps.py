@@ -238,7 +238,9 @@ class StepLedger:
         scale = mirror.scale if mirror is not None else None
         machine = self.machine
         if self.trajectory is not None:
-            self.trajectory.note_step(step, batches, machine.quiet)
+            # every rank snapshots at the same steps: under DDP only what the ranks agree on decides
+            self.trajectory.note_step(step, batches, machine.quiet if self.world_size == 1 else machine.quiet_agreed,
+                                      machine.has_reference or self.world_size > 1)
         if self._fast_path and taken and not self._pending and machine.quiet:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read.

@@ -219,7 +219,8 @@ def _judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss
     if not (isinstance(divergence_ratio, (int, float)) and divergence_ratio > 1):
         raise ValueError(f"divergence_ratio={divergence_ratio!r}: expected a number above 1")
     window = f"steps {fp32.steps[0]}-{fp32.steps[-1]}" if len(fp32.steps) > 1 else f"step {fp32.steps[0]}"
-    start = f"from the snapshot after step {fp32.from_step}"
+    start = (f"from the snapshot after step {fp32.from_step}" if fp32.from_step >= 0 else
+             "from the snapshot taken at the fit's start, before its first step")
     evidence: dict[str, Any] = {
         "window": [fp32.steps[0], fp32.steps[-1]], "snapshot_step": fp32.from_step,
         "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": _json_float(loss_level),
@@ -242,8 +243,26 @@ def _judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss
             f"FP32 training {start} passes {divergence_ratio:g}x the level {loss_level:.4g} before the onset at "
             f"step {cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}: the "
             "optimisation diverges without reduced precision, so it is not an AMP fault"), evidence)
+    if not has_level and finite:
+        # No healthy level to compare with: judge the FP32 run by its own shape, from where it started
+        start_loss = finite[0]
+        evidence["judged_by"] = "its own shape: there is no healthy loss level before the onset"
+        evidence["start_loss"] = start_loss
+        shape = _fp32_climb(fp32, start_loss, divergence_ratio) if start_loss > 0 else None
+        amp_alike = amp is None or amp.faulted or any(
+            v is not None and math.isfinite(v) and v > divergence_ratio * start_loss for v in amp.losses)
+        if shape is not None and amp_alike:
+            (cross_at, cross), (peak_at, peak) = shape
+            return TrajectoryVerdict(TrajectoryKind.FP32_DIVERGES, (
+                f"FP32 training {start} begins at loss {start_loss:.4g}, passes {divergence_ratio:g}x that at step "
+                f"{cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}, as the run's "
+                "own precision does: the optimisation diverges without reduced precision, so it is not an AMP "
+                "fault (there was no healthy level before the onset; the FP32 run is judged by its own shape)"),
+                evidence)
     level_words = (f"at most {peak / loss_level:.3g}x the level {loss_level:.4g} before the onset" if has_level
-                   and peak is not None else "no loss level before the onset to compare with")
+                   and peak is not None else
+                   f"from {finite[0]:.4g} to at most {peak:.4g}, with no healthy level before the onset" if finite
+                   else "no loss level before the onset to compare with")
     fp32_words = f"FP32 training {start} stays finite over {window} ({level_words})"
     if amp is not None and not amp.faulted:
         return TrajectoryVerdict(TrajectoryKind.NOT_REPRODUCED, (
@@ -278,3 +297,63 @@ def _fp32_climb(fp32: TrajectoryResult, loss_level: float, divergence_ratio: flo
 
 def _json_float(value: float | None) -> float | str | None:
     return value if value is None or math.isfinite(value) else str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# The lower-LR counterfactual: the same window, the run's own precision, the learning rate lowered
+# --------------------------------------------------------------------------------------------
+
+#: How much lower the counterfactual replay runs the learning rate: a rate that diverges is seldom only a few
+#: times too high, and a tenth is what the FP32_UNSTABLE remedy tries first.
+LOWER_LR_FACTOR = 0.1
+
+
+class LowerLrKind(str, Enum):
+    """What the replay at a lower learning rate showed."""
+
+    LR_IS_THE_CAUSE = "lr_is_the_cause"  # it trains clean and its loss falls: the learning rate is the cause
+    STILL_FAULTS = "still_faults"  # it still overflows or goes non-finite at the lower LR
+    DOES_NOT_FALL = "does_not_fall"  # clean, but its loss does not fall either: nothing concluded
+    TOO_SHORT = "too_short"  # too few steps to see a trend
+
+
+@dataclass(frozen=True)
+class LowerLrVerdict:
+    """The counterfactual's conclusion, why in a sentence, and the numbers it rests on (JSON-ready)."""
+
+    kind: LowerLrKind
+    reason: str
+    factor: float
+    evidence: dict[str, Any]
+
+
+def judge_lower_lr(lower: TrajectoryResult, factor: float) -> LowerLrVerdict:
+    """What the window replayed at the run's own precision with every learning rate times ``factor`` says. Clean
+    (no non-finite loss or weight, at most one skip: the scaler may probe its scale once) and falling (the median
+    of its last three losses under its first, never above ``CLIMB_AFTER_CROSSING`` x its first): the learning rate
+    is the cause."""
+    evidence: dict[str, Any] = {"factor": factor, "losses": [_json_float(v) for v in lower.losses],
+                                "skipped": lower.skipped}
+    lr = f"the learning rate x{factor:g}"
+    if lower.first_nonfinite is not None or sum(lower.skipped) > 1:
+        return LowerLrVerdict(LowerLrKind.STILL_FAULTS, (
+            f"replayed at the run's own precision with {lr}, the same steps still fault"), factor, evidence)
+    finite = [v for v in lower.losses if v is not None and math.isfinite(v)]
+    if len(finite) < 3:
+        return LowerLrVerdict(LowerLrKind.TOO_SHORT, (
+            f"replayed at the run's own precision with {lr}, the window is too short ({len(finite)} losses) to see "
+            "whether the loss falls"), factor, evidence)
+    first, last = finite[0], statistics.median(finite[-3:])
+    if last < first and max(finite) <= CLIMB_AFTER_CROSSING * first:
+        return LowerLrVerdict(LowerLrKind.LR_IS_THE_CAUSE, (
+            f"replayed at the run's own precision with {lr}, the same steps train clean and the loss falls from "
+            f"{first:.4g} to {last:.4g}: the learning rate is the cause"), factor, evidence)
+    return LowerLrVerdict(LowerLrKind.DOES_NOT_FALL, (
+        f"replayed at the run's own precision with {lr}, the same steps train clean but the loss does not fall "
+        f"({first:.4g} -> {last:.4g})"), factor, evidence)
+
+
+def trains_down(result: TrajectoryResult) -> bool:
+    """The replay's loss falls over its window (the median of its last three losses under its first)."""
+    finite = [v for v in result.losses if v is not None and math.isfinite(v)]
+    return len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]

@@ -88,18 +88,24 @@ class Treatment:
     # ------------------------------------------------------------------ rolling back
 
     def roll_back(self, diagnosis: Diagnosis, *, now: int, control: Any, decide: Callable[[Any], Any],
-                  host: Any) -> tuple[Any, Rollback, list[Any]]:
+                  host: Any, untouched: bool = False) -> tuple[Any, Rollback, list[Any]]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
         it. Returns the snapshot (kept for a later rung), the :class:`Rollback` record, and, with
         ``replay_episode``, the episode's held batches. ``decide`` is rank zero's value on every rank; ``host``
         loads checkpoint files. The caller re-reads what a rollback changes (:data:`ROLLED_BACK`)."""
         if not self.rollback:
             return None, Rollback(RollbackKind.OFF, now), []
+        if untouched:  # from the fit's first step the scaler skipped every step: nothing changed to go back from
+            self._retry = None
+            return None, Rollback(RollbackKind.NONE, now, why=(
+                f"the scaler skipped every step since the onset at step {diagnosis.step}, the fit's first, so the "
+                "weights and the optimizer are still those it started with: nothing to roll back, the remedy is "
+                "applied in place")), []
         before = _last_good_step(diagnosis)
         retry, self._retry = self._retry, None
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
         if snapshot is None and control is not None and control.ring.enabled:
-            snapshot = control.ring.newest_before(before)
+            snapshot = control.ring.newest_before(max(before, 0))  # the fit's starting state is before step 0
         target = decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
         if target is not None and snapshot is not None and snapshot.step == target:
             episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
@@ -243,6 +249,15 @@ def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None
             and math.isfinite(control.control_loss):
         return control.control_loss, "the FP32 control's loss on the faulty batch"
     return None, "nothing: no loss was read before the episode"
+
+
+def level_at(recent: Any, resumed_at: int, window: int) -> tuple[float | None, int, int]:
+    """The loss level a run had where it went back to: the median of the finite losses of the ``window`` steps up to
+    ``resumed_at`` (None when none was read: the fit's start), with the steps it spans."""
+    then = [(step, loss) for step, loss in recent if resumed_at - window <= step <= resumed_at and math.isfinite(loss)]
+    if not then:
+        return None, resumed_at, resumed_at
+    return statistics.median(v for _, v in then), then[0][0], then[-1][0]
 
 
 def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
