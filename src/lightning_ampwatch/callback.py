@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any, ContextManager, Literal, Sequence, Union
@@ -21,7 +20,7 @@ from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: 
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
-from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
+from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import TrainState
@@ -220,8 +219,10 @@ class AmpWatch(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._host = LightningHost(trainer, pl_module)
-        self.watcher.start(self._host)
+        self._host = host = LightningHost(trainer, pl_module)
+        self.watcher.start(host)
+        if self.hold_lr_on_skip and not self.watcher.disabled:
+            HoldLrOnSkip.install(pl_module, self.watcher.last_step_skipped, host.step_schedulers)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -253,7 +254,7 @@ class AmpWatch(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release_metrics()
         self.watcher.finish()
-        self._host = None
+        self._close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -267,13 +268,17 @@ class AmpWatch(Callback):
     def _close(self) -> None:
         self._release_metrics()
         self.watcher.close()
+        if self._host is not None:
+            try:
+                HoldLrOnSkip.uninstall(self._host.module)
+            except Exception as err:  # noqa: BLE001 - clean-up never raises
+                self.watcher.internal_failure("clean-up", err)
         self._host = None
 
     def _release_metrics(self) -> None:
-        host = self._host
-        if host is not None:
-            with contextlib.suppress(Exception):  # a broken logger costs the metrics, never the run
-                host.release_metrics()
+        host, reporters = self._host, self.watcher.reporters
+        if host is not None and reporters is not None:  # a broken logger costs the metrics, never the run
+            reporters.sink("loggers", host.release_metrics)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -16,13 +16,15 @@ An adapter (``AmpWatch`` for Lightning, ``FabricWatch`` for Fabric) owns a :clas
 4. Per batch (every micro-batch, including accumulation):
 
    - ``watcher.batch_start()`` — before the forward (only needed if ``watcher.wants_batch_start``; cheap);
-   - ``watcher.before_backward(loss)`` — the loss handed to backward (scaled or not, as the framework has it);
-   - ``watcher.before_optimizer_step(optimizer)`` — each optimizer, before it steps (or is stepped by the
-     scaler);
+   - ``watcher.before_backward(loss)`` — the tensor backward runs from: under a GradScaler the *scaled* loss
+     (``scaler.scale(loss)``; the ledger divides by the scale it mirrors, and the recipe guards step over the
+     scaler's multiplication at the top of its graph), otherwise the loss. Never read on a healthy step;
+   - ``watcher.before_optimizer_step(optimizer)`` — each raw optimizer, before it steps (or the scaler steps it);
    - ``watcher.batch_end(batch, batch_idx)`` — after the batch, once the optimizer step (if any), the scaler's
-     update and the step-interval schedulers are done. This is the optimizer-step boundary: steps are taken in,
-     log steps run (every ``host.log_every`` optimizer steps), and remedies and rollbacks are applied here.
-     ``batch`` is what a replay feeds to ``host.step_loss`` again.
+     update and the step-interval schedulers are done, with ``host.global_step`` already counting that step.
+     This is the optimizer-step boundary: steps are taken in, log steps run (every ``host.log_every``
+     optimizer steps), and remedies and rollbacks are applied here. ``(batch, batch_idx)`` is what a replay
+     hands ``host.step_loss`` again: keep it as the loss function takes it.
 
 5. ``watcher.finish()`` at the end of training (Lightning: ``on_fit_end``), then ``watcher.close()``
    (always, also after an exception: removes every hook and patch; never raises).
@@ -38,7 +40,16 @@ outcome is known), ``applied`` (remedies applied), ``machine``, ``event_log``, `
 The :class:`Host` protocol
 --------------------------
 Attribute names follow the Lightning ``Trainer`` where the rooms already read them (``global_step``,
-``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was.
+``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was. The
+watcher drops its host in ``close()``: an adapter that pickles (``ddp_spawn``) holds no framework object after a
+run. Under several processes every rank makes the same calls in the same order; the watcher's own collectives
+(``torch.distributed``, on anomalous steps only) and ``host.broadcast`` are made on all ranks together.
+``hold_lr_on_skip`` is the adapter's to install (the config carries the flag): how schedulers are stepped is
+the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
+
+Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
+the ledger returns for every step); the investigations and the treatment return what they want changed (a
+renamed finding, a rollback, an episode closed, a remedy's effects) and the watcher applies it.
 """
 
 from __future__ import annotations
@@ -49,7 +60,6 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, r
 
 import torch
 
-from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
@@ -59,7 +69,6 @@ from lightning_ampwatch.remedies import (
     REGISTRY,
     AppliedRemedy,
     Effect,
-    HoldLrOnSkip,
     RemedyContext,
     RemedyPolicy,
     reapply_all,
@@ -68,7 +77,7 @@ from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment, level_at
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
-from lightning_ampwatch.steps import ResolvedStep, StepLedger
+from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
@@ -132,7 +141,8 @@ class Host(Protocol):
         accumulation); ``TrainState.unavailable`` says why it cannot run, if it cannot."""
 
     def step_schedulers(self) -> list[Any]:
-        """The LR schedulers stepped every optimizer step (``hold_lr_on_skip`` holds them on a skipped step)."""
+        """The LR schedulers stepped every optimizer step (an adapter's ``hold_lr_on_skip`` holds them on a skipped
+        step, asking :meth:`RunWatcher.last_step_skipped`)."""
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
         """What a remedy acts on (the module, the scaler, the device, the guards, as given). ``trainer`` is the
@@ -197,6 +207,7 @@ class RunWatcher:
         self.machine = None
         self.reporters = None
         self.ledger: StepLedger | None = None
+        self.trajectory: TrajectoryControl | None = None  # the FP32 trajectory control (snapshots), when on
         self.investigations: Investigations | None = None
         self.guards = RecipeGuards()
         self.treatment = Treatment(RemedyPolicy(config.remedies),
@@ -225,6 +236,11 @@ class RunWatcher:
     def precision(self) -> PrecisionInfo | None:
         return self.ledger.precision if self.ledger is not None else None
 
+    def last_step_skipped(self) -> bool:
+        """Whether the optimizer step just taken was skipped by the scaler (a host flag, no device read; fused
+        optimizers excepted), for an adapter's ``hold_lr_on_skip``."""
+        return self.ledger is not None and self.ledger.last_step_skipped()
+
     @property
     def wants_batch_start(self) -> bool:
         investigations = self.investigations
@@ -250,8 +266,7 @@ class RunWatcher:
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, say=self._say)
-        self.ledger = StepLedger(self.machine, info, self.reporters.timeline, device_type=host.device.type,
-                                 world_size=self.world_size)
+        self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,
                                     automatic=host.automatic, step_loss=host.step_loss)
@@ -266,8 +281,6 @@ class RunWatcher:
             self.treatment.replay_episode = False
             self.say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
                           "gradients); the episode's batches are skipped after a rollback.")
-        if config.hold_lr_on_skip:
-            HoldLrOnSkip.install(host.module, self.ledger.last_step_skipped, host.step_schedulers)
 
     @_guarded
     def begin_training(self) -> None:
@@ -276,6 +289,8 @@ class RunWatcher:
         assert host is not None and ledger is not None
         self._log_every = max(int(host.log_every), 0)
         ledger.start(host, self._log_every)
+        if ledger.scaler_active:
+            self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
 
     def _start_trajectory(self) -> None:
@@ -285,7 +300,7 @@ class RunWatcher:
             return
         control = TrajectoryControl(SnapshotRing(config.snapshot_budget, config.snapshot_every), host.train_state(),
                                     config.thresholds.divergence_ratio, self.say_once)  # type: ignore[union-attr]
-        investigations.trajectory = self.ledger.trajectory = control  # type: ignore[union-attr]
+        self.trajectory = control
         control.start(host.global_step)  # a state from before the first step this run takes
 
     def _attach_guards(self) -> None:
@@ -327,7 +342,7 @@ class RunWatcher:
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch
-                self._take(ledger.close(self.host))
+                self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
             ledger.stepped = True  # the step itself is read when it is over, in batch_end
             if self.investigations is not None and self.investigations.probing:
                 self.investigations.optimizer_step(optimizer)
@@ -347,9 +362,7 @@ class RunWatcher:
                     self._emit(diagnosis)
             if not ledger.stepped:
                 return  # mid-accumulation: no optimizer step in this batch
-            resolved = ledger.close(self.host)
-            if resolved:
-                self._take(resolved)
+            self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
                 self._at_log_step()
@@ -369,6 +382,7 @@ class RunWatcher:
         steps, skipped, nonfinite = ledger.take_log_counts()
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        machine.note_losses(ledger.take_unnoted())
         self._take_divergences()  # the losses just read may show a finite divergence
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
@@ -379,7 +393,7 @@ class RunWatcher:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
-            self.ledger.read_losses()
+            self._read_losses()
             self._take_divergences()
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
@@ -394,10 +408,8 @@ class RunWatcher:
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
         timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
-        host = self.host
         for undo in (self.ledger.stop if self.ledger is not None else None,
                      self.guards.detach,
-                     functools.partial(HoldLrOnSkip.uninstall, host.module) if host is not None else None,
                      self.investigations.close if self.investigations is not None else None,
                      self.reporters.close if self.reporters is not None else None):
             if undo is None:
@@ -408,23 +420,66 @@ class RunWatcher:
                 self.internal_failure("clean-up", err)
         # What holds the framework, the model or snapshots goes: the watcher pickles after a run, and small
         self.investigations = None
-        if self.ledger is not None:
-            self.ledger.trajectory = None
+        self.trajectory = None
         self.treatment.forget_states()
         self.host = None
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 
+    def _take_closed(self, closed: ClosedStep | None) -> None:
+        """The one route of every step: its batches to the trajectory control, then a clean step to the machine
+        and the timeline at once, or the steps resolved now through :meth:`_take`."""
+        if closed is None:
+            return
+        machine, ledger = self.machine, self.ledger
+        assert machine is not None and ledger is not None
+        control = self.trajectory
+        if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
+            single = self.world_size == 1
+            control.note_step(closed.step, closed.batches, machine.quiet if single else machine.quiet_agreed,
+                              machine.has_reference or not single)
+        if closed.clean:
+            machine.observe_clean(closed.step, closed.scale, closed.grew, closed.lrs, closed.loss)
+            timeline = self.reporters.timeline if self.reporters is not None else None
+            if timeline is not None:
+                if closed.loss is None:
+                    timeline.record_clean(closed.step, closed.scale, closed.lrs)
+                else:
+                    timeline.record_step(closed.step, skipped=False, loss=closed.loss, loss_finite=True,
+                                         lrs=closed.lrs)
+            if ledger.unnoted:  # the ring of held losses was full: read just now
+                machine.note_losses(ledger.take_unnoted())
+                self._take_divergences()
+        elif closed.resolved:
+            self._take(closed.resolved)
+
+    def _read_losses(self) -> None:
+        """Every held loss read (one copy), and handed to the machine's loss level."""
+        assert self.ledger is not None and self.machine is not None
+        self.ledger.read_losses()
+        self.machine.note_losses(self.ledger.take_unnoted())
+
     def _take(self, resolved: list[ResolvedStep]) -> None:
-        """Feed resolved steps to the machine; a new alarm is investigated before it is published."""
+        """Feed resolved steps to the machine (and the timeline); a new alarm is investigated before it is
+        published."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
+        timeline = self.reporters.timeline if self.reporters is not None else None
         for step in resolved:
+            if step.losses_before:
+                machine.note_losses(step.losses_before)
+            obs = step.obs
+            if timeline is not None:
+                timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
+                                     loss_finite=obs.loss_finite, lrs=obs.lrs)
             if investigations is not None:
                 investigations.before_observe(step, ledger.scaler_active)
-            for diagnosis in machine.observe(step.obs):
+            for diagnosis in machine.observe(obs):
                 if diagnosis.is_alarm and investigations is not None:
-                    refined = investigations.investigate(diagnosis, step, ledger.scaler_active)
+                    refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
+                                                                  self.trajectory)
+                    if renamed is not None:
+                        machine.revise(renamed)  # the FP32 control renamed the open episode's finding
                     if refined is None:
                         continue  # published after the next step, with what its live probe saw
                     diagnosis = refined
@@ -437,7 +492,7 @@ class RunWatcher:
         assert machine is not None and ledger is not None
         for diagnosis in machine.take_pending():
             if investigations is not None:
-                diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1)
+                diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
             self._emit(diagnosis)
 
     def _emit(self, diagnosis: Diagnosis) -> None:
@@ -473,7 +528,7 @@ class RunWatcher:
                 continue
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
-            ledger.read_losses()  # once per remedy: the steps since it are all read
+            self._read_losses()  # once per remedy: the steps since it are all read
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             ended = treatment.end(recovery)
@@ -485,7 +540,7 @@ class RunWatcher:
                     self._unrecoverable(ended.new)
                 else:
                     self._update(ended.new, retried)
-        control = ledger.trajectory
+        control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
 
@@ -497,14 +552,14 @@ class RunWatcher:
         choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
         if choice is None:
             return diagnosis
-        ledger.read_losses()  # the losses up to now, for the level the run goes back to
+        self._read_losses()  # the losses up to now, for the level the run goes back to
         now = host.global_step
         # an episode from the fit's first step that the scaler skipped throughout left the starting weights as they
         # were: going back to the starting state would only undo the scaler's backoffs
-        control = ledger.trajectory
+        control = self.trajectory
         untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
             and machine.untouched_since(diagnosis.step, now - 1)
-        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=ledger.trajectory,
+        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
                                                           decide=self._decide, host=host, untouched=untouched)
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
@@ -514,7 +569,7 @@ class RunWatcher:
             return treatment.treated(treated, None, rollback)
         machine.close_episode(now, f"remedy {applied.name}")
         self._after_remedy(REGISTRY[applied.name].effects)
-        control = ledger.trajectory  # the precision may have changed: the current state
+        control = self.trajectory  # the precision may have changed: the current state
         if episode and control is not None:
             rollback = rollback.after_retraining(retrain(control.state, episode))
         treated = treatment.treated(treated, applied, rollback)
@@ -535,18 +590,21 @@ class RunWatcher:
 
     def _after_remedy(self, effects: frozenset[Effect]) -> None:
         """Bring the watch's own view in line with what a remedy or a rollback changed (each declares it)."""
-        ledger, host = self.ledger, self.host
-        assert ledger is not None and host is not None
+        ledger, host, machine = self.ledger, self.host, self.machine
+        assert ledger is not None and host is not None and machine is not None
         for effect in effects:
             if effect is Effect.PRECISION:
                 info = host.precision()
                 ledger.switch_precision(info)
+                machine.reconfigure(mode=info.mode, scaler_config=ledger.scaler_config)
                 if self.investigations is not None and self.investigations.investigator is not None:
                     self.investigations.investigator.mode = info.mode
                 self._attach_guards()
                 self._start_trajectory()  # snapshots of the old arithmetic replay no more
             elif effect is Effect.SCALER:
                 ledger.mirror_scaler()
+                if ledger.scaler_active:
+                    machine.reconfigure(scaler_config=ledger.scaler_config)
             elif effect is Effect.OPTIMIZERS:
                 ledger.read_param_groups(host.optimizers, lrs_now=True)
 

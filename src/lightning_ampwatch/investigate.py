@@ -1,7 +1,10 @@
 """What happens on the first alarm of an episode: localise (which module, which parameter) and run the FP32
-control, on the rank(s) where the fault arose, then agree on one answer across ranks.
+control, on the rank(s) where the fault arose, then agree on one answer across ranks; for an alarm that blames
+reduced precision, the FP32 trajectory control (:class:`TrajectoryControl`, owned by the core) has the last word.
 
-Bounded by construction: it runs once per new alarm, and the machine raises an alarm once per episode.
+Bounded by construction: it runs once per new alarm, and the machine raises an alarm once per episode. What it
+concludes comes back as records (the refined diagnosis with its :class:`~lightning_ampwatch.records.Facts`, the
+finding to rename); the core tells the machine.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class Investigator:
             supersede_amp_evidence(ev, diagnosis.finding)
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
                             advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
-                            remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), control=control))
+                            remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), replay=record, control=control))
         return refined, renamed
 
     def _local(self, batches: Sequence[MicroBatch], scale: float | None, weights_stepped: bool) -> ReplayRecord:
@@ -255,10 +258,8 @@ class Investigations:
     """
 
     def __init__(self, investigator: Investigator | None, machine: Any, *, window: int, world_size: int,
-                 capture_rng: bool, on_failure: Callable[[str, Exception], None],
-                 trajectory: "TrajectoryControl | None" = None) -> None:
+                 capture_rng: bool, on_failure: Callable[[str, Exception], None]) -> None:
         self.investigator = investigator
-        self.trajectory = trajectory
         self.machine = machine
         self.window = window
         self.world_size = world_size
@@ -296,13 +297,17 @@ class Investigations:
                 and machine.alarm_imminent:
             self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=scaler_active))
 
-    def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool) -> Diagnosis | None:
-        """Localise and run the FP32 control for a new alarm (at most once per episode); the control may rename
-        the finding. ``None``: the alarm waits for the next step's live probe (see :meth:`optimizer_step`)."""
+    def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool,
+                    trajectory: "TrajectoryControl | None" = None) -> tuple[Diagnosis | None, Finding | None]:
+        """Localise and run the FP32 control for a new alarm (at most once per episode), then the FP32 trajectory
+        control (``trajectory``, the core's) for an alarm that blames AMP; either may rename the finding. Returns
+        the diagnosis to publish (``None``: it waits for the next step's live probe, see :meth:`optimizer_step`)
+        and the finding the open episode is renamed to, if it is (the caller tells the machine). A finite
+        divergence is named by its losses: it gets the trajectory replays as evidence only."""
         if diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
-            return self.investigate_divergence(diagnosis, step.opened.step)
+            return self.investigate_divergence(diagnosis, step.opened.step, trajectory), None
         if self.investigator is None:
-            return diagnosis
+            return diagnosis, None
         skipped = step.obs.skipped
         if self._evidence is not None:
             record = self._evidence[1]
@@ -312,36 +317,35 @@ class Investigations:
             record = None  # decided on a clean step with nothing replayed while the fault was fresh
         self._evidence = None
         if self.investigator is None:  # the replay failed just now: the plain diagnosis still goes out
-            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"})
+            return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"}), None
         refined, renamed = self.investigator.apply(diagnosis, record, batch=step.obs.batch)
         if (refined.finding in AMP_BLAMING or renamed is not None) and "loss_reference" not in refined.evidence:
             refined = replace(refined, evidence={**refined.evidence,
                                                  **self.machine.reference_evidence(diagnosis.step)})
-        if self.trajectory is not None and refined.finding in AMP_BLAMING:
+        if trajectory is not None and refined.finding in AMP_BLAMING:
             try:
                 reference = self.machine.reference_for(diagnosis.step)
-                refined, renamed_again = self.trajectory.judge(refined, step.opened.step,
-                                                               None if reference is None else reference.level,
-                                                               agree=scaler_active)
+                refined, renamed_again = trajectory.judge(refined, step.opened.step,
+                                                          None if reference is None else reference.level,
+                                                          agree=scaler_active)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
-                # off where it is shared: the ledger stops keeping snapshots and batches for it too
-                self.trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
+                # off for the rest of the run: no more snapshots, nor batches kept for it
+                trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
                 self.on_failure("the FP32 trajectory control", err)
-        if renamed is not None:
-            self.machine.revise(renamed)
         if (not self.investigator.automatic and self.investigator.localize and refined.location is None
                 and refined.finding in LIVE_PROBED and self.world_size == 1):
             self._awaiting_probe.append(refined)  # published after the next step, with its location
             self._probe_next = True
-            return None
-        return refined
+            return None, renamed
+        return refined, renamed
 
-    def investigate_divergence(self, diagnosis: Diagnosis, alarm_step: int) -> Diagnosis:
+    def investigate_divergence(self, diagnosis: Diagnosis, alarm_step: int,
+                               trajectory: "TrajectoryControl | None") -> Diagnosis:
         """A finite divergence is named by its losses alone; where a snapshot from before it is held, the FP32
         trajectory and the lower-LR counterfactual from it are added as evidence (each rank on its own: the ranks
         see their own losses, so no collective is made)."""
-        if self.trajectory is None:
+        if trajectory is None:
             return diagnosis
         if self.world_size > 1:  # a rank restoring a snapshot alone could wait on the others (sharded snapshots)
             return replace(diagnosis, evidence={**diagnosis.evidence, "trajectory_control": (
@@ -349,10 +353,10 @@ class Investigations:
                 "every rank together or by none")})
         try:
             reference = self.machine.reference_for(diagnosis.step)
-            return self.trajectory.judge(diagnosis, alarm_step, None if reference is None else reference.level,
-                                         agree=False, rename=False)[0]
+            return trajectory.judge(diagnosis, alarm_step, None if reference is None else reference.level,
+                                    agree=False, rename=False)[0]
         except Exception as err:  # noqa: BLE001 - the alarm stands without the replays
-            self.trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
+            trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
             self.on_failure("the FP32 trajectory control", err)
             return diagnosis
 
@@ -506,8 +510,10 @@ class TrajectoryControl:
             ev["batch_control_verdict"] = batch_verdict
         ev["control_verdict"] = verdict.reason
         if verdict.kind is TrajectoryKind.AMP_CONFIRMED and control is not None \
-                and control.verdict is ControlVerdict.AMP_FAULT:
-            ev["control_verdict"] = f"single-batch control finite, and {verdict.reason}"  # both agree
+                and control.verdict is ControlVerdict.AMP_FAULT and batch_verdict is not None:
+            # both controls blame AMP: the single-batch verdict stands as said, the trajectory's sentence beside it
+            ev["control_verdict"] = ev.pop("batch_control_verdict", batch_verdict)
+            ev["trajectory_reason"] = verdict.reason
         finding = _RENAMED_BY.get(verdict.kind, diagnosis.finding)
         if verdict.kind is TrajectoryKind.AMP_CONFIRMED and lower.kind is LowerLrKind.LR_IS_THE_CAUSE \
                 and not fp32_down:

@@ -213,7 +213,8 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 
 
 class Replayer:
-    """Runs ``training_step`` again on a step's micro-batches, under autocast or without it (the FP32 control)."""
+    """Runs a step's micro-batches again through ``step_loss`` (by default the module's ``training_step``), under
+    autocast or without it (the FP32 control)."""
 
     def __init__(self, module: Any, autocast: Callable[[], Any], device: torch.device,
                  step_loss: Callable[[Any, int], Any] | None = None) -> None:

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from rich.console import Console, Group
@@ -139,14 +139,6 @@ def text_writer(logger: Any) -> TextWriter | None:
     return None
 
 
-def write_text(loggers: Iterable[Any], diagnosis: Diagnosis) -> None:
-    """Every logger that takes text gets the diagnosis (callback.py's way until it moves to ``Reporters``)."""
-    for logger in loggers:
-        writer = text_writer(logger)
-        if writer is not None:
-            writer(logger, diagnosis)
-
-
 def ensure_writable(directory: Path) -> None:
     """Create ``directory`` and write a scratch file in it (the only check that holds for root, too); raises
     ``OSError`` when either fails."""
@@ -201,8 +193,9 @@ class Reporters:
             self._warned.add(sink)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _sink(self, sink: str, action: Callable[[], Any], where: Path | None = None) -> None:
-        """Run one sink; a failure is warned once per sink and goes no further."""
+    def sink(self, sink: str, action: Callable[[], Any], where: Path | None = None) -> None:
+        """Run one sink (also an adapter's own, such as its logger connector); a failure is warned once per sink
+        and goes no further."""
         try:
             action()
         except Exception as err:  # noqa: BLE001 - one broken sink must not silence the others
@@ -215,19 +208,19 @@ class Reporters:
         if not self.is_global_zero:
             return
         if self.writable:
-            self._sink("event log", lambda: self.event_log.append(diagnosis), self.event_log.path)
+            self.sink("event log", lambda: self.event_log.append(diagnosis), self.event_log.path)
         if self.timeline is not None:
-            self._sink("timeline", lambda: self.timeline.record_diagnosis(diagnosis), self.timeline.path)
+            self.sink("timeline", lambda: self.timeline.record_diagnosis(diagnosis), self.timeline.path)
         if self.verbose:
-            self._sink("console", lambda: print_diagnosis(diagnosis, self.console))
+            self.sink("console", lambda: print_diagnosis(diagnosis, self.console))
         for logger in loggers:
             writer = text_writer(logger)
             if writer is not None:
-                self._sink(type(logger).__name__, lambda: writer(logger, diagnosis))  # noqa: B023 - called at once
+                self.sink(type(logger).__name__, lambda: writer(logger, diagnosis))  # noqa: B023 - called at once
 
     def record_remedy(self, step: int, name: str) -> None:
         if self.timeline is not None:
-            self._sink("timeline", lambda: self.timeline.record_remedy(step, name), self.timeline.path)
+            self.sink("timeline", lambda: self.timeline.record_remedy(step, name), self.timeline.path)
 
     def say(self, message: str) -> None:
         """One plain line on rank zero, prefixed with "AmpWatch: " unless it already names AmpWatch."""
@@ -263,7 +256,7 @@ class Reporters:
         }
         if scale is not None:
             metrics["ampwatch/scale"] = float(scale)
-        self._sink("loggers", lambda: send(metrics) if send is not None else self._hold_metrics(trainer, metrics))
+        self.sink("loggers", lambda: send(metrics) if send is not None else self._hold_metrics(trainer, metrics))
 
     def _hold_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
         """A Lightning trainer's way: in the same logger call as the step's own values (``compat.StepMetrics``)."""
@@ -275,18 +268,18 @@ class Reporters:
     def flush(self, read_last_loss: Callable[[], float] | None = None) -> None:
         """Write the buffered timeline rows; ``read_last_loss`` samples the latest loss. Never raises."""
         if self.timeline is not None:
-            self._sink("timeline", lambda: self.timeline.flush(read_last_loss), self.timeline.path)
+            self.sink("timeline", lambda: self.timeline.flush(read_last_loss), self.timeline.path)
 
     def finish(self, diagnoses: Sequence[Diagnosis], stats: RunStats | None) -> None:
         """End of fit: the exact counters and the last rows to the timeline, then the summary (rank zero,
         verbose)."""
-        self._sink("loggers", self._release_metrics)
+        self.sink("loggers", self._release_metrics)
         if self.timeline is not None and stats is not None:
-            self._sink("timeline", lambda: self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite,
+            self.sink("timeline", lambda: self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite,
                                                                     stats.scale), self.timeline.path)
         self.flush()
         if self.is_global_zero and self.verbose and stats is not None:
-            self._sink("console", lambda: self._print_summary(diagnoses, stats))
+            self.sink("console", lambda: self._print_summary(diagnoses, stats))
 
     def _print_summary(self, diagnoses: Sequence[Diagnosis], stats: RunStats) -> None:
         for line in summary_lines(diagnoses, stats, self.dir.parent):
@@ -299,9 +292,9 @@ class Reporters:
 
     def close(self) -> None:
         """On an exception or at teardown: what is buffered goes to disk, the connector is left as found."""
-        self._sink("loggers", self._release_metrics)
+        self.sink("loggers", self._release_metrics)
         if self.timeline is not None:
-            self._sink("timeline", self.timeline.close, self.timeline.path)
+            self.sink("timeline", self.timeline.close, self.timeline.path)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

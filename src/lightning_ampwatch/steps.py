@@ -1,9 +1,11 @@
 """The step ledger: every optimizer step taken in, in order, at no added host-device read on a healthy step.
 
-The callback's hooks tell the ledger what happened (a loss went to backward, a batch ended, an optimizer stepped);
-the ledger decides what a step costs to watch. A healthy step under a GradScaler takes the fast path: a few
-host-side updates (the scale mirror, the machine's counters, the timeline's held row). Any other step is opened,
-resolved once its deferred reads have landed, and handed back as a :class:`ResolvedStep` for the machine.
+The core tells the ledger what happened (a loss went to backward, a batch ended, an optimizer stepped); the ledger
+decides what a step costs to watch, and returns a :class:`ClosedStep` for every step it takes in. A healthy step
+under a GradScaler takes the fast path: a clean record made of host-side values (the scale mirror's, the LRs).
+Any other step is opened, resolved once its deferred reads have landed, and handed back as a
+:class:`ResolvedStep`. The ledger feeds nothing itself: the core hands each record to the machine, the timeline
+and the trajectory control.
 
 Step losses are kept as device tensors and read together, in one read, at a log step, on an anomaly, or when the
 ring is full: the loss level stays current without a read per step.
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat, distributed
-from lightning_ampwatch.machine import AmpStateMachine, Observation
+from lightning_ampwatch.machine import Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
     DeferredRead,
@@ -33,7 +35,6 @@ from lightning_ampwatch.signals import (
     read_scale,
     scaler_config,
 )
-from lightning_ampwatch.timeline import Timeline
 
 #: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
 #: batches, trimmed to ``BATCHES_KEPT_AFTER_TRIM``: enough for any accumulation a real run uses.
@@ -44,6 +45,7 @@ LOSS_RING_STEPS = 64
 LOSS_RING_MAX_STEPS = 1024
 #: Step losses kept once read, for checking a remedy's outcome over the steps after it.
 RECENT_LOSSES = 256
+_NONE_RESOLVED: list["ResolvedStep"] = []  # a clean step resolves nothing (shared, never appended to)
 
 
 class OpenStep:
@@ -62,11 +64,28 @@ class OpenStep:
 
 @dataclass
 class ResolvedStep:
-    """A step the machine must see in full: its observation, what it ran on, and the ranks at fault."""
+    """A step the machine must see in full: its observation, what it ran on, the ranks at fault, and the losses of
+    earlier steps read while resolving it (the machine takes them before it observes this step)."""
 
     obs: Observation
     opened: OpenStep
     fault_ranks: list[int]
+    losses_before: list[tuple[int, float]]
+
+
+class ClosedStep:
+    """An optimizer step just taken in: its batches (for the trajectory control), and either the clean step's
+    values (``clean``: the fast path; ``loss`` when it was read for free) or the steps resolved now.
+
+    A clean step's record is one object per ledger, refilled at each step (no allocation on the fast path): read
+    it before the next ``close``."""
+
+    __slots__ = ("step", "batches", "clean", "scale", "grew", "lrs", "loss", "resolved")
+
+    def __init__(self, step: int, batches: list[MicroBatch], clean: bool, scale: float | None, grew: bool,
+                 lrs: tuple[float, ...], loss: float | None, resolved: list[ResolvedStep]) -> None:
+        self.step, self.batches, self.clean, self.scale, self.grew = step, batches, clean, scale, grew
+        self.lrs, self.loss, self.resolved = lrs, loss, resolved
 
 
 class LossRing:
@@ -109,17 +128,16 @@ class LossRing:
 
 
 class StepLedger:
-    """Takes each optimizer step in and yields an observation for every step that is not plainly healthy."""
+    """Takes each optimizer step in and returns a record of it: clean, or an observation once resolved."""
 
-    def __init__(self, machine: AmpStateMachine, precision: PrecisionInfo, timeline: Timeline | None,
-                 device_type: str = "cpu", world_size: int = 1) -> None:
-        self.machine = machine
+    def __init__(self, precision: PrecisionInfo, device_type: str = "cpu", world_size: int = 1) -> None:
         self.precision = precision
-        self.timeline = timeline
         self.device_type = device_type
         self.world_size = world_size
-        self.mirror: ScaleMirror | None = None  # made in start(), once Lightning has restored the scaler
-        self.trajectory: Any = None  # investigate.TrajectoryControl: each step's batches, a snapshot when due
+        self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
+        self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
+        self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
+        self.trajectory: Any = None  # investigate.TrajectoryControl, for the treatment's rollback (fed by the core)
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
@@ -134,6 +152,7 @@ class StepLedger:
         self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._fast_path = False
         self._host_loss = False
+        self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
 
     # ------------------------------------------------------------------ set-up
 
@@ -152,6 +171,7 @@ class StepLedger:
         self.stepped = False
         self._pending.clear()
         self._batches = []
+        self._clean.batches = []
         self._tape = LossTape()
         self.losses.entries = []
 
@@ -160,22 +180,28 @@ class StepLedger:
         return self.precision.scaler is not None
 
     def mirror_scaler(self) -> None:
-        """Read the scaler once (scale, tracker, growth settings) into the host mirror and the machine."""
+        """Read the scaler once (scale, tracker, growth settings) into the host mirror (``scaler_config``: the
+        growth settings, for the machine)."""
         scaler = self.precision.scaler
         if scaler is not None:
             config = scaler_config(scaler)
             scale, tracker = read_scale(scaler)
             self.mirror = ScaleMirror(scale, tracker=tracker, **config)
-            self.machine.reconfigure(scaler_config=config)
+            self.scaler_config = config
         else:
             self.mirror = None
+            self.scaler_config = {}
         self._update_fast_path()
 
     def switch_precision(self, precision: PrecisionInfo) -> None:
         """The precision plugin changed under the run (bf16 fallback): a new scaler, or none."""
         self.precision = precision
-        self.machine.reconfigure(mode=precision.mode, scaler_config={})
         self.mirror_scaler()
+
+    def take_unnoted(self) -> list[tuple[int, float]]:
+        """The losses read since the last call, in step order, for the machine's loss level."""
+        unnoted, self.unnoted = self.unnoted, []
+        return unnoted
 
     def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer], lrs_now: bool = False) -> None:
         """The param groups whose LRs are read every step, and whether they are all plain numbers. ``lrs_now``:
@@ -214,8 +240,10 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    def close(self, trainer: Any) -> list[ResolvedStep]:
-        """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in."""
+    def close(self, trainer: Any, quiet: bool) -> ClosedStep | None:
+        """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in.
+        ``quiet``: the machine has nothing in progress (a clean step may take the fast path). None when backward
+        never ran (no step was taken)."""
         self.stepped = False
         tape, batches = self._tape, self._batches
         self._tape, self._batches = LossTape(), []
@@ -233,38 +261,33 @@ class StepLedger:
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
         if not tape:
-            return []  # backward never ran (training_step returned None): Lightning did not step
+            return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
         scale = mirror.scale if mirror is not None else None
-        machine = self.machine
-        if self.trajectory is not None:
-            # every rank snapshots at the same steps: under DDP only what the ranks agree on decides
-            self.trajectory.note_step(step, batches, machine.quiet if self.world_size == 1 else machine.quiet_agreed,
-                                      machine.has_reference or self.world_size > 1)
-        if self._fast_path and taken and not self._pending and machine.quiet:
+        if self._fast_path and taken and not self._pending and quiet:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read.
-            machine.observe_clean(step, scale, mirror.update(False), lrs)  # type: ignore[union-attr]
+            grew = mirror.update(False)  # type: ignore[union-attr]
             self.log_steps += 1
             losses = self.losses
             losses.append(step, tape)
             if losses.full:
                 self.read_losses()
-            timeline = self.timeline
-            if timeline is not None:
-                timeline.record_clean(step, scale, lrs)
-            return []
-        if self._host_loss and not self._pending and machine.quiet:
+            clean = self._clean
+            clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \
+                lrs, None
+            return clean
+        if self._host_loss and not self._pending and quiet:
             # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
             # takes the fast path too. On an accelerator the loss goes the deferred way below.
             loss = tape.read()
             if math.isfinite(loss):
-                machine.observe_clean(step, None, False, lrs, loss)
                 self.log_steps += 1
                 self.recent_losses.append((step, loss))
-                if self.timeline is not None:
-                    self.timeline.record_step(step, skipped=False, loss=loss, loss_finite=True, lrs=lrs)
-                return []
+                clean = self._clean
+                clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
+                    False, lrs, loss
+                return clean
         opened = OpenStep(step, scale, lrs, tape, batches)
         if self.scaler_active:
             if found_inf is not None:  # fused optimizer: called whether or not it skipped
@@ -277,7 +300,7 @@ class StepLedger:
         self._pending.append(opened)
         # Under DDP a skipped step is agreed across ranks by a collective, so every rank must resolve it at the
         # same point: wait for an in-flight flag there rather than let ranks resolve it at different steps.
-        return self.drain(force=self.world_size > 1)
+        return ClosedStep(step, batches, False, scale, False, lrs, None, self.drain(force=self.world_size > 1))
 
     def drain(self, force: bool) -> list[ResolvedStep]:
         """Resolve queued steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
@@ -318,10 +341,7 @@ class StepLedger:
             self.losses.append(opened.step, opened.tape)
         obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
                           scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
-        if self.timeline is not None:
-            self.timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
-                                      loss_finite=obs.loss_finite, lrs=obs.lrs)
-        return ResolvedStep(obs, opened, fault_ranks)
+        return ResolvedStep(obs, opened, fault_ranks, self.take_unnoted())
 
     # ------------------------------------------------------------------ reads
 
@@ -342,7 +362,7 @@ class StepLedger:
         values = (torch.cat([p.to(parts[0].device) for p in parts]) if len(parts) > 1 else parts[0]).cpu().tolist()
         losses = self.losses.settle(values[len(extra):])
         if losses:
-            self.machine.note_losses(losses)
+            self.unnoted.extend(losses)
             self.recent_losses.extend(losses)
         return values[:len(extra)]
 

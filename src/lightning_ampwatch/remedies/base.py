@@ -32,10 +32,6 @@ class RemedyName(str, Enum):
     REDUCE_LR = "reduce_lr"
     UNSCALE_BEFORE_CLIP = "unscale_before_clip"
 
-    def __hash__(self) -> int:
-        """Hashed as the plain name, so a set of members and a set of the names users wrote compare equal."""
-        return str.__hash__(self)
-
     def __str__(self) -> str:  # "fp32_island", not "RemedyName.FP32_ISLAND"
         return self.value
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, RemedyContext, RemedyName
-from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern
 
 DEFAULT_REMEDIES = tuple(r for r in RemedyName if r is not RemedyName.REDUCE_LR)  # what remediate=True allows
 
@@ -26,7 +26,8 @@ LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
 def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
     """The ladder for this diagnosis, trimmed of rungs that cannot help this particular case."""
     ladder = LADDERS.get(diagnosis.finding, ())
-    if diagnosis.finding is Finding.GRADIENT_OVERFLOW and diagnosis.evidence.get("pattern") == "unscaled_overflow":
+    pattern = diagnosis.evidence.get("pattern")
+    if diagnosis.finding is Finding.GRADIENT_OVERFLOW and pattern == GradientPattern.UNSCALED_OVERFLOW:
         ladder = tuple(r for r in ladder if r is not RemedyName.LOWER_INIT_SCALE)  # the gradients overflow unscaled
     if diagnosis.finding is Finding.FORWARD_OVERFLOW and not diagnosis.location:
         ladder = tuple(r for r in ladder if r is not RemedyName.FP32_ISLAND)

@@ -1,0 +1,148 @@
+"""RunWatcher behind a host that is not Lightning: a plain torch loop in true fp16 on the CPU, written the way the
+core's contract says (core.py's docstring). What the Lightning adapter finds, the core finds without a Trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ContextManager, Sequence
+
+import lightning.pytorch as pl
+import torch
+from conftest import make_trainer
+from torch import nn
+
+from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.config import WatchConfig
+from lightning_ampwatch.core import Host, RunWatcher
+from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.remedies import RemedyContext
+from lightning_ampwatch.scenarios import Regressor, regression_data
+from lightning_ampwatch.signals import PrecisionInfo
+from lightning_ampwatch.machine import PrecisionMode
+from lightning_ampwatch.trajectory import TrainState
+
+
+class PlainHost:
+    """A hand-written fp16 loop's answers to the Host protocol: one optimizer, one GradScaler, no framework."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 log_dir: Path) -> None:
+        self.module, self.optimizer, self.scaler, self._log_dir = model, optimizer, scaler, str(log_dir)
+        self.device = torch.device("cpu")
+        self.automatic = True
+        self.is_global_zero = True
+        self.world_size = 1
+        self.steps = 0
+        self.said: list[str] = []
+        self.stopped = False
+
+    global_step = property(lambda self: self.steps)
+    optimizers = property(lambda self: [self.optimizer])
+    loggers: Sequence[Any] = ()
+    log_every = 10
+    log_dir = property(lambda self: self._log_dir)
+
+    def precision(self) -> PrecisionInfo:
+        return PrecisionInfo(PrecisionMode.FP16, self.scaler)
+
+    def forward_context(self) -> ContextManager[Any]:
+        return torch.autocast("cpu", dtype=torch.float16)
+
+    def step_loss(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(self.module(x).squeeze(-1), y)
+
+    def train_state(self) -> TrainState:
+        return TrainState(module=self.module, optimizers=[self.optimizer], scaler=self.scaler,
+                          forward_context=self.forward_context, step_loss=self.step_loss)
+
+    def step_schedulers(self) -> list[Any]:
+        return []
+
+    def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        return RemedyContext(trainer=self, module=self.module, scaler=scaler, device=self.device,
+                             safe_scale=safe_scale, guards=guards)
+
+    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
+        return None, None
+
+    def broadcast(self, value: Any) -> Any:
+        return value
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def say(self, message: str) -> None:
+        self.said.append(message)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def test_a_plain_loop_host_satisfies_the_protocol(tmp_path: Path) -> None:
+    model = _model()
+    host = PlainHost(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.amp.GradScaler("cpu"), tmp_path)
+    assert isinstance(host, Host)
+
+
+def test_the_lightning_adapter_hands_the_core_a_host(tmp_path: Path) -> None:
+    seen: list[bool] = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen.append(isinstance(watch._host, Host))
+
+    watch = AmpWatch(verbose=False)
+    trainer = make_trainer(tmp_path, [watch, Spy()], max_steps=2)
+    trainer.fit(Regressor(), torch.utils.data.DataLoader(regression_data(n=64), batch_size=8))
+    assert seen == [True]
+    assert watch._host is None  # dropped at the end of the fit: the instance holds no trainer
+
+
+def test_the_core_names_a_startup_overflow_in_a_hand_written_fp16_loop(tmp_path: Path) -> None:
+    """A loop with no framework: the scale starts far too high, the scaler skips step after step, and the core
+    names the start-up overflow with the scale that held, after replaying the step through ``step_loss``."""
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    host = PlainHost(model, optimizer, scaler, tmp_path)
+    watcher = RunWatcher(WatchConfig(verbose=False, log_dir=tmp_path))
+    watcher.start(host)
+    watcher.begin_training()
+    data = torch.utils.data.DataLoader(regression_data(n=8 * 48), batch_size=8)
+    for batch_idx, (x, y) in enumerate(data):
+        watcher.batch_start()
+        with host.forward_context():
+            loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
+        scaled = scaler.scale(loss)
+        watcher.before_backward(scaled)
+        scaled.backward()
+        watcher.before_optimizer_step(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        host.steps += 1
+        watcher.batch_end((x, y), batch_idx)
+    watcher.finish()
+
+    assert watcher.machine is not None and watcher.machine.steps_seen == 48
+    alarms = [d for d in watcher.diagnoses if d.is_alarm]
+    assert [(d.finding, d.step, d.evidence["pattern"]) for d in alarms] == [
+        (Finding.GRADIENT_OVERFLOW, 0, "startup")]
+    d = alarms[0]
+    assert d.evidence["skipped_in_row"] == 23  # 2**40 halved 23 times: 2**17, the first scale that holds
+    assert d.evidence["safe_scale"] == 2.0**17
+    # replayed through the host's step_loss while the weights were the faulty steps' (at the streak's 4th skip)
+    assert d.evidence["batch_idx"] == [3] and d.evidence["replay_grads_finite"] is False
+    assert d.evidence["replay_unscaled_grads_finite"] is True and d.location == "2.weight"
+    assert d.evidence["control_verdict"] == "control finite: an AMP fault"  # the FP32 control, autocast off
+    logged = [json.loads(line) for line in (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
+    assert [e["finding"] for e in logged] == ["GRADIENT_OVERFLOW"]
+    assert watcher.host is None  # close() dropped the host
+    watcher.close()  # idempotent, never raises
