@@ -529,6 +529,8 @@ class RunWatcher:
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
+            if self.trajectory is not None and self.host is not None:
+                treatment.fp32_reference(self.trajectory, self.host.global_step)  # when no healthy level exists
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             ended = treatment.end(recovery)
@@ -553,6 +555,7 @@ class RunWatcher:
         if choice is None:
             return diagnosis
         self._read_losses()  # the losses up to now, for the level the run goes back to
+        healthy = machine.reference_for(diagnosis.step)  # before a rollback rebases the machine
         now = host.global_step
         # an episode from the fit's first step that the scaler skipped throughout left the starting weights as they
         # were: going back to the starting state would only undo the scaler's backoffs
@@ -573,7 +576,8 @@ class RunWatcher:
         if episode and control is not None:
             rollback = rollback.after_retraining(retrain(control.state, episode))
         treated = treatment.treated(treated, applied, rollback)
-        treatment.start_watch(treated, applied, snapshot, level=machine.loss_level, recent=ledger.recent_losses,
+        treatment.start_watch(treated, applied, snapshot, level=None if healthy is None else healthy.level,
+                              recent=ledger.recent_losses,
                               window=machine.thresholds.loss_window, steps_seen=machine.steps_seen,
                               skipped_total=machine.skipped_total)
         return treated

@@ -138,9 +138,15 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
                                "non-finite", details)
     if skipped > 1:
         return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
+    if climbing(finite):
+        third = max(1, len(finite) // 3)
+        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
+                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
     if after is None or reference is None or not reference > 0:
-        return Recovery(Outcome.NOT_VERIFIED, "no loss could be compared with a level before the episode, so "
-                                              "recovery is not verified", details, Unverified.NO_REFERENCE)
+        why = reference_from if reference_from.startswith("nothing: ") else "nothing: no loss was read"
+        return Recovery(Outcome.NOT_VERIFIED, f"recovery is not verified: there is no healthy reference to compare "
+                                              f"the loss with ({why[len('nothing: '):]})", details,
+                        Unverified.NO_REFERENCE)
     ratio = after / reference
     details["loss_ratio"] = round(ratio, 4)
     if ratio > RECOVERY_LOSS_FACTOR:
@@ -148,6 +154,14 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
                                        f"({after:.4g} against {reference:.4g})", details)
     return Recovery(RECOVERED, f"{steps} steps after it: {skipped} skipped, the loss {after:.4g} is {ratio:.3g}x "
                                f"{reference_from} ({reference:.4g})", details)
+
+
+def climbing(losses: Sequence[float]) -> bool:
+    """The losses (in step order) climb: the median of their last third is more than twice that of their first."""
+    if len(losses) < 3:
+        return False
+    third = max(1, len(losses) // 3)
+    return statistics.median(losses[-third:]) > 2.0 * statistics.median(losses[:third])
 
 
 # --------------------------------------------------------------------------------------------

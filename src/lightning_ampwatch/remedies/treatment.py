@@ -29,7 +29,8 @@ from lightning_ampwatch.records import (
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.verdicts import judge_recovery
+from lightning_ampwatch.trajectory import replay_trajectory
+from lightning_ampwatch.verdicts import judge_recovery, trains_down
 
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
@@ -152,6 +153,32 @@ class Treatment:
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot)
 
+    def fp32_reference(self, control: Any, now: int) -> None:
+        """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
+        replay FP32 training from the newest snapshot before the remedy over the same steps the remedied run took.
+        If that trains down (finite, its loss falling), what it reached is a healthy reference; otherwise there is
+        still none and the outcome stays unverified."""
+        watch = self.watch
+        if watch is None or watch.reference is not None or control is None or not control.ring.enabled:
+            return
+        snapshot = control.ring.newest_before(watch.start)
+        if snapshot is None:
+            return
+        steps = control.ring.batches(snapshot.step + 1, now - 1)
+        if len(steps) < 3 or len(steps) != now - 1 - snapshot.step:
+            return
+        try:
+            fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
+        except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
+            return
+        finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
+        if fp32.first_nonfinite is not None or not trains_down(fp32):
+            return
+        third = max(1, len(finite) // 3)
+        self.watch = replace(watch, reference=statistics.median(finite[-third:]), reference_from=(
+            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, "
+            "where it trained down)"))
+
     def judgement_due(self, steps_seen: int) -> bool:
         watch = self.watch
         return watch is not None and steps_seen - watch.steps_before >= self.recovery_steps
@@ -226,29 +253,30 @@ def _last_good_step(diagnosis: Diagnosis) -> int:
 
 def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None,
                recent: Any, window: int) -> tuple[float | None, str]:
-    """What the loss must come back to. After a rollback, the loss the run had at the state it went back to (the
-    steps up to it): it cannot be asked to be better than that. Where the FP32 replay confirmed an AMP fault,
-    what FP32 reached on the episode's own steps, if higher (harder batches raise the loss without anything being
-    broken). Else the loss level before the episode; with no level yet (a fault at the first steps), the FP32
-    control's loss on the faulty batch, when it cleared the batch as an AMP fault."""
+    """What the loss must come back to: only ever a reference known to be healthy. ``level`` is the healthy level
+    from before the episode (None when the episode began before any healthy stretch). After a rollback, the loss the
+    run had where it went back to, if higher (it cannot be asked to be better than that; that stretch lies before
+    the episode, so it is healthy when a healthy level exists). Where the FP32 replay confirmed an AMP fault and
+    itself trained down, what FP32 reached on the episode's own steps, if higher. With neither, nothing: the outcome
+    is then not verified, never "recovered" against a level made of the trouble itself."""
     facts = facts_of(diagnosis)
-    if resumed_at is not None:
-        then = [loss for step, loss in recent if resumed_at - window <= step <= resumed_at and math.isfinite(loss)]
-        if then:
-            level = max(statistics.median(then), level or 0.0)
-            return level, f"the loss level where the run went back to (step {resumed_at})"
     trajectory = facts.trajectory
+    fp32_reached: float | None = None
     if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED:
         finite = [v for v in trajectory.fp32_losses if v is not None and math.isfinite(v)]
-        if finite:
-            return max(statistics.median(finite), level or 0.0), "what FP32 reached replaying the episode's steps"
+        if len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]:  # FP32 trained down: a healthy run
+            fp32_reached = statistics.median(finite)
     if level is not None:
-        return level, "the loss level before the episode"
-    control = facts.control
-    if control is not None and control.verdict is ControlVerdict.AMP_FAULT and control.control_loss is not None \
-            and math.isfinite(control.control_loss):
-        return control.control_loss, "the FP32 control's loss on the faulty batch"
-    return None, "nothing: no loss was read before the episode"
+        if resumed_at is not None:
+            then, _, _ = level_at(recent, resumed_at, window)
+            if then is not None and then > level:
+                return then, f"the healthy loss level where the run went back to (step {resumed_at})"
+        if fp32_reached is not None and fp32_reached > level:
+            return fp32_reached, "what FP32 reached replaying the episode's steps"
+        return level, "the healthy loss level before the episode"
+    if fp32_reached is not None:
+        return fp32_reached, "what FP32 reached replaying the episode's steps (it trained down)"
+    return None, "nothing: there was no healthy loss level before the episode"
 
 
 def level_at(recent: Any, resumed_at: int, window: int) -> tuple[float | None, int, int]:
