@@ -55,6 +55,7 @@ renamed finding, a rollback, an episode closed, a remedy's effects) and the watc
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import warnings
 from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
 
@@ -501,6 +502,8 @@ class RunWatcher:
         since a treatment is a decision every rank must take together."""
         if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
             self._publish(diagnosis)
+        elif self.treatment.folds(diagnosis):  # an AMP alarm during a divergence: part of that episode
+            self.treatment.due.append(diagnosis)
         elif self.treatment.wants(diagnosis):
             self.treatment.due.append(diagnosis)
         else:
@@ -516,6 +519,9 @@ class RunWatcher:
         assert machine is not None and ledger is not None
         agreed = self.world_size == 1 or ledger.scaler_active
         for diagnosis in treatment.take_due():
+            if treatment.folds(diagnosis):
+                self._fold(diagnosis)
+                continue
             ended = treatment.interrupted(diagnosis)
             if ended is not None:
                 self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
@@ -533,18 +539,43 @@ class RunWatcher:
                 treatment.fp32_reference(self.trajectory, self.host.global_step)  # when no healthy level exists
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
-            ended = treatment.end(recovery)
-            self._update(ended.old, ended.new)
-            if recovery.outcome is Outcome.NOT_RECOVERED:
-                retried = self._treat(treatment.for_retry(ended))
-                treatment.retry_done()
-                if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
-                    self._unrecoverable(ended.new)
-                else:
-                    self._update(ended.new, retried)
+            self._ended(treatment.end(recovery))
         control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+
+    def _ended(self, ended: Any) -> None:
+        """A watched remedy's outcome is known: the record updated, and after one that did not recover, the next
+        rung of its ladder (or, with none left, ``on_unrecoverable``)."""
+        treatment = self.treatment
+        self._update(ended.old, ended.new)
+        treatment.ended(ended.new)
+        if ended.recovery.outcome is Outcome.NOT_RECOVERED:
+            retried = self._treat(treatment.for_retry(ended))
+            treatment.retry_done()
+            if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
+                self._unrecoverable(ended.new)
+            else:
+                self._update(ended.new, retried)
+                treatment.ended(retried)
+
+    def _fold(self, alarm: Diagnosis) -> None:
+        """An alarm that blames reduced precision, raised while the run diverges (a divergence's remedy watched, or
+        one that did not recover): the same episode going on, not a new AMP fault with a remedy of its own. The
+        divergence's record notes it; a watched remedy did not hold, and the next rung of the LR ladder follows."""
+        treatment = self.treatment
+        note = {"finding": alarm.finding.value, "step": alarm.step, "location": alarm.location}
+        if treatment.watch is not None:
+            ended = treatment.end_for(alarm, note)
+            self._ended(ended)
+            return
+        record = treatment.diverging
+        if record is None:
+            return
+        during = [*record.evidence.get("alarms_during_episode", []), note]  # type: ignore[misc]
+        new = replace(record, evidence={**record.evidence, "alarms_during_episode": during})
+        self._update(record, new)
+        treatment.ended(new)
 
     def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
         """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
@@ -567,6 +598,7 @@ class RunWatcher:
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
             machine.rebase(*level_at(ledger.recent_losses, rollback.resumed_at, machine.thresholds.loss_window))
+        diagnosis = treatment.with_lr_tried(diagnosis, choice)
         treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
             return treatment.treated(treated, None, rollback)

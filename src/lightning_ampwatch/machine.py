@@ -671,7 +671,7 @@ class AmpStateMachine:
                           f"{base_from}, none of them NaN or inf",
             "skipped_steps": s.skipped_total, "steps": s.steps_seen,
         }
-        lr = self._lr_event(onset)
+        lr = self._lr_event(onset, s.lr_last)
         if lr is not None:
             ev.update(lr)
         finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
@@ -731,7 +731,7 @@ class AmpStateMachine:
         if climb is not None:
             ev.update(self._climb_evidence(climb, first))
             if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
-                lr = self._lr_event(climb.start_step)
+                lr = self._lr_event(climb.start_step, max(obs.lrs, default=None))
                 if lr is not None:
                     ev.update(lr)
                     return self._make(Finding.LR_SCHEDULE, climb.start_step, ev)
@@ -747,7 +747,7 @@ class AmpStateMachine:
                 return None
             onset = int(ev.pop("onset", obs.step))
 
-        lr = self._lr_event(onset)
+        lr = self._lr_event(onset, max(obs.lrs, default=None))
         if lr is not None:
             ev.update(lr)
             return self._make(Finding.LR_SCHEDULE, onset, ev)
@@ -849,16 +849,20 @@ class AmpStateMachine:
                 s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
         s.lr_history.append(LrPoint(step, lr))
 
-    def _lr_event(self, onset: int) -> dict[str, Any] | None:
-        """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase."""
+    def _lr_event(self, onset: int, now_lr: float | None = None) -> dict[str, Any] | None:
+        """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase. ``now_lr``
+        is the LR of the latest step (not yet in the history): a warmup still rising has not ended."""
         t, s = self.thresholds, self.state
         # A warmup climbs over many steps, so its last few rise little: judge it by the whole rise (from the LR
-        # it started at to a peak just before the onset). A single jump is an increase, not a warmup.
+        # it started at to a peak just before the onset). A single jump is an increase, not a warmup; and a ramp
+        # whose LR is still going up at the onset (or after it) has not peaked: its warmup has not ended.
         rise = s.lr_rise
-        if (rise is not None and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
+        stopped = rise is not None and (now_lr is None or now_lr <= rise.top_lr)
+        if (rise is not None and stopped and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
                 and rise.top_lr >= t.warmup_ratio * rise.start_lr):
             return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
-                    "lr_change_step": rise.top_step}
+                    "lr_change_step": rise.top_step, "lr_ramp_start": rise.start_lr,
+                    "lr_ramp_start_step": rise.start_step}
         start = onset - t.lr_lookback - 1
         in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
         window = [LrPoint(start, p.lr) for p in in_force]
@@ -875,7 +879,12 @@ class AmpStateMachine:
         if best is None or best[0] < 1 + t.lr_rise:
             return None
         _, lo, hi = best
-        return {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr, "lr_change_step": hi.step}
+        ev: dict[str, Any] = {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr,
+                              "lr_change_step": hi.step}
+        if rise is not None and rise.points >= 2 and rise.start_lr < lo.lr and rise.top_step >= lo.step:
+            # the rise is the end of a longer ramp: where that began is its own field, not the LR before
+            ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)
+        return ev
 
     # ---------------------------------------------------------------- helpers
 

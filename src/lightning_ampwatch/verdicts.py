@@ -144,8 +144,8 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
                                        f" -> {statistics.median(finite[-third:]):.4g})", details)
     if after is None or reference is None or not reference > 0:
         why = reference_from if reference_from.startswith("nothing: ") else "nothing: no loss was read"
-        return Recovery(Outcome.NOT_VERIFIED, f"recovery is not verified: there is no healthy reference to compare "
-                                              f"the loss with ({why[len('nothing: '):]})", details,
+        return Recovery(Outcome.NOT_VERIFIED, f"there is no healthy reference to compare the loss with "
+                                              f"({why[len('nothing: '):]})", details,
                         Unverified.NO_REFERENCE)
     ratio = after / reference
     details["loss_ratio"] = round(ratio, 4)

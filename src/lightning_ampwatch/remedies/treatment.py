@@ -30,7 +30,8 @@ from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import replay_trajectory
-from lightning_ampwatch.verdicts import judge_recovery, trains_down
+from lightning_ampwatch.machine import DIVERGENCE_FINDINGS
+from lightning_ampwatch.verdicts import AMP_BLAMING, judge_recovery, trains_down
 
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
@@ -73,6 +74,33 @@ class Treatment:
     watch: Watch | None = None
     due: list[Diagnosis] = field(default_factory=list)  # alarms waiting for the next optimizer-step boundary
     _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
+    lr_tried: list[float] | None = None  # the learning rates the latest reduce_lr set: a next rung compounds on them
+    diverging: Diagnosis | None = None  # the published record of a divergence not (yet) recovered from
+
+    def folds(self, diagnosis: Diagnosis) -> bool:
+        """An alarm that blames reduced precision while the run diverges (a divergence's remedy is watched, or one
+        did not recover): part of that episode, not a new fault with a remedy of its own."""
+        if diagnosis.finding not in AMP_BLAMING:
+            return False
+        watched = self.watch.diagnosis if self.watch is not None else self.diverging
+        return watched is not None and watched.finding in DIVERGENCE_FINDINGS
+
+    def ended(self, record: Diagnosis) -> None:
+        """The latest published version of a treated record: a divergence stays open until it recovered."""
+        if record.finding in DIVERGENCE_FINDINGS:
+            self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
+
+    def end_for(self, alarm: Diagnosis, note: dict[str, Any]) -> Ended:
+        """The watched divergence's remedy did not hold: an alarm of its own came up during it (``note``)."""
+        watch = self.watch
+        assert watch is not None
+        original = watch.diagnosis
+        ended = self.end(Recovery(Outcome.NOT_RECOVERED, (
+            f"the run still diverges: a {alarm.finding.value} alarm came up at step {alarm.step}, during the "
+            "episode"), {"came_back_at": alarm.step, "came_back_as": alarm.finding.value}))
+        during = [*original.evidence.get("alarms_during_episode", []), note]  # type: ignore[misc]
+        return Ended(original, replace(ended.new, evidence={**ended.new.evidence, "alarms_during_episode": during}),
+                     ended.recovery)
 
     def wants(self, diagnosis: Diagnosis) -> bool:
         """Whether this alarm has an allowed remedy on its ladder (then it waits for the step boundary)."""
@@ -147,11 +175,14 @@ class Treatment:
                     recent: Any, window: int, steps_seen: int, skipped_total: int) -> None:
         """The remedy is in effect from step ``applied.step``: watch it for ``recovery_steps`` steps."""
         self.applied.append(applied)
+        if applied.name is RemedyName.REDUCE_LR and isinstance(applied.details.get("lr_after"), list):
+            self.lr_tried = list(applied.details["lr_after"])
         rollback = facts_of(treated).rollback
         resumed_at = rollback.resumed_at if rollback is not None else None
         reference, reference_from = _reference(treated, level, resumed_at, recent, window)
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot)
+        self.ended(treated)
 
     def fp32_reference(self, control: Any, now: int) -> None:
         """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
@@ -178,6 +209,13 @@ class Treatment:
         self.watch = replace(watch, reference=statistics.median(finite[-third:]), reference_from=(
             f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, "
             "where it trained down)"))
+
+    def with_lr_tried(self, diagnosis: Diagnosis, choice: Any) -> Diagnosis:
+        """Before a ``reduce_lr`` rung that follows an earlier one: the learning rates that one set, in the evidence
+        (``lr_tried``), so that the rung compounds on them rather than on what a rollback restored."""
+        if self.lr_tried is None or choice is None or choice[1] is not RemedyName.REDUCE_LR:
+            return diagnosis
+        return replace(diagnosis, evidence={**diagnosis.evidence, "lr_tried": list(self.lr_tried)})
 
     def judgement_due(self, steps_seen: int) -> bool:
         watch = self.watch
@@ -280,9 +318,10 @@ def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None
 
 
 def level_at(recent: Any, resumed_at: int, window: int) -> tuple[float | None, int, int]:
-    """The loss level a run had where it went back to: the median of the finite losses of the ``window`` steps up to
-    ``resumed_at`` (None when none was read: the fit's start), with the steps it spans."""
-    then = [(step, loss) for step, loss in recent if resumed_at - window <= step <= resumed_at and math.isfinite(loss)]
+    """The loss level a run had where it went back to: the median of the finite losses of the ``window`` steps before
+    ``resumed_at`` (None when there were none: back to the fit's start, whose first loss is the base again), with
+    the steps it spans."""
+    then = [(step, loss) for step, loss in recent if resumed_at - window <= step < resumed_at and math.isfinite(loss)]
     if not then:
         return None, resumed_at, resumed_at
     return statistics.median(v for _, v in then), then[0][0], then[-1][0]
