@@ -101,3 +101,11 @@ def test_the_lower_lr_replay_says_whether_the_lr_is_the_cause() -> None:
     assert judge_lower_lr(_result([3.4, float("nan"), 3.0]), 0.1).kind is LowerLrKind.STILL_FAULTS
     assert judge_lower_lr(_result([3.4, 5.0, 9.0, 20.0]), 0.1).kind is LowerLrKind.DOES_NOT_FALL
     assert judge_lower_lr(_result([3.4, 3.0]), 0.1).kind is LowerLrKind.TOO_SHORT
+
+
+def test_under_ddp_a_finite_divergence_is_reported_once_and_opens_no_episode() -> None:
+    machine = AmpStateMachine(PrecisionMode.FP32)
+    machine.divergence_opens_episode = False  # each rank's own losses: the ranks must keep meeting agreed alarms
+    found = replay(machine, fp32_run(HEALTHY + [40.0] * 30)) + machine.take_pending()
+    [d] = alarms(found)
+    assert d.evidence["pattern"] == "finite_divergence" and machine.episode is None and machine.quiet

@@ -264,6 +264,7 @@ class RunWatcher:
             info = host.precision()  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         self.world_size = host.world_size
+        self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, say=self._say)

@@ -240,6 +240,7 @@ class MachineState:
     reference: Reference | None = None  # the newest healthy level
     reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
     start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
+    divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
 
 
 def _plain(value: Any) -> Any:
@@ -319,6 +320,10 @@ class AmpStateMachine:
         self.state = self._fresh_state()
         self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
         self._since_promote = 0  # candidate losses taken since the healthy level was last judged
+        self.divergence_opens_episode = True
+        """A finite divergence opens an episode (later alarms are part of it). Off under DDP, where each rank finds
+        it in its own losses while the ranks must keep meeting the agreed alarms (skips) together: it is then
+        reported once, until its loss is back, and opens nothing."""
 
     def _fresh_state(self) -> MachineState:
         t = self.thresholds
@@ -616,10 +621,12 @@ class AmpStateMachine:
                 climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
             if ep is not None:
                 ep.back_run = 0
-            elif climb.steps >= t.divergence_steps:
+            elif climb.steps >= t.divergence_steps and not s.divergence_noted:
                 self._pending.extend(self._finite_divergence(climb))
             return
         s.climb = None
+        if s.divergence_noted and (base <= 0 or loss <= HEALTHY_RISE * base):
+            s.divergence_noted = False
         if ep is not None:
             ep.back_run = ep.back_run + 1 if base <= 0 or loss <= HEALTHY_RISE * base else 0
         s.losses.append(loss)
@@ -675,6 +682,9 @@ class AmpStateMachine:
         if lr is not None:
             ev.update(lr)
         finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
+        if not self.divergence_opens_episode:
+            s.divergence_noted = True
+            return [self._make(finding, onset, ev)]
         out = self._raise(self._make(finding, onset, ev), climb.last_step)
         assert s.episode is not None
         s.episode.finite = True
