@@ -151,7 +151,7 @@ def test_every_remedy_allowed_a_head_lr_far_too_high_climbs_the_lr_ladder_only(t
 # ----------------------------------------------------------------------------- finite divergence
 
 
-@pytest.mark.parametrize("precision", ["fp16", "32-true"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16-mixed", "32-true"])
 def test_a_finite_divergence_is_reported_once_and_never_called_healthy(tmp_path: Path, precision: str) -> None:
     watch = AmpWatch(verbose=False)
     losses = _fit(tmp_path, lambda: FrozenBackbone(lr=20.0), features_data(), watch, precision=precision,
