@@ -87,6 +87,8 @@ class Treatment:
 
     def ended(self, record: Diagnosis) -> None:
         """The latest published version of a treated record: a divergence stays open until it recovered."""
+        if record.outcome == Outcome.RECOVERED.value:
+            self.lr_tried = None  # it held: a later episode starts its LR ladder afresh
         if record.finding in DIVERGENCE_FINDINGS:
             self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
 
