@@ -55,8 +55,8 @@ renamed finding, a rollback, an episode closed, a remedy's effects) and the watc
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch

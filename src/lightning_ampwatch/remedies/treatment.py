@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from lightning_ampwatch.records import (
-    ControlVerdict,
     Outcome,
     Recovery,
     Rollback,
