@@ -492,8 +492,8 @@ class RunWatcher:
         trajectory replays where a snapshot allows, then published or treated like any other."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
-        for diagnosis in machine.take_pending():
-            if investigations is not None:
+        for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
+            if investigations is not None and diagnosis.is_alarm:
                 diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
             self._emit(diagnosis)
 
