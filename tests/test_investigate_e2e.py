@@ -76,7 +76,9 @@ def test_control_replay_off_leaves_no_control_evidence(tmp_path: Path) -> None:
 
 class _HotLayer(pl.LightningModule):
     """``hot`` sees inputs 3000x larger with weights 3000x smaller: its output is ordinary, but its weight
-    gradient (grad_out x input) is 3000x larger than any other, so it overflows first."""
+    gradient (grad_out x input) is 3000x larger than any other, so it overflows first. The learning rate is small
+    enough for that gradient (at 1e-3, and still at 1e-6, the first step that goes through blows the loss up, in
+    float32 too: the FP32 trajectory control, replayed from the fit's start, rightly calls that FP32_UNSTABLE)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,7 +94,7 @@ class _HotLayer(pl.LightningModule):
         return nn.functional.mse_loss(self.head(h).squeeze(-1), y)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
+        return torch.optim.SGD(self.parameters(), lr=1e-8)
 
 
 def test_gradient_overflow_is_located_at_the_first_nonfinite_gradient(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
@@ -75,12 +76,12 @@ from lightning_ampwatch.remedies import (
     reapply_all,
 )
 from lightning_ampwatch.records import Outcome
-from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
+from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment, level_at
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
 
 #: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
@@ -281,6 +282,7 @@ class RunWatcher:
             info = host.precision()  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         self.world_size = host.world_size
+        self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, say=self._say)
@@ -327,6 +329,7 @@ class RunWatcher:
         control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
                                     self.say_once, adaptive=adaptive, on_failure=self.internal_failure)
         self.trajectory = control
+        control.start(host.global_step)  # a state from before the first step this run takes
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None
@@ -425,6 +428,7 @@ class RunWatcher:
             for relayed in self._relay.at_log_step(values[0]):
                 self._publish_relayed(relayed)
         machine.note_losses(ledger.take_unnoted())
+        self._take_divergences()  # the losses just read may show a finite divergence
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
@@ -443,6 +447,7 @@ class RunWatcher:
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self._read_losses()
+            self._take_divergences()
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self._emit(diagnosis)
@@ -489,8 +494,11 @@ class RunWatcher:
         machine, ledger = self.machine, self.ledger
         assert machine is not None and ledger is not None
         control = self.trajectory
-        if control is not None:
-            control.note_step(closed.step, closed.batches, quiet)
+        if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
+            if self.world_size == 1:
+                control.note_step(closed.step, closed.batches, quiet, machine.has_reference)
+            else:
+                control.note_step(closed.step, closed.batches, machine.quiet_agreed, True)
         if closed.clean:
             machine.observe_clean(closed.step, closed.scale, closed.grew, closed.lrs, closed.loss)
             timeline = self._timeline
@@ -502,6 +510,7 @@ class RunWatcher:
                                          lrs=closed.lrs)
             if ledger.unnoted:  # the ring of held losses was full: read just now
                 machine.note_losses(ledger.take_unnoted())
+                self._take_divergences()
         elif closed.resolved:
             self._take(closed.resolved)
 
@@ -538,9 +547,25 @@ class RunWatcher:
                     diagnosis = refined
                 self._emit(diagnosis)
 
+    def _take_divergences(self) -> None:
+        """Alarms the machine raised from losses read after the fact (a finite divergence): investigated with the
+        trajectory replays where a snapshot allows, then published or treated like any other."""
+        machine, investigations, ledger = self.machine, self.investigations, self.ledger
+        assert machine is not None and ledger is not None
+        for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
+            if investigations is not None and diagnosis.is_alarm:
+                diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
+            self._emit(diagnosis)
+
     def _emit(self, diagnosis: Diagnosis) -> None:
-        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary."""
-        if self.treatment.wants(diagnosis):
+        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
+        divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
+        since a treatment is a decision every rank must take together."""
+        if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
+            self._publish(diagnosis)
+        elif self.treatment.folds(diagnosis):  # an AMP alarm during a divergence: part of that episode
+            self.treatment.due.append(diagnosis)
+        elif self.treatment.wants(diagnosis):
             self.treatment.due.append(diagnosis)
         else:
             self._publish(diagnosis)
@@ -555,6 +580,9 @@ class RunWatcher:
         assert machine is not None and ledger is not None
         agreed = self.world_size == 1 or ledger.scaler_active
         for diagnosis in treatment.take_due():
+            if treatment.folds(diagnosis):
+                self._fold(diagnosis)
+                continue
             ended = treatment.interrupted(diagnosis)
             if ended is not None:
                 self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
@@ -568,20 +596,47 @@ class RunWatcher:
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
+            if self.trajectory is not None and self.host is not None:
+                treatment.fp32_reference(self.trajectory, self.host.global_step)  # when no healthy level exists
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
-            ended = treatment.end(recovery)
-            self._update(ended.old, ended.new)
-            if recovery.outcome is Outcome.NOT_RECOVERED:
-                retried = self._treat(treatment.for_retry(ended))
-                treatment.retry_done()
-                if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
-                    self._unrecoverable(ended.new)
-                else:
-                    self._update(ended.new, retried)
+            self._ended(treatment.end(recovery))
         control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+
+    def _ended(self, ended: Any) -> None:
+        """A watched remedy's outcome is known: the record updated, and after one that did not recover, the next
+        rung of its ladder (or, with none left, ``on_unrecoverable``)."""
+        treatment = self.treatment
+        self._update(ended.old, ended.new)
+        treatment.ended(ended.new)
+        if ended.recovery.outcome is Outcome.NOT_RECOVERED:
+            retried = self._treat(treatment.for_retry(ended))
+            treatment.retry_done()
+            if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
+                self._unrecoverable(ended.new)
+            else:
+                self._update(ended.new, retried)
+                treatment.ended(retried)
+
+    def _fold(self, alarm: Diagnosis) -> None:
+        """An alarm that blames reduced precision, raised while the run diverges (a divergence's remedy watched, or
+        one that did not recover): the same episode going on, not a new AMP fault with a remedy of its own. The
+        divergence's record notes it; a watched remedy did not hold, and the next rung of the LR ladder follows."""
+        treatment = self.treatment
+        note = {"finding": alarm.finding.value, "step": alarm.step, "location": alarm.location}
+        if treatment.watch is not None:
+            ended = treatment.end_for(alarm, note)
+            self._ended(ended)
+            return
+        record = treatment.diverging
+        if record is None:
+            return
+        during = [*record.evidence.get("alarms_during_episode", []), note]  # type: ignore[misc]
+        new = replace(record, evidence={**record.evidence, "alarms_during_episode": during})
+        self._update(record, new)
+        treatment.ended(new)
 
     def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
         """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
@@ -592,11 +647,19 @@ class RunWatcher:
         if choice is None:
             return diagnosis
         self._read_losses()  # the losses up to now, for the level the run goes back to
+        healthy = machine.reference_for(diagnosis.step)  # before a rollback rebases the machine
         now = host.global_step
-        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=self.trajectory,
-                                                          decide=self._decide, host=host)
+        # an episode from the fit's first step that the scaler skipped throughout left the starting weights as they
+        # were: going back to the starting state would only undo the scaler's backoffs
+        control = self.trajectory
+        untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
+            and machine.untouched_since(diagnosis.step, now - 1)
+        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
+                                                          decide=self._decide, host=host, untouched=untouched)
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
+            machine.rebase(*level_at(ledger.recent_losses, rollback.resumed_at, machine.thresholds.loss_window))
+        diagnosis = treatment.with_lr_tried(diagnosis, choice)
         treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
             return treatment.treated(treated, None, rollback)
@@ -606,7 +669,8 @@ class RunWatcher:
         if episode and control is not None:
             rollback = rollback.after_retraining(retrain(control.state, episode))
         treated = treatment.treated(treated, applied, rollback)
-        treatment.start_watch(treated, applied, snapshot, level=machine.loss_level, recent=ledger.recent_losses,
+        treatment.start_watch(treated, applied, snapshot, level=None if healthy is None else healthy.level,
+                              recent=ledger.recent_losses,
                               window=machine.thresholds.loss_window, steps_seen=machine.steps_seen,
                               skipped_total=machine.skipped_total)
         return treated

@@ -22,8 +22,19 @@ from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.records import ControlVerdict, facts_of
-from lightning_ampwatch.verdicts import AMP_BLAMING, TrajectoryKind, TrajectoryVerdict, control_result, judge_trajectory
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise
+from lightning_ampwatch.verdicts import (
+    AMP_BLAMING,
+    LOWER_LR_FACTOR,
+    LowerLrKind,
+    LowerLrVerdict,
+    TrajectoryKind,
+    TrajectoryVerdict,
+    control_result,
+    judge_lower_lr,
+    judge_trajectory,
+    trains_down,
+)
 
 #: Findings located by the first non-finite forward output, and by the first non-finite gradient.
 _FORWARD = {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE}
@@ -43,7 +54,8 @@ class ReplayRecord:
     param: str | None = None  # the first parameter whose gradient went non-finite, in backward order
     control_loss: float | None = None
     control_grads_finite: bool | None = None
-    loss_level: float | None = None  # the investigating rank's usual loss
+    loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
+    loss_level_from: str = "the run's loss level"
     error: str | None = None  # the replay failed on this rank
 
 
@@ -69,7 +81,9 @@ class Investigator:
         self.automatic = automatic
 
     def collect(self, batches: Sequence[MicroBatch], *, scale: float | None, fault_ranks: Sequence[int],
-                weights_stepped: bool, loss_level: float | None, agree: bool) -> ReplayRecord | None:
+                weights_stepped: bool, loss_level: float | None, agree: bool,
+                loss_level_from: str = "the run's loss level",
+                reference: dict[str, Any] | None = None) -> ReplayRecord | None:
         """Replay on the rank(s) at fault; with ``agree`` every rank must call this together and all get one record.
 
         ``agree`` holds only where the ranks meet the anomaly at the same step (under a GradScaler every rank skips
@@ -92,7 +106,8 @@ class Investigator:
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
                 local = self._local(batches, scale, weights_stepped)
-                local.loss_level = loss_level
+                local.loss_level, local.loss_level_from = loss_level, loss_level_from
+                local.evidence.update(reference or {})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = ReplayRecord(error=f"{type(err).__name__}: {err}")
         results = distributed.gather(local) if agree else [local]
@@ -120,11 +135,14 @@ class Investigator:
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
+            level_from=record.loss_level_from,
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
+            if record.loss_level_from != "the run's loss level":
+                ev["loss_level_from"] = record.loss_level_from
         finding = _gradient_scale_evidence(finding, ev)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
@@ -134,6 +152,8 @@ class Investigator:
             location = record.param if finding in _BACKWARD else record.module
             location = location or record.module or record.param or diagnosis.location
         renamed = finding if finding is not diagnosis.finding else None
+        if renamed is not None and diagnosis.finding in AMP_BLAMING and finding not in AMP_BLAMING:
+            supersede_amp_evidence(ev, diagnosis.finding)
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
                             advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
                             remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), replay=record, control=control))
@@ -304,7 +324,10 @@ class Investigations:
         """Localise and run the FP32 control for a new alarm (at most once per episode), then the FP32 trajectory
         control (``trajectory``, the core's) for an alarm that blames AMP; either may rename the finding. Returns
         the diagnosis to publish (``None``: it waits for the next step's live probe, see :meth:`optimizer_step`)
-        and the finding the open episode is renamed to, if it is (the caller tells the machine)."""
+        and the finding the open episode is renamed to, if it is (the caller tells the machine). A finite
+        divergence is named by its losses: it gets the trajectory replays as evidence only."""
+        if diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
+            return self.investigate_divergence(diagnosis, step.opened.step, trajectory), None
         if self.investigator is None:
             return diagnosis, None
         skipped = step.obs.skipped
@@ -318,9 +341,14 @@ class Investigations:
         if self.investigator is None:  # the replay failed just now: the plain diagnosis still goes out
             return replace(diagnosis, evidence={**diagnosis.evidence, "replay": "failed (see the warning)"}), None
         refined, renamed = self.investigator.apply(diagnosis, record, batch=step.obs.batch)
+        if (refined.finding in AMP_BLAMING or renamed is not None) and "loss_reference" not in refined.evidence:
+            refined = replace(refined, evidence={**refined.evidence,
+                                                 **self.machine.reference_evidence(diagnosis.step)})
         if trajectory is not None and refined.finding in AMP_BLAMING:
             try:
-                refined, renamed_again = trajectory.judge(refined, step.opened.step, self.machine.loss_level,
+                reference = self.machine.reference_for(diagnosis.step)
+                refined, renamed_again = trajectory.judge(refined, step.opened.step,
+                                                          None if reference is None else reference.level,
                                                           agree=scaler_active, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
@@ -334,15 +362,41 @@ class Investigations:
             return None, renamed
         return refined, renamed
 
+    def investigate_divergence(self, diagnosis: Diagnosis, alarm_step: int,
+                               trajectory: "TrajectoryControl | None") -> Diagnosis:
+        """A finite divergence is named by its losses alone; where a snapshot from before it is held, the FP32
+        trajectory and the lower-LR counterfactual from it are added as evidence (each rank on its own: the ranks
+        see their own losses, so no collective is made)."""
+        if trajectory is None:
+            return diagnosis
+        if self.world_size > 1:  # a rank restoring a snapshot alone could wait on the others (sharded snapshots)
+            return replace(diagnosis, evidence={**diagnosis.evidence, "trajectory_control": (
+                "not run: under DDP each rank finds a finite divergence in its own losses, and a replay is made by "
+                "every rank together or by none")})
+        try:
+            reference = self.machine.reference_for(diagnosis.step)
+            return trajectory.judge(diagnosis, alarm_step, None if reference is None else reference.level,
+                                    agree=False, rename=False)[0]
+        except Exception as err:  # noqa: BLE001 - the alarm stands without the replays
+            trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
+            self.on_failure("the FP32 trajectory control", err)
+            return diagnosis
+
     def _collect(self, step: Any, weights_stepped: bool, agree: bool) -> ReplayRecord | None:
         """Replay the step; a failure switches replays off for the rest of the run, on every rank alike."""
         investigator = self.investigator
         if investigator is None:
             return None
+        level, level_from = self.machine.loss_level, "the run's loss level"
+        if level is None and self.machine.start_loss is not None:
+            level, level_from = self.machine.start_loss, "the run's first loss (there is no healthy level yet)"
+        # the healthy level before the first sign of what is replayed (the onset is not known yet: this step, or
+        # the skips just before it); carried in the record so that every rank publishes the investigating rank's
+        reference = self.machine.reference_evidence(self.machine.first_sign(step.opened.step))
         try:
             return investigator.collect(step.opened.batches, scale=step.opened.scale, fault_ranks=step.fault_ranks,
-                                        weights_stepped=weights_stepped, loss_level=self.machine.loss_level,
-                                        agree=agree)
+                                        weights_stepped=weights_stepped, loss_level=level, agree=agree,
+                                        loss_level_from=level_from, reference=reference)
         except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
             self.investigator = None
             self.on_failure("the replay of the faulty batch", err)
@@ -401,20 +455,39 @@ class TrajectoryControl:
         # only: under DDP the ranks must snapshot at the same steps, and the interval asked for stays)
         self.cadence = SnapshotCadence(ring.every) if adaptive and distributed.world_size() == 1 else None
         self._last_snapshot: tuple[int, float] | None = None  # (step, clock) at the end of the latest snapshot
+        self.start_step = 0  # the first step of this fit (its starting state is snapshotted before it)
+        self.keep = ring.keep
 
-    def note_step(self, step: int, batches: Sequence[Any], quiet: bool) -> None:
+    def start(self, global_step: int) -> None:
+        """The fit starts (or resumes) at ``global_step``: a snapshot of the state before its first step, so that an
+        episode at that very step has a state to replay from and to roll back to."""
+        ring = self.ring
+        self.start_step = global_step
+        if ring.enabled:
+            ring.after_step(global_step - 1, self.state, due=True)
+            if not ring.enabled:
+                self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
+                         "loss trend still separates divergence from overflow.")
+
+    def note_step(self, step: int, batches: Sequence[Any], quiet: bool, known: bool = True) -> None:
         """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
-        is in progress: a snapshot of a faulty state is no control)."""
+        is in progress, ``quiet``: a snapshot of a faulty state is no control). Until a healthy loss level is
+        ``known``, the fit's starting state is the only one known to be healthy: no snapshot may push it out of the
+        ring (the losses since are not read yet, and may be climbing)."""
         ring = self.ring
         if not ring.enabled:
             return
         try:
             ring.add_batches(step, batches)
             if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
-                if self.cadence is None or self.cadence.decided:
-                    ring.after_step(step, self.state)
-                else:
-                    self._timed_snapshot(step)
+                held = ring.snapshots
+                keep_start = not known and bool(held) and held[0].step == self.start_step - 1
+                ring.keep = self.keep + 1 if keep_start else self.keep  # the start state, and the newest as ever
+                if not keep_start or len(held) < ring.keep:
+                    if self.cadence is None or self.cadence.decided:
+                        ring.after_step(step, self.state)
+                    else:
+                        self._timed_snapshot(step)
         except Exception as err:  # noqa: BLE001 - the step is still taken in by the ledger: never drop it
             ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
             if self.on_failure is not None:
@@ -443,13 +516,19 @@ class TrajectoryControl:
         if said is not None:
             self.say(said)
 
-    def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None,
-              agree: bool, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
-        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). Where every rank
-        replayed (``agree``), the gravest verdict stands; among equally grave ones, a rank at fault's (its
-        batches are the ones that went wrong), and the evidence names the rank."""
+    def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
+              rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
+        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
+        the healthy level from before the onset, or None when there was none (the FP32 run is then judged by its
+        own shape). Three replays from the newest snapshot from before the step whose update may have done the
+        damage: FP32, the run's own precision, and the run's own precision with the learning rate lowered (the
+        counterfactual: does a lower LR train clean?). ``rename=False``: evidence only (a finite divergence,
+        already named by its loss). Where every rank replayed (``agree``), the gravest verdict stands; among
+        equally grave ones, a rank at fault's (its batches are the ones that went wrong), and the evidence names
+        the rank."""
         ev = dict(diagnosis.evidence)
-        snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
+        before = max(diagnosis.step - 1, 0)
+        snapshot = self.ring.newest_before(before) if self.ring.enabled else None
         stale = snapshot.stale(self.state) if snapshot is not None else None
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
@@ -460,19 +539,22 @@ class TrajectoryControl:
                                         "a scaler the ranks meet anomalies at different steps: a replay on this "
                                         "rank alone would wait for the others")
             return replace(diagnosis, evidence=ev), None
-        local: TrajectoryVerdict | str | None = None  # the verdict, or what went wrong (a string)
+        local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
-            reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
-                                          f"one is taken every {self.ring.every} steps")
+            reason = self.ring.reason or (f"no snapshot from before step {before} (the update before the onset at "
+                                          f"step {diagnosis.step}) is held; one is taken every {self.ring.every} "
+                                          "steps")
             ev["trajectory_control"] = f"not run: {reason}"
         else:
             try:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
                 fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
                 amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
+                lower = replay_trajectory(self.state, snapshot, steps, precision="amp", lr_factor=LOWER_LR_FACTOR)
                 verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
                 # what the snapshot held on this rank (trained state only: frozen parameters are left out)
-                local = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
+                verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
+                local = (verdict, judge_lower_lr(lower, LOWER_LR_FACTOR), trains_down(fp32))
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = f"{type(err).__name__}: {err}"
         gathered = distributed.gather(local) if agree else [local]
@@ -480,22 +562,56 @@ class TrajectoryControl:
         failed = [r for _, r in ranked if isinstance(r, str)]
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
-        verdicts = [(rank, r) for rank, r in ranked if isinstance(r, TrajectoryVerdict)]
+        verdicts = [(rank, r) for rank, r in ranked if isinstance(r, tuple)]
         if not verdicts:
             return replace(diagnosis, evidence=ev), None
-        judged_on, verdict = min(verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1].kind),
-                                                            rv[0] not in fault_ranks, rv[0]))
+        judged_on, (verdict, lower, fp32_down) = min(
+            verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1][0].kind), rv[0] not in fault_ranks, rv[0]))
         if agree and len(gathered) > 1:
             ev["trajectory_rank"] = judged_on
+        ev["trajectory_verdict"] = verdict.kind
+        ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
+                   if k not in ("loss_level", "divergence_ratio")})
+        ev.update(lower_lr_verdict=lower.kind, lower_lr_reason=lower.reason, lower_lr_factor=lower.factor,
+                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"])
+        facts = replace(facts_of(diagnosis), trajectory=verdict, lower_lr=lower)
+        if not rename:
+            ev["trajectory_reason"] = verdict.reason
+            return replace(diagnosis, evidence=ev, advice=advise(diagnosis.finding, ev), facts=facts), None
         batch_verdict = ev.pop("control_verdict", None)
         control = facts_of(diagnosis).control
         if batch_verdict is not None and control is not None and control.verdict is not ControlVerdict.NOT_RUN:
             ev["batch_control_verdict"] = batch_verdict
         ev["control_verdict"] = verdict.reason
-        ev["trajectory_verdict"] = verdict.kind
-        ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
-                   if k not in ("loss_level", "divergence_ratio")})
+        if verdict.kind is TrajectoryKind.AMP_CONFIRMED and control is not None \
+                and control.verdict is ControlVerdict.AMP_FAULT and batch_verdict is not None:
+            # both controls blame AMP: the single-batch verdict stands as said, the trajectory's sentence beside it
+            ev["control_verdict"] = ev.pop("batch_control_verdict", batch_verdict)
+            ev["trajectory_reason"] = verdict.reason
         finding = _RENAMED_BY.get(verdict.kind, diagnosis.finding)
+        if verdict.kind is TrajectoryKind.AMP_CONFIRMED and lower.kind is LowerLrKind.LR_IS_THE_CAUSE \
+                and not fp32_down:
+            # FP32 at the full LR stays finite but does not train; the same steps at a lower LR do: the LR
+            finding = Finding.FP32_UNSTABLE
+            ev["control_verdict"] = (f"FP32 training from the snapshot after step {snapshot.step if snapshot else '?'}"
+                                     f" stays finite but its loss does not fall, and {lower.reason}: not an AMP "
+                                     "fault")
         renamed = finding if finding is not diagnosis.finding else None
-        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev),
-                       facts=replace(facts_of(diagnosis), trajectory=verdict)), renamed
+        if renamed is not None and finding not in AMP_BLAMING:
+            supersede_amp_evidence(ev, diagnosis.finding)
+        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev), facts=facts), renamed
+
+
+#: Evidence that only means something for a finding that blames reduced precision: once the finding is renamed to
+#: one that does not, it moves under ``superseded_amp_evidence``, so that no one reads it as the diagnosis.
+AMP_ONLY_EVIDENCE = ("pattern", "safe_scale", "safe_scale_from", "scale_history", "onset_scale", "skip_rate",
+                     "window", "growth_steps", "span", "batch_control_verdict", "growth_interval", "growth_factor",
+                     "backoff_factor")
+
+
+def supersede_amp_evidence(ev: dict[str, Any], was: Finding) -> None:
+    """Move the evidence of the AMP finding ``was`` (its overflow pattern, its safe scale, the single-batch verdict
+    that blamed AMP) under ``superseded_amp_evidence``, in place."""
+    moved = {k: ev.pop(k) for k in AMP_ONLY_EVIDENCE if k in ev}
+    if moved:
+        ev["superseded_amp_evidence"] = {"was": was.value, **moved}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, LrEvent, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, LrEvent, advise
 
 
 class PrecisionMode(str, Enum):
@@ -65,6 +65,10 @@ class Thresholds:
     (30 against a healthy 0.82 in the case that motivated it): 4x dates the climb near its start."""
     climb_steps: int = 2
     """Losses in a row above ``divergence_ratio`` x the level before they count as a climb: one is a hard batch."""
+    divergence_steps: int = 8
+    """Losses read in a row above ``divergence_ratio`` x the healthy reference (or the run's first loss, when there
+    is none yet) that make a finite divergence an alarm on their own, with no skip and no NaN: a few hard batches
+    come back well before this many."""
 
     def __post_init__(self) -> None:
         kinds = get_type_hints(Thresholds)
@@ -121,16 +125,27 @@ class Observation:
 SCALE_HISTORY = 24
 #: Healthy losses needed before there is a loss level to compare with.
 _LEVEL_MIN_LOSSES = 3
+#: A stretch whose newer half has a median above this many times its older half's is climbing, not healthy; nor
+#: is one whose median is this many times the healthy level before it (a slow build, under ``divergence_ratio``).
+HEALTHY_RISE = 2.0
+#: The healthy level is re-judged every this many candidate losses (and at the first sign of trouble): a few
+#: medians of ``loss_window`` numbers, not one per step.
+_PROMOTE_EVERY = 4
+#: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
+DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
 
 @dataclass
 class Episode:
-    """An open alarm: raised once, closed when training has been clean for a while."""
+    """An open alarm: raised once, closed when training has been clean for a while (and, for a divergence, once
+    the loss is back under the climb threshold)."""
 
     finding: Finding
     onset: int
     clean_run: int = 0
     growth_survived: int = 0
+    back_run: int = 0  # losses in a row back under ``HEALTHY_RISE`` x the base (a divergence ends only then)
+    finite: bool = False  # opened by a finite divergence (found in this rank's own losses)
 
 
 @dataclass
@@ -179,6 +194,17 @@ class Climb:
 
 
 @dataclass
+class Reference:
+    """A loss level known to be healthy: the median of a stretch of finite losses taken while nothing was in
+    progress (no episode, no skip awaiting its verdict) and that was not climbing."""
+
+    level: float
+    first_step: int
+    last_step: int
+    count: int
+
+
+@dataclass
 class NormalCall:
     """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
 
@@ -208,8 +234,13 @@ class MachineState:
     first_scale: float | None = None
     max_safe_scale: float | None = None
     losses: deque[float] = field(default_factory=deque)
+    loss_steps: deque[int] = field(default_factory=deque)  # the step of each entry of ``losses``
     climb: Climb | None = None
     closed_episodes: list[dict[str, Any]] = field(default_factory=list)
+    reference: Reference | None = None  # the newest healthy level
+    reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
+    start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
+    divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
 
 
 def _plain(value: Any) -> Any:
@@ -287,6 +318,12 @@ class AmpStateMachine:
         ends: a remedy can then set the scale at once instead of letting the scaler halve its way down. The scale
         that holds is not known yet; the adapter measures it from the replay's gradients."""
         self.state = self._fresh_state()
+        self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
+        self._since_promote = 0  # candidate losses taken since the healthy level was last judged
+        self.divergence_opens_episode = True
+        """A finite divergence opens an episode (later alarms are part of it). Off under DDP, where each rank finds
+        it in its own losses while the ranks must keep meeting the agreed alarms (skips) together: it is then
+        reported once, until its loss is back, and opens nothing."""
 
     def _fresh_state(self) -> MachineState:
         t = self.thresholds
@@ -295,13 +332,16 @@ class AmpStateMachine:
             growth_skips=deque(maxlen=t.growth_repeats),
             lr_history=deque(maxlen=t.window + t.lr_lookback + 2),
             losses=deque(maxlen=t.loss_window),
+            loss_steps=deque(maxlen=t.loss_window),
         )
 
     # ---------------------------------------------------------------- public API
 
     def observe(self, obs: Observation) -> list[Diagnosis]:
         t, s = self.thresholds, self.state
-        out: list[Diagnosis] = []
+        # a finite divergence found in losses taken in since the last observation comes out first (one raised by
+        # this observation's own loss comes out at the next, or through take_pending: the fast path's timing)
+        out: list[Diagnosis] = self.take_pending() if self._pending else []
         s.steps_seen += 1
         if s.first_scale is None:
             s.first_scale = obs.scale  # the scaler's initial scale, kept for the advice
@@ -314,6 +354,11 @@ class AmpStateMachine:
             s.nonfinite_total += 1
 
         if obs.anomalous:
+            if self.quiet:  # the first sign of whatever comes: the healthy level stands as it was before it
+                self._promote()
+                s.reference_before_skip = s.reference
+            if s.start_loss is None and obs.loss is not None and math.isfinite(obs.loss):
+                s.start_loss = obs.loss  # a skipped step leaves the weights as they were: still the start
             if obs.skipped and s.growths and obs.step - s.growths[-1] <= t.growth_lag:
                 if not s.growth_skips or s.growth_skips[-1] != s.growths[-1]:
                     s.growth_skips.append(s.growths[-1])
@@ -330,6 +375,12 @@ class AmpStateMachine:
         if obs.grew:
             s.growths.append(obs.step)
         self._record_lr(obs.step, obs.lrs)
+        return out
+
+    def take_pending(self) -> list[Diagnosis]:
+        """Alarms raised while losses read after the fact were taken in (:meth:`note_losses`, the fast path's
+        ``loss``): a finite divergence, which shows in the losses alone. The adapter collects them after its reads."""
+        out, self._pending = self._pending, []
         return out
 
     @property
@@ -371,6 +422,19 @@ class AmpStateMachine:
             self._take_loss(step, loss)
 
     @property
+    def has_reference(self) -> bool:
+        """A healthy loss level is known (a stretch of steps was seen to be healthy)."""
+        return self.state.reference is not None
+
+    @property
+    def quiet_agreed(self) -> bool:
+        """:attr:`quiet`, leaving out a finite divergence's episode: what every rank of a DDP run under a scaler
+        agrees on (skips are agreed; each rank's losses, and so a finite divergence, are its own)."""
+        s = self.state
+        ep = s.episode
+        return (ep is None or ep.finite) and s.streak is None and s.isolated_since is None
+
+    @property
     def alarm_imminent(self) -> bool:
         """No episode is open and one more skipped step would complete a start-up-length streak: the last
         moment to replay the faulty step while the weights are still those it ran with."""
@@ -380,10 +444,37 @@ class AmpStateMachine:
 
     @property
     def loss_level(self) -> float | None:
-        """The run's usual loss: the median of the last ``loss_window`` healthy losses (a climb's losses are
-        left out); None before the first. A climb is only judged once a few have been seen."""
-        losses = self.state.losses
-        return statistics.median(losses) if losses else None
+        """The run's healthy loss level: the median of the newest stretch of losses known to be healthy (finite,
+        taken while nothing was in progress, not climbing); None while there is none (the first steps of a run,
+        or a run in trouble from its start). A level is never made of the trouble it is compared with."""
+        ref = self.state.reference
+        return ref.level if ref is not None else None
+
+    def reference_for(self, onset: int) -> Reference | None:
+        """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
+        came before it: then there is nothing the episode can be measured against but what training itself shows."""
+        s = self.state
+        for ref in (s.reference, s.reference_before_skip):
+            if ref is not None and ref.last_step < onset:
+                return ref
+        return None
+
+    def reference_evidence(self, onset: int) -> dict[str, Any]:
+        """``loss_reference`` (the healthy level before ``onset``, or None) and, when there is none, why."""
+        ref = self.reference_for(onset)
+        if ref is not None:
+            return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
+        start = self.state.start_loss
+        why = (f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
+               "could be seen")
+        if start is not None:
+            why += f"; the run's first loss was {start:.4g}"
+        return {"loss_reference": None, "loss_reference_why": why, "loss_at_start": start}
+
+    @property
+    def start_loss(self) -> float | None:
+        """The first finite loss of the fit: the weights it started with, before any update."""
+        return self.state.start_loss
 
     @property
     def max_safe_scale(self) -> float | None:
@@ -437,6 +528,17 @@ class AmpStateMachine:
         s.recent_skips.clear()
         s.growth_skips.clear()
 
+    def rebase(self, level: float | None, first_step: int, last_step: int) -> None:
+        """The run went back to an earlier state (a rollback): its healthy level is the one it had there (None: the
+        fit's start, where the first loss is the base again), and what was climbing belongs to abandoned steps."""
+        s = self.state
+        s.reference = None if level is None else Reference(level, first_step, last_step, 0)
+        s.reference_before_skip = s.reference
+        s.losses.clear()
+        s.loss_steps.clear()
+        s.climb = None
+        self._since_promote = 0
+
     def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
         """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
         if mode is not None:
@@ -457,6 +559,7 @@ class AmpStateMachine:
         if obs.scale is not None and self.mode is PrecisionMode.FP16:
             if s.max_safe_scale is None or obs.scale > s.max_safe_scale:
                 s.max_safe_scale = obs.scale
+        episode_before = s.episode
         if obs.loss is not None:
             self._take_loss(obs.step, obs.loss)
         streak, from_start = s.streak, s.streak_from_start
@@ -476,7 +579,7 @@ class AmpStateMachine:
             out.append(self._make(Finding.NORMAL_SCALING, s.isolated_since, evidence))
             s.isolated_since = None
         ep = s.episode
-        if ep is not None:
+        if ep is not None and ep is episode_before:  # an alarm this very loss raised counts from the next step
             ep.clean_run += 1
             if ep.finding is Finding.GROWTH_OVERFLOW:
                 # Closed only when a growth survives; otherwise it would reopen every growth interval.
@@ -487,6 +590,8 @@ class AmpStateMachine:
                 done = ep.growth_survived >= t.growth_repeats
             else:
                 done = ep.clean_run >= t.recovery_steps
+            if ep.finding in DIVERGENCE_FINDINGS and ep.back_run < t.recovery_steps:
+                done = False  # a divergence lasts until its loss is back, skips or not: alarms meanwhile are part of it
             if done:
                 s.closed_episodes.append({"finding": ep.finding.value, "onset": ep.onset, "end": obs.step})
                 s.episode = None
@@ -494,23 +599,96 @@ class AmpStateMachine:
         return out
 
     def _take_loss(self, step: int, loss: float) -> None:
-        """A healthy step's loss: part of a climb when far above the level, otherwise it feeds the level."""
+        """A step's finite loss: part of a climb when far above the healthy base, otherwise a candidate for the
+        healthy level. A climb that goes on for ``divergence_steps`` losses is a finite divergence."""
         if not math.isfinite(loss):
             return
-        s = self.state
-        ratio, losses = self.thresholds.divergence_ratio, s.losses
-        # min() first: a loss within ratio x the smallest recent loss is below ratio x their median, no sort needed
-        if len(losses) >= _LEVEL_MIN_LOSSES and loss > ratio * min(losses):
-            level = statistics.median(losses)
-            if loss > ratio * level:
-                climb = s.climb
-                if climb is None:
-                    s.climb = Climb(step, level, loss, step, loss)
-                else:
-                    climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
-                return
+        s, t = self.state, self.thresholds
+        if s.start_loss is None:
+            s.start_loss = loss
+        ref = s.reference
+        base = ref.level if ref is not None else s.start_loss
+        ep = s.episode
+        if loss > t.divergence_ratio * base and s.climb is None and self._since_promote and self.quiet:
+            self._promote()  # a climb may start here: measure it against the level as of the step before
+            ref = s.reference
+            base = ref.level if ref is not None else s.start_loss
+        if base > 0 and loss > t.divergence_ratio * base:
+            climb = s.climb
+            if climb is None:
+                climb = s.climb = Climb(step, base, loss, step, loss)
+            else:
+                climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
+            if ep is not None:
+                ep.back_run = 0
+            elif climb.steps >= t.divergence_steps and not s.divergence_noted:
+                self._pending.extend(self._finite_divergence(climb))
+            return
         s.climb = None
-        losses.append(loss)
+        if s.divergence_noted and (base <= 0 or loss <= HEALTHY_RISE * base):
+            s.divergence_noted = False
+        if ep is not None:
+            ep.back_run = ep.back_run + 1 if base <= 0 or loss <= HEALTHY_RISE * base else 0
+        s.losses.append(loss)
+        s.loss_steps.append(step)
+        self._since_promote += 1
+        if self._since_promote >= _PROMOTE_EVERY and self.quiet:
+            self._promote()
+
+    def _promote(self) -> None:
+        """Make the candidate stretch the healthy level, if it looks healthy: enough finite losses, its newer half
+        not climbing over its older half, and not a slow build above the level before it."""
+        self._since_promote = 0
+        s = self.state
+        losses = list(s.losses)
+        n = len(losses)
+        if n < _LEVEL_MIN_LOSSES:
+            return
+        half = n // 2
+        if statistics.median(losses[half:]) > HEALTHY_RISE * statistics.median(losses[:half]):
+            return
+        level = statistics.median(losses)
+        ref = s.reference
+        if ref is not None and level > HEALTHY_RISE * ref.level:
+            return
+        steps = list(s.loss_steps)
+        first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
+        s.reference = Reference(level, first, last, n)
+
+    def _finite_divergence(self, climb: Climb) -> list[Diagnosis]:
+        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: an alarm of
+        its own (the optimisation diverges; no skip or NaN needed), dated at the climb's start, or at the skip
+        just before it."""
+        s, t = self.state, self.thresholds
+        onset = climb.start_step
+        for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
+            if skip >= onset:
+                continue
+            if onset - skip > 2 * t.streak:
+                break
+            onset = skip
+        ref = self.reference_for(onset)
+        base_from = "the healthy level" if ref is not None else "the run's first loss"
+        ev: dict[str, Any] = {
+            "precision": self.mode.value, "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
+            **self.reference_evidence(onset), "loss_at_onset": climb.start_loss, "diverged_first": True,
+            "climb_base": climb.level, "climb_base_from": base_from, "climb_steps": climb.steps,
+            "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {climb.start_step}.."
+                          f"{climb.last_step}, {climb.steps} losses in a row above {t.divergence_ratio:g}x "
+                          f"{base_from}, none of them NaN or inf",
+            "skipped_steps": s.skipped_total, "steps": s.steps_seen,
+        }
+        lr = self._lr_event(onset, s.lr_last)
+        if lr is not None:
+            ev.update(lr)
+        finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
+        if not self.divergence_opens_episode:
+            s.divergence_noted = True
+            return [self._make(finding, onset, ev)]
+        out = self._raise(self._make(finding, onset, ev), climb.last_step)
+        assert s.episode is not None
+        s.episode.finite = True
+        return out
 
     # ---------------------------------------------------------------- classification
 
@@ -522,6 +700,16 @@ class AmpStateMachine:
         streak.scales.append(obs.scale)
         if obs.loss_finite is False:
             streak.all_loss_finite = False
+
+    def first_sign(self, step: int) -> int:
+        """Where trouble at ``step`` first showed, as far as the machine knows now (see :meth:`_first_sign`)."""
+        return self._first_sign(step)
+
+    def untouched_since(self, step: int, now: int) -> bool:
+        """Every step from ``step`` to ``now`` (both included) was anomalous, in one streak: under a GradScaler they
+        were all skipped, so the weights and the optimizer are as they were before ``step``."""
+        streak = self.state.streak
+        return streak is not None and streak.first_step <= step and streak.first_step + streak.count - 1 == now
 
     def _first_sign(self, step: int) -> int:
         """Where the trouble now at ``step`` first showed: the start of the anomalous streak, or earlier, the
@@ -553,7 +741,7 @@ class AmpStateMachine:
         if climb is not None:
             ev.update(self._climb_evidence(climb, first))
             if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
-                lr = self._lr_event(climb.start_step)
+                lr = self._lr_event(climb.start_step, max(obs.lrs, default=None))
                 if lr is not None:
                     ev.update(lr)
                     return self._make(Finding.LR_SCHEDULE, climb.start_step, ev)
@@ -569,7 +757,7 @@ class AmpStateMachine:
                 return None
             onset = int(ev.pop("onset", obs.step))
 
-        lr = self._lr_event(onset)
+        lr = self._lr_event(onset, max(obs.lrs, default=None))
         if lr is not None:
             ev.update(lr)
             return self._make(Finding.LR_SCHEDULE, onset, ev)
@@ -671,16 +859,20 @@ class AmpStateMachine:
                 s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
         s.lr_history.append(LrPoint(step, lr))
 
-    def _lr_event(self, onset: int) -> dict[str, Any] | None:
-        """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase."""
+    def _lr_event(self, onset: int, now_lr: float | None = None) -> dict[str, Any] | None:
+        """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase. ``now_lr``
+        is the LR of the latest step (not yet in the history): a warmup still rising has not ended."""
         t, s = self.thresholds, self.state
         # A warmup climbs over many steps, so its last few rise little: judge it by the whole rise (from the LR
-        # it started at to a peak just before the onset). A single jump is an increase, not a warmup.
+        # it started at to a peak just before the onset). A single jump is an increase, not a warmup; and a ramp
+        # whose LR is still going up at the onset (or after it) has not peaked: its warmup has not ended.
         rise = s.lr_rise
-        if (rise is not None and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
+        stopped = rise is not None and (now_lr is None or now_lr <= rise.top_lr)
+        if (rise is not None and stopped and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
                 and rise.top_lr >= t.warmup_ratio * rise.start_lr):
             return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
-                    "lr_change_step": rise.top_step}
+                    "lr_change_step": rise.top_step, "lr_ramp_start": rise.start_lr,
+                    "lr_ramp_start_step": rise.start_step}
         start = onset - t.lr_lookback - 1
         in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
         window = [LrPoint(start, p.lr) for p in in_force]
@@ -697,7 +889,12 @@ class AmpStateMachine:
         if best is None or best[0] < 1 + t.lr_rise:
             return None
         _, lo, hi = best
-        return {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr, "lr_change_step": hi.step}
+        ev: dict[str, Any] = {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr,
+                              "lr_change_step": hi.step}
+        if rise is not None and rise.points >= 2 and rise.start_lr < lo.lr and rise.top_step >= lo.step:
+            # the rise is the end of a longer ramp: where that began is its own field, not the LR before
+            ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)
+        return ev
 
     # ---------------------------------------------------------------- helpers
 

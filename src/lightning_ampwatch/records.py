@@ -16,6 +16,8 @@ from lightning_ampwatch.taxonomy import Diagnosis, GradientPattern, LrEvent
 from lightning_ampwatch.verdicts import (
     ControlResult,
     ControlVerdict,
+    LowerLrKind,
+    LowerLrVerdict,
     Outcome,
     Recovery,
     TrajectoryKind,
@@ -24,7 +26,8 @@ from lightning_ampwatch.verdicts import (
 )
 
 __all__ = [
-    "ControlResult", "ControlVerdict", "Facts", "GradientPattern", "LrEvent", "Outcome", "Recovery", "Rollback",
+    "ControlResult", "ControlVerdict", "Facts", "GradientPattern", "LowerLrKind", "LowerLrVerdict", "LrEvent",
+    "Outcome", "Recovery", "Rollback",
     "RollbackKind", "TrajectoryKind", "TrajectoryVerdict", "Unverified", "facts_of", "with_facts",
 ]
 
@@ -67,8 +70,10 @@ class Rollback:
         else:
             fate = "are skipped"
         if self.kind is RollbackKind.SNAPSHOT:
-            return (f"rolled back from step {self.now} to step {self.to_step} (the in-memory snapshot taken after "
-                    f"step {self.snapshot_step}); the batches of steps {self.to_step}..{self.now - 1} {fate}")
+            taken = f"taken after step {self.snapshot_step}" if (self.snapshot_step or 0) >= 0 else \
+                "taken at the fit's start, before its first step"
+            return (f"rolled back from step {self.now} to step {self.to_step} (the in-memory snapshot {taken}); the "
+                    f"batches of steps {self.to_step}..{self.now - 1} {fate}")
         return (f"rolled back from step {self.now} to step {self.to_step} (the checkpoint file {self.path}); the "
                 f"batches of steps {self.to_step}..{self.now - 1} {fate}")
 
@@ -84,6 +89,8 @@ class Facts:
     replay: Any = None  # investigate.ReplayRecord: where the replay of the faulty step located it, its numbers
     control: ControlResult | None = None  # the single-batch FP32 control
     trajectory: TrajectoryVerdict | None = None  # the FP32 trajectory control (it stands over ``control``)
+    lower_lr: LowerLrVerdict | None = None  # the same window at the run's precision with the LR lowered
+    reference: float | None = None  # the healthy loss level before the onset (None: there was none)
     rollback: Rollback | None = None
     remedy: Any = None  # remedies.AppliedRemedy
     recovery: Recovery | None = None

@@ -65,6 +65,15 @@ class GradientPattern(str, Enum):
         return self.value
 
 
+class DivergencePattern(str, Enum):
+    """Which shape of the loss made a divergence alarm (``FP32_UNSTABLE`` or ``LR_SCHEDULE``); ``pattern``."""
+
+    FINITE_DIVERGENCE = "finite_divergence"  # far above its healthy level and staying there, no skip, no NaN
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class LrEvent(str, Enum):
     """Which rise of the learning rate set an episode off; written to the evidence as ``lr_event``."""
 
@@ -164,6 +173,9 @@ class Diagnosis:
         if self.withdrawn:
             return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: the skip was the start of a "
                     f"{self.evidence.get('withdrawn_by')} episode, not dynamic scaling doing its job")
+        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
+            return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
+                    "the optimisation is diverging, not AMP")
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
             return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
         return self.finding.summary
@@ -302,7 +314,10 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
 
 def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
-    if ev.get("divergence"):
+    if ev.get("pattern") == "finite_divergence":
+        why = (f"The loss climbed ({ev['divergence']}): training diverges at the precision it runs in, and no "
+               "loss-scale or precision setting changes that. ")
+    elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
     elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "

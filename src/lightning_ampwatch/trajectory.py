@@ -419,10 +419,11 @@ class SnapshotRing:
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
             self._unheld = micro_batches
 
-    def after_step(self, step: int, state: TrainState) -> None:
+    def after_step(self, step: int, state: TrainState, *, due: bool = False) -> None:
         """Optimizer step ``step`` (0-based: ``trainer.global_step - 1`` once it is over) is over: take a snapshot
-        when ``step`` is a multiple of ``every``."""
-        if not self.enabled or step % self.every:
+        when ``step`` is a multiple of ``every``, or when ``due`` (the fit's start: ``step`` is then the step before
+        the first one it runs, -1 for a fresh fit, so that an episode at step 0 has a state from before it)."""
+        if not self.enabled or (step % self.every and not due):
             return
         if state.unavailable is not None:
             self.turn_off(state.unavailable)
@@ -500,11 +501,13 @@ class SnapshotRing:
 
 
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
-                      precision: str) -> TrajectoryResult:
+                      precision: str, lr_factor: float = 1.0) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
     exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
-    and a scaler restored from the snapshot (does the fault reproduce?). One host read, at the end."""
+    and a scaler restored from the snapshot (does the fault reproduce?). ``lr_factor``: every learning rate (and
+    the step schedulers' base rates) times this for the replay: the lower-LR counterfactual. One host read, at the
+    end."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
@@ -528,6 +531,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         with no_trace(state.module), _without_step_hooks(state.optimizers), \
                 (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)):
             snapshot.restore(state)
+            if lr_factor != 1.0:
+                scale_learning_rates(state.optimizers, [s for s, _ in state.schedulers], lr_factor)
             for _, micro_batches in steps:
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
@@ -543,6 +548,22 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         losses=[None if t is None else next(values) for t in losses],
         params_finite=bool(read[len(present)]), skipped=[bool(v) for v in read[len(present) + 1:]],
     )
+
+
+def scale_learning_rates(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
+                         factor: float) -> None:
+    """Every learning rate times ``factor``: the param groups' (and the bounds a scheduler keeps in them) and the
+    schedulers' base rates, so that a scheduler's next step keeps the lower level instead of undoing it."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor
+            for key in ("initial_lr", "max_lr", "min_lr"):
+                if isinstance(group.get(key), (int, float)):
+                    group[key] = group[key] * factor
+    for sched in schedulers:
+        if hasattr(sched, "base_lrs"):
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+        compat.scale_last_lr(sched, factor)
 
 
 def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> list[float | None]:

@@ -44,8 +44,10 @@ class ControlResult:
 
 
 def control_result(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
-                   batch_nonfinite: bool, loss_level: float | None) -> ControlResult:
-    """What the FP32 control says about a finding.
+                   batch_nonfinite: bool, loss_level: float | None,
+                   level_from: str = "the run's loss level") -> ControlResult:
+    """What the FP32 control says about a finding. ``level_from`` names what ``loss_level`` is (the run's healthy
+    level, or its first loss when there is no healthy level yet).
 
     A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
     A control that is finite but orders of magnitude above the run's usual loss reads as divergence, not AMP.
@@ -67,7 +69,7 @@ def control_result(finding: Finding, *, control_loss: float | None, control_grad
         return result(Finding.FP32_UNSTABLE, ControlVerdict.NOT_AMP, "control failed too: not an AMP fault")
     if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
         return result(Finding.FP32_UNSTABLE, ControlVerdict.DIVERGING, (
-            f"control finite but {control_loss / loss_level:.3g}x the run's loss level: the optimisation is "
+            f"control finite but {control_loss / loss_level:.3g}x {level_from}: the optimisation is "
             "diverging (or this batch is far outside the data seen so far)"))
     return result(finding, ControlVerdict.AMP_FAULT, "control finite: an AMP fault")
 
@@ -136,9 +138,15 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
                                "non-finite", details)
     if skipped > 1:
         return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
+    if climbing(finite):
+        third = max(1, len(finite) // 3)
+        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
+                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
     if after is None or reference is None or not reference > 0:
-        return Recovery(Outcome.NOT_VERIFIED, "no loss could be compared with a level before the episode, so "
-                                              "recovery is not verified", details, Unverified.NO_REFERENCE)
+        why = reference_from if reference_from.startswith("nothing: ") else "nothing: no loss was read"
+        return Recovery(Outcome.NOT_VERIFIED, f"there is no healthy reference to compare the loss with "
+                                              f"({why[len('nothing: '):]})", details,
+                        Unverified.NO_REFERENCE)
     ratio = after / reference
     details["loss_ratio"] = round(ratio, 4)
     if ratio > RECOVERY_LOSS_FACTOR:
@@ -146,6 +154,14 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
                                        f"({after:.4g} against {reference:.4g})", details)
     return Recovery(RECOVERED, f"{steps} steps after it: {skipped} skipped, the loss {after:.4g} is {ratio:.3g}x "
                                f"{reference_from} ({reference:.4g})", details)
+
+
+def climbing(losses: Sequence[float]) -> bool:
+    """The losses (in step order) climb: the median of their last third is more than twice that of their first."""
+    if len(losses) < 3:
+        return False
+    third = max(1, len(losses) // 3)
+    return statistics.median(losses[-third:]) > 2.0 * statistics.median(losses[:third])
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,7 +233,8 @@ def _judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss
     if not (isinstance(divergence_ratio, (int, float)) and divergence_ratio > 1):
         raise ValueError(f"divergence_ratio={divergence_ratio!r}: expected a number above 1")
     window = f"steps {fp32.steps[0]}-{fp32.steps[-1]}" if len(fp32.steps) > 1 else f"step {fp32.steps[0]}"
-    start = f"from the snapshot after step {fp32.from_step}"
+    start = (f"from the snapshot after step {fp32.from_step}" if fp32.from_step >= 0 else
+             "from the snapshot taken at the fit's start, before its first step")
     evidence: dict[str, Any] = {
         "window": [fp32.steps[0], fp32.steps[-1]], "snapshot_step": fp32.from_step,
         "fp32_losses": [_json_float(v) for v in fp32.losses], "loss_level": _json_float(loss_level),
@@ -240,8 +257,26 @@ def _judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss
             f"FP32 training {start} passes {divergence_ratio:g}x the level {loss_level:.4g} before the onset at "
             f"step {cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}: the "
             "optimisation diverges without reduced precision, so it is not an AMP fault"), evidence)
+    if not has_level and finite:
+        # No healthy level to compare with: judge the FP32 run by its own shape, from where it started
+        start_loss = finite[0]
+        evidence["judged_by"] = "its own shape: there is no healthy loss level before the onset"
+        evidence["start_loss"] = start_loss
+        shape = _fp32_climb(fp32, start_loss, divergence_ratio) if start_loss > 0 else None
+        amp_alike = amp is None or amp.faulted or any(
+            v is not None and math.isfinite(v) and v > divergence_ratio * start_loss for v in amp.losses)
+        if shape is not None and amp_alike:
+            (cross_at, cross), (peak_at, peak) = shape
+            return TrajectoryVerdict(TrajectoryKind.FP32_DIVERGES, (
+                f"FP32 training {start} begins at loss {start_loss:.4g}, passes {divergence_ratio:g}x that at step "
+                f"{cross_at} (loss {cross:.4g}) and keeps climbing, to {peak:.4g} at step {peak_at}, as the run's "
+                "own precision does: the optimisation diverges without reduced precision, so it is not an AMP "
+                "fault (there was no healthy level before the onset; the FP32 run is judged by its own shape)"),
+                evidence)
     level_words = (f"at most {peak / loss_level:.3g}x the level {loss_level:.4g} before the onset" if has_level
-                   and peak is not None else "no loss level before the onset to compare with")
+                   and peak is not None else
+                   f"from {finite[0]:.4g} to at most {peak:.4g}, with no healthy level before the onset" if finite
+                   else "no loss level before the onset to compare with")
     fp32_words = f"FP32 training {start} stays finite over {window} ({level_words})"
     if amp is not None and not amp.faulted:
         return TrajectoryVerdict(TrajectoryKind.NOT_REPRODUCED, (
@@ -276,3 +311,63 @@ def _fp32_climb(fp32: TrajectoryResult, loss_level: float, divergence_ratio: flo
 
 def _json_float(value: float | None) -> float | str | None:
     return value if value is None or math.isfinite(value) else str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# The lower-LR counterfactual: the same window, the run's own precision, the learning rate lowered
+# --------------------------------------------------------------------------------------------
+
+#: How much lower the counterfactual replay runs the learning rate: a rate that diverges is seldom only a few
+#: times too high, and a tenth is what the FP32_UNSTABLE remedy tries first.
+LOWER_LR_FACTOR = 0.1
+
+
+class LowerLrKind(str, Enum):
+    """What the replay at a lower learning rate showed."""
+
+    LR_IS_THE_CAUSE = "lr_is_the_cause"  # it trains clean and its loss falls: the learning rate is the cause
+    STILL_FAULTS = "still_faults"  # it still overflows or goes non-finite at the lower LR
+    DOES_NOT_FALL = "does_not_fall"  # clean, but its loss does not fall either: nothing concluded
+    TOO_SHORT = "too_short"  # too few steps to see a trend
+
+
+@dataclass(frozen=True)
+class LowerLrVerdict:
+    """The counterfactual's conclusion, why in a sentence, and the numbers it rests on (JSON-ready)."""
+
+    kind: LowerLrKind
+    reason: str
+    factor: float
+    evidence: dict[str, Any]
+
+
+def judge_lower_lr(lower: TrajectoryResult, factor: float) -> LowerLrVerdict:
+    """What the window replayed at the run's own precision with every learning rate times ``factor`` says. Clean
+    (no non-finite loss or weight, at most one skip: the scaler may probe its scale once) and falling (the median
+    of its last three losses under its first, never above ``CLIMB_AFTER_CROSSING`` x its first): the learning rate
+    is the cause."""
+    evidence: dict[str, Any] = {"factor": factor, "losses": [_json_float(v) for v in lower.losses],
+                                "skipped": lower.skipped}
+    lr = f"the learning rate x{factor:g}"
+    if lower.first_nonfinite is not None or sum(lower.skipped) > 1:
+        return LowerLrVerdict(LowerLrKind.STILL_FAULTS, (
+            f"replayed at the run's own precision with {lr}, the same steps still fault"), factor, evidence)
+    finite = [v for v in lower.losses if v is not None and math.isfinite(v)]
+    if len(finite) < 3:
+        return LowerLrVerdict(LowerLrKind.TOO_SHORT, (
+            f"replayed at the run's own precision with {lr}, the window is too short ({len(finite)} losses) to see "
+            "whether the loss falls"), factor, evidence)
+    first, last = finite[0], statistics.median(finite[-3:])
+    if last < first and max(finite) <= CLIMB_AFTER_CROSSING * first:
+        return LowerLrVerdict(LowerLrKind.LR_IS_THE_CAUSE, (
+            f"replayed at the run's own precision with {lr}, the same steps train clean and the loss falls from "
+            f"{first:.4g} to {last:.4g}: the learning rate is the cause"), factor, evidence)
+    return LowerLrVerdict(LowerLrKind.DOES_NOT_FALL, (
+        f"replayed at the run's own precision with {lr}, the same steps train clean but the loss does not fall "
+        f"({first:.4g} -> {last:.4g})"), factor, evidence)
+
+
+def trains_down(result: TrajectoryResult) -> bool:
+    """The replay's loss falls over its window (the median of its last three losses under its first)."""
+    finite = [v for v in result.losses if v is not None and math.isfinite(v)]
+    return len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]

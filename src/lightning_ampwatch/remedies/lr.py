@@ -23,10 +23,24 @@ def _lr_factor(diagnosis: Diagnosis) -> float:
         factor = min(max(before / after, 0.01), LR_FACTOR)
     else:
         factor = UNSTABLE_LR_FACTOR if diagnosis.finding is Finding.FP32_UNSTABLE else LR_FACTOR
+    if isinstance(diagnosis.evidence.get("lr_tried"), list):
+        return factor  # compounded on the learning rate already tried, in apply
     tried = diagnosis.evidence.get("remedies_tried")
     earlier = sum(1 for t in tried if isinstance(t, dict) and t.get("remedy") == RemedyName.REDUCE_LR) \
         if isinstance(tried, list) else 0
     return factor ** (1 + earlier)
+
+
+def _below_tried(ctx: RemedyContext, diagnosis: Diagnosis) -> float:
+    """How far below the current learning rate the one an earlier rung already tried lies (1: not below, or none
+    tried). A rollback restores the snapshot's learning rate, so a rung after it must start from what was tried,
+    not from what the rollback put back."""
+    tried = diagnosis.evidence.get("lr_tried")
+    if not isinstance(tried, list) or not tried:
+        return 1.0
+    current = [float(g["lr"]) for opt in ctx.trainer.optimizers for g in opt.param_groups]
+    ratios = [t / c for t, c in zip(tried, current) if isinstance(t, (int, float)) and c > 0 and 0 < t < c]
+    return min(ratios) if ratios else 1.0
 
 
 @register
@@ -38,7 +52,7 @@ class ReduceLr(Remedy):
     effects = frozenset({Effect.OPTIMIZERS})
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
-        factor = _lr_factor(diagnosis)
+        factor = _lr_factor(diagnosis) * _below_tried(ctx, diagnosis)
         before, after = [], []
         for opt in ctx.trainer.optimizers:
             for group in opt.param_groups:
@@ -56,6 +70,8 @@ class ReduceLr(Remedy):
         details: dict[str, Any] = {"lr_before": before, "lr_after": after, "factor": float(f"{factor:.6g}")}
         if isinstance(diagnosis.evidence.get("lr_before"), (int, float)):
             details["back_to"] = diagnosis.evidence["lr_before"]  # the LR just before the rise
+        if isinstance(diagnosis.evidence.get("lr_tried"), list):
+            details["compounded_on"] = diagnosis.evidence["lr_tried"]  # what the earlier rung had set
         return details
 
     def describe(self, details: Mapping[str, Any]) -> str:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from lightning_ampwatch.records import (
-    ControlVerdict,
     Outcome,
     Recovery,
     Rollback,
@@ -29,7 +28,9 @@ from lightning_ampwatch.records import (
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.verdicts import judge_recovery
+from lightning_ampwatch.trajectory import replay_trajectory
+from lightning_ampwatch.machine import DIVERGENCE_FINDINGS
+from lightning_ampwatch.verdicts import AMP_BLAMING, judge_recovery, trains_down
 
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
@@ -72,6 +73,35 @@ class Treatment:
     watch: Watch | None = None
     due: list[Diagnosis] = field(default_factory=list)  # alarms waiting for the next optimizer-step boundary
     _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
+    lr_tried: list[float] | None = None  # the learning rates the latest reduce_lr set: a next rung compounds on them
+    diverging: Diagnosis | None = None  # the published record of a divergence not (yet) recovered from
+
+    def folds(self, diagnosis: Diagnosis) -> bool:
+        """An alarm that blames reduced precision while the run diverges (a divergence's remedy is watched, or one
+        did not recover): part of that episode, not a new fault with a remedy of its own."""
+        if diagnosis.finding not in AMP_BLAMING:
+            return False
+        watched = self.watch.diagnosis if self.watch is not None else self.diverging
+        return watched is not None and watched.finding in DIVERGENCE_FINDINGS
+
+    def ended(self, record: Diagnosis) -> None:
+        """The latest published version of a treated record: a divergence stays open until it recovered."""
+        if record.outcome == Outcome.RECOVERED.value:
+            self.lr_tried = None  # it held: a later episode starts its LR ladder afresh
+        if record.finding in DIVERGENCE_FINDINGS:
+            self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
+
+    def end_for(self, alarm: Diagnosis, note: dict[str, Any]) -> Ended:
+        """The watched divergence's remedy did not hold: an alarm of its own came up during it (``note``)."""
+        watch = self.watch
+        assert watch is not None
+        original = watch.diagnosis
+        ended = self.end(Recovery(Outcome.NOT_RECOVERED, (
+            f"the run still diverges: a {alarm.finding.value} alarm came up at step {alarm.step}, during the "
+            "episode"), {"came_back_at": alarm.step, "came_back_as": alarm.finding.value}))
+        during = [*original.evidence.get("alarms_during_episode", []), note]  # type: ignore[misc]
+        return Ended(original, replace(ended.new, evidence={**ended.new.evidence, "alarms_during_episode": during}),
+                     ended.recovery)
 
     def wants(self, diagnosis: Diagnosis) -> bool:
         """Whether this alarm has an allowed remedy on its ladder (then it waits for the step boundary)."""
@@ -88,18 +118,24 @@ class Treatment:
     # ------------------------------------------------------------------ rolling back
 
     def roll_back(self, diagnosis: Diagnosis, *, now: int, control: Any, decide: Callable[[Any], Any],
-                  host: Any) -> tuple[Any, Rollback, list[Any]]:
+                  host: Any, untouched: bool = False) -> tuple[Any, Rollback, list[Any]]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
         it. Returns the snapshot (kept for a later rung), the :class:`Rollback` record, and, with
         ``replay_episode``, the episode's held batches. ``decide`` is rank zero's value on every rank; ``host``
         loads checkpoint files. The caller re-reads what a rollback changes (:data:`ROLLED_BACK`)."""
         if not self.rollback:
             return None, Rollback(RollbackKind.OFF, now), []
+        if untouched:  # from the fit's first step the scaler skipped every step: nothing changed to go back from
+            self._retry = None
+            return None, Rollback(RollbackKind.NONE, now, why=(
+                f"the scaler skipped every step since the onset at step {diagnosis.step}, the fit's first, so the "
+                "weights and the optimizer are still those it started with: nothing to roll back, the remedy is "
+                "applied in place")), []
         before = _last_good_step(diagnosis)
         retry, self._retry = self._retry, None
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
         if snapshot is None and control is not None and control.ring.enabled:
-            snapshot = control.ring.newest_before(before)
+            snapshot = control.ring.newest_before(max(before, 0))  # the fit's starting state is before step 0
         target = decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
         if target is not None and snapshot is not None and snapshot.step == target:
             episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
@@ -145,11 +181,47 @@ class Treatment:
                     recent: Any, window: int, steps_seen: int, skipped_total: int) -> None:
         """The remedy is in effect from step ``applied.step``: watch it for ``recovery_steps`` steps."""
         self.applied.append(applied)
+        if applied.name is RemedyName.REDUCE_LR and isinstance(applied.details.get("lr_after"), list):
+            self.lr_tried = list(applied.details["lr_after"])
         rollback = facts_of(treated).rollback
         resumed_at = rollback.resumed_at if rollback is not None else None
         reference, reference_from = _reference(treated, level, resumed_at, recent, window)
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot)
+        self.ended(treated)
+
+    def fp32_reference(self, control: Any, now: int) -> None:
+        """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
+        replay FP32 training from the newest snapshot before the remedy over the same steps the remedied run took.
+        If that trains down (finite, its loss falling), what it reached is a healthy reference; otherwise there is
+        still none and the outcome stays unverified."""
+        watch = self.watch
+        if watch is None or watch.reference is not None or control is None or not control.ring.enabled:
+            return
+        snapshot = control.ring.newest_before(watch.start)
+        if snapshot is None:
+            return
+        steps = control.ring.batches(snapshot.step + 1, now - 1)
+        if len(steps) < 3 or len(steps) != now - 1 - snapshot.step:
+            return
+        try:
+            fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
+        except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
+            return
+        finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
+        if fp32.first_nonfinite is not None or not trains_down(fp32):
+            return
+        third = max(1, len(finite) // 3)
+        self.watch = replace(watch, reference=statistics.median(finite[-third:]), reference_from=(
+            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, "
+            "where it trained down)"))
+
+    def with_lr_tried(self, diagnosis: Diagnosis, choice: Any) -> Diagnosis:
+        """Before a ``reduce_lr`` rung that follows an earlier one: the learning rates that one set, in the evidence
+        (``lr_tried``), so that the rung compounds on them rather than on what a rollback restored."""
+        if self.lr_tried is None or choice is None or choice[1] is not RemedyName.REDUCE_LR:
+            return diagnosis
+        return replace(diagnosis, evidence={**diagnosis.evidence, "lr_tried": list(self.lr_tried)})
 
     def judgement_due(self, steps_seen: int) -> bool:
         watch = self.watch
@@ -225,29 +297,40 @@ def _last_good_step(diagnosis: Diagnosis) -> int:
 
 def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None,
                recent: Any, window: int) -> tuple[float | None, str]:
-    """What the loss must come back to. After a rollback, the loss the run had at the state it went back to (the
-    steps up to it): it cannot be asked to be better than that. Where the FP32 replay confirmed an AMP fault,
-    what FP32 reached on the episode's own steps, if higher (harder batches raise the loss without anything being
-    broken). Else the loss level before the episode; with no level yet (a fault at the first steps), the FP32
-    control's loss on the faulty batch, when it cleared the batch as an AMP fault."""
+    """What the loss must come back to: only ever a reference known to be healthy. ``level`` is the healthy level
+    from before the episode (None when the episode began before any healthy stretch). After a rollback, the loss the
+    run had where it went back to, if higher (it cannot be asked to be better than that; that stretch lies before
+    the episode, so it is healthy when a healthy level exists). Where the FP32 replay confirmed an AMP fault and
+    itself trained down, what FP32 reached on the episode's own steps, if higher. With neither, nothing: the outcome
+    is then not verified, never "recovered" against a level made of the trouble itself."""
     facts = facts_of(diagnosis)
-    if resumed_at is not None:
-        then = [loss for step, loss in recent if resumed_at - window <= step <= resumed_at and math.isfinite(loss)]
-        if then:
-            level = max(statistics.median(then), level or 0.0)
-            return level, f"the loss level where the run went back to (step {resumed_at})"
     trajectory = facts.trajectory
+    fp32_reached: float | None = None
     if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED:
         finite = [v for v in trajectory.fp32_losses if v is not None and math.isfinite(v)]
-        if finite:
-            return max(statistics.median(finite), level or 0.0), "what FP32 reached replaying the episode's steps"
+        if len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]:  # FP32 trained down: a healthy run
+            fp32_reached = statistics.median(finite)
     if level is not None:
-        return level, "the loss level before the episode"
-    control = facts.control
-    if control is not None and control.verdict is ControlVerdict.AMP_FAULT and control.control_loss is not None \
-            and math.isfinite(control.control_loss):
-        return control.control_loss, "the FP32 control's loss on the faulty batch"
-    return None, "nothing: no loss was read before the episode"
+        if resumed_at is not None:
+            then, _, _ = level_at(recent, resumed_at, window)
+            if then is not None and then > level:
+                return then, f"the healthy loss level where the run went back to (step {resumed_at})"
+        if fp32_reached is not None and fp32_reached > level:
+            return fp32_reached, "what FP32 reached replaying the episode's steps"
+        return level, "the healthy loss level before the episode"
+    if fp32_reached is not None:
+        return fp32_reached, "what FP32 reached replaying the episode's steps (it trained down)"
+    return None, "nothing: there was no healthy loss level before the episode"
+
+
+def level_at(recent: Any, resumed_at: int, window: int) -> tuple[float | None, int, int]:
+    """The loss level a run had where it went back to: the median of the finite losses of the ``window`` steps before
+    ``resumed_at`` (None when there were none: back to the fit's start, whose first loss is the base again), with
+    the steps it spans."""
+    then = [(step, loss) for step, loss in recent if resumed_at - window <= step < resumed_at and math.isfinite(loss)]
+    if not then:
+        return None, resumed_at, resumed_at
+    return statistics.median(v for _, v in then), then[0][0], then[-1][0]
 
 
 def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
