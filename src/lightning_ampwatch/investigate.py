@@ -463,11 +463,22 @@ class TrajectoryControl:
         episode at that very step has a state to replay from and to roll back to."""
         ring = self.ring
         self.start_step = global_step
-        if ring.enabled:
+        if not ring.enabled:
+            return
+        try:
             ring.after_step(global_step - 1, self.state, due=True)
-            if not ring.enabled:
-                self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
-                         "loss trend still separates divergence from overflow.")
+        except Exception as err:  # noqa: BLE001 - a failed snapshot costs the control, never the run
+            self._failed(err)
+            return
+        if not ring.enabled:
+            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
+                     "loss trend still separates divergence from overflow.")
+
+    def _failed(self, err: Exception) -> None:
+        """A snapshot failed: the ring is off for the run with the real reason, and the failure reported once."""
+        self.ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
+        if self.on_failure is not None:
+            self.on_failure("a snapshot for the FP32 trajectory control", err)
 
     def note_step(self, step: int, batches: Sequence[Any], quiet: bool, known: bool = True) -> None:
         """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
@@ -489,9 +500,7 @@ class TrajectoryControl:
                     else:
                         self._timed_snapshot(step)
         except Exception as err:  # noqa: BLE001 - the step is still taken in by the ledger: never drop it
-            ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
-            if self.on_failure is not None:
-                self.on_failure("a snapshot for the FP32 trajectory control", err)
+            self._failed(err)
             return
         if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
             self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "

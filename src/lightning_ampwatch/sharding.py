@@ -68,12 +68,15 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     modules :func:`unsupported_reason` accepts, every tensor in them is (or, for a DTensor, wraps) the live tensor,
     and every per-parameter dict is the optimizer's own ``state[param]``.
 
-    ``get_state_dict`` steps an optimizer that has no state and no gradients once, at LR 0, to create its state;
-    the optimizers' step hooks are hidden meanwhile so that AmpWatch's own hook never counts that as a step."""
+    ``get_state_dict`` steps an optimizer that has no state and no gradients once, at LR 0, to create its state.
+    That step is not harmless (Adam's step count and bias correction move, so the run is no longer the one it would
+    have been): an optimizer with no state yet (before the first step, or a stateless SGD) is left out, its state
+    is empty. The optimizers' step hooks are hidden all the same so that AmpWatch's own hook never counts a step."""
     options = StateDictOptions(ignore_frozen_params=True)
+    optimizers = [opt for opt in optimizers if opt.state]
     with without_step_hooks(optimizers):
         if optimizers:
-            model_sd, optim_sd = get_state_dict(root, list(optimizers), options=options)
+            model_sd, optim_sd = get_state_dict(root, optimizers, options=options)
         else:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
             model_sd, optim_sd = get_model_state_dict(root, options=options), {"state": {}}
