@@ -35,7 +35,7 @@ from lightning_ampwatch.remedies import (
     reapply_all,
 )
 from lightning_ampwatch.remedies.treatment import Site, Treatment
-from lightning_ampwatch.reporters import Reporters
+from lightning_ampwatch.reporters import VERBOSE_MODES, Reporters
 from lightning_ampwatch.signals import resolve_precision, scaler_config
 from lightning_ampwatch.steps import ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
@@ -120,7 +120,7 @@ class AmpWatch(Callback):
         control_replay: bool = True,
         localize: bool = True,
         hold_lr_on_skip: bool = False,
-        verbose: bool = True,
+        verbose: Union[bool, Literal["full"]] = True,
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
@@ -134,10 +134,13 @@ class AmpWatch(Callback):
         if on_unrecoverable not in UNRECOVERABLE_MODES:
             raise ValueError(f"on_unrecoverable={on_unrecoverable!r} is not valid; use one of {UNRECOVERABLE_MODES}")
         for flag, value in (("control_replay", control_replay), ("localize", localize),
-                            ("hold_lr_on_skip", hold_lr_on_skip), ("verbose", verbose), ("rollback", rollback),
+                            ("hold_lr_on_skip", hold_lr_on_skip), ("rollback", rollback),
                             ("replay_episode", replay_episode)):
             if not isinstance(value, bool):
                 raise ValueError(f"{flag}={value!r} is not valid; use True or False")
+        if not any(verbose is mode or (isinstance(mode, str) and verbose == mode) for mode in VERBOSE_MODES):
+            raise ValueError(f"verbose={verbose!r} is not valid; use True or False, or \"full\" (every evidence row "
+                             "on the console)")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise ValueError(f"thresholds={thresholds!r} is not valid; use lightning_ampwatch.Thresholds(...) or None")
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):

@@ -36,7 +36,6 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         return 2
     _quiet_lightning()
     from lightning_ampwatch.callback import AmpWatch
-    from lightning_ampwatch.remedies import RemedyName
     from lightning_ampwatch.scenarios import run_scenario
 
     scenario = SCENARIOS[args.scenario]
@@ -53,7 +52,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.print(scenario.description)
     console.print(f"Precision: {scenario.precision} on the CPU, {steps} optimizer steps, logs in {root}\n",
                   markup=False, soft_wrap=True)  # never break a path across lines
-    watch = AmpWatch(remediate=[r.value for r in RemedyName] if args.remediate else False)  # reduce_lr included
+    watch = AmpWatch(remediate="all" if args.remediate else False)  # reduce_lr included
     run_scenario(args.scenario, str(root), watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
     console.print()
