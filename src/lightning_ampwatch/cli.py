@@ -1,4 +1,4 @@
-"""``ampwatch``: run a demo that hits a real AMP fault, or summarise a run's diagnoses."""
+"""ampwatch: run a demo that hits a real AMP fault, or summarise a run's diagnoses."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
 from lightning_ampwatch.reporters import EVENT_LOG_NAME, ensure_writable
 
@@ -27,8 +29,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     from lightning_ampwatch.scenarios import SCENARIOS
 
     if args.list:
-        for name, scenario in SCENARIOS.items():
-            console.print(f"[bold]{name:<18}[/bold] -> {scenario.expected:<18} {scenario.description}")
+        _list_scenarios(SCENARIOS, console)
         return 0
     if args.scenario not in SCENARIOS:
         console.print(f"[red]Unknown scenario {escape(repr(args.scenario))}.[/red] "
@@ -67,6 +68,17 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     if event_log.is_file():
         console.print(f"Event log: {event_log}", markup=False, soft_wrap=True)
     return 0 if scenario.expected in found else 1
+
+
+def _list_scenarios(scenarios: dict[str, Any], console: Console) -> None:
+    """One scenario a row: its name, the finding it makes, and its description wrapped in its own column."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True, style="bold")
+    table.add_column(no_wrap=True)
+    table.add_column(ratio=1)
+    for name, scenario in scenarios.items():
+        table.add_row(Text(name), Text(scenario.expected), Text(scenario.description))
+    console.print(table)
 
 
 def _say_recovery(watch: object, console: Console) -> None:
