@@ -283,7 +283,7 @@ class AmpWatch(Callback):
         self.reporters = reporters = Reporters(self.log_dir or trainer.log_dir or trainer.default_root_dir,
                                                is_global_zero=trainer.is_global_zero, verbose=self.verbose,
                                                precision=info.mode.value, device=pl_module.device,
-                                               world_size=self._world_size)
+                                               world_size=self._world_size, remedies=self.remedies)
         self._ledger = StepLedger(machine, info, reporters.timeline, device_type=pl_module.device.type,
                                   world_size=self._world_size)
         investigator = Investigator(pl_module, _ForwardContext(trainer), pl_module.device, info.mode,

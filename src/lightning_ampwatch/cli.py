@@ -84,14 +84,15 @@ def _list_scenarios(scenarios: dict[str, Any], console: Console) -> None:
 def _say_recovery(watch: object, console: Console) -> None:
     """After a ``--remediate`` demo: each alarm's remedy, where the run went back to, and whether it was verified;
     or why it got none."""
-    from lightning_ampwatch.remedies import ladder_for
+    from lightning_ampwatch.reporters import unremedied_reason
     from lightning_ampwatch.summary import remedy_outcome
 
-    for d in [d for d in getattr(watch, "diagnoses", []) if d.is_alarm]:
+    diagnoses = list(getattr(watch, "diagnoses", []))
+    for d in sorted((d for d in diagnoses if d.is_alarm), key=lambda d: d.step):
         if d.remedy is None:
-            ladder = ", ".join(ladder_for(d))
-            why = f"its ladder ({ladder}) did not apply here" if ladder else "no AMP setting fixes it"
-            console.print(f"{d.finding.value} at step {d.step}: no remedy, {why}.", markup=False, soft_wrap=True)
+            why = unremedied_reason(d, diagnoses, getattr(watch, "remedies", None)) or "see the advice above"
+            console.print(f"{d.finding.value} at step {d.step}: no remedy; {why}.",
+                          markup=False, soft_wrap=True)
             continue
         console.print(f"Remedy for {d.finding.value} at step {d.step}: {remedy_outcome(d)}.", markup=False,
                       soft_wrap=True)

@@ -189,6 +189,37 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     return "\n".join(lines)
 
 
+def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
+                      allowed: Iterable[str] | None) -> str | None:
+    """Why an alarm got no remedy, in a few words for the summary (after "not fixed: see the advice above; "): no ladder, a ladder ``remediate`` leaves out
+    (``reduce_lr`` is opt-in), rungs that could not apply here, or a ladder used up by the same finding's earlier
+    alarms. ``None`` when nothing can be said (``allowed`` unknown) or remediation is off."""
+    from lightning_ampwatch.remedies import ladder_for
+
+    if allowed is None:
+        return None
+    allowed = frozenset(allowed)
+    ladder = [str(getattr(r, "value", r)) for r in ladder_for(diagnosis)]
+    if not ladder:
+        return "no AMP setting fixes it"
+    if not allowed:
+        return None
+    named = ", ".join(ladder)
+    if not any(r in allowed for r in ladder):
+        tail = ', remediate="all" allows it' if "reduce_lr" in ladder else ""
+        return f"remediate= leaves out its ladder ({named}){tail}"
+    failed = diagnosis.evidence.get("remedies_failed")
+    if isinstance(failed, list) and failed:
+        return f"no allowed remedy could apply here ({'; '.join(str(f) for f in failed)})"
+    tried = [d.step for d in diagnoses
+             if d.finding is diagnosis.finding and d.step < diagnosis.step and d.remedy in ladder]
+    if tried:
+        steps = ", ".join(str(s) for s in tried)
+        return f"its ladder ({named}) is used up, tried for the alarm{'s' if len(tried) > 1 else ''} " \
+               f"at step{'s' if len(tried) > 1 else ''} {steps}"
+    return f"no rung of its ladder ({named}) was applied"
+
+
 # One writer per logger kind that takes text; loggers not listed get metrics only (the jsonl has the text).
 TextWriter = Callable[[Any, Diagnosis], None]
 
@@ -290,8 +321,10 @@ class Reporters:
     (naming the sink, and the path for files) and never stops the other sinks or the caller."""
 
     def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool | str,
-                 precision: str, device: torch.device, world_size: int = 1) -> None:
+                 precision: str, device: torch.device, world_size: int = 1,
+                 remedies: Iterable[str] | None = None) -> None:
         self.dir = Path(log_dir) / "ampwatch"
+        self.remedies = None if remedies is None else frozenset(str(r) for r in remedies)  # what remediate= allows
         self.is_global_zero = is_global_zero
         self.verbose = verbose
         # what the console last showed of each diagnosis: a later fact about it prints as a short update
@@ -421,14 +454,18 @@ class Reporters:
         verbose)."""
         self._sink("loggers", self._release_metrics)
         if self.timeline is not None and stats is not None:
+            scale = stats.scale if stats.precision in (None, "fp16") else None  # a bf16 fallback dropped the scaler
             self._sink("timeline", lambda: self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite,
-                                                                    stats.scale), self.timeline.path)
+                                                                    scale, precision=stats.precision),
+                       self.timeline.path)
         self.flush()
         if self.is_global_zero and self.verbose and stats is not None:
             self._sink("console", lambda: self._print_summary(diagnoses, stats))
 
     def _print_summary(self, diagnoses: Sequence[Diagnosis], stats: RunStats) -> None:
-        for line in summary_lines(diagnoses, stats, self.dir.parent):
+        why = {(d.finding, d.step): unremedied_reason(d, diagnoses, self.remedies)
+               for d in diagnoses if d.is_alarm and not d.remedy}
+        for line in summary_lines(diagnoses, stats, self.dir.parent, why):
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _release_metrics(self) -> None:
