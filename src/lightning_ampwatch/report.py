@@ -399,8 +399,8 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
 
 
 def _evidence_html(d: Diagnosis) -> str:
-    """The rows this finding rests on first (the console panel's), then the others under a fold, none cut
-    silently: a value over ``MAX_TEXT`` characters says where the whole one is."""
+    """The rows this finding rests on first (the console panel's, and a remedy's recovery), then the others under
+    a fold."""
     if not d.evidence:
         return "-"
 
@@ -408,7 +408,7 @@ def _evidence_html(d: Diagnosis) -> str:
         return "".join(f"<tr><td>{html.escape(_clip(str(k)))}</td><td>{html.escape(_clip(format_value(v)))}</td></tr>"
                        for k, v in items)
 
-    key = panel_rows(d)
+    key = panel_rows(d) + [(k, d.evidence[k]) for k in ("recovery", "remedies_tried") if k in d.evidence]
     shown = {k for k, _ in key}
     rest = [(k, v) for k, v in d.evidence.items() if k not in shown]
     out = f'<table class="evidence">{rows(key)}</table>' if key else ""
