@@ -265,7 +265,7 @@ class RunWatcher:
         self.world_size = host.world_size
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
-                                   world_size=self.world_size, say=self._say)
+                                   world_size=self.world_size, remedies=config.remedies, say=self._say)
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,

@@ -394,8 +394,9 @@ class TrajectoryControl:
         snapshot = self.ring.newest_before(diagnosis.step) if self.ring.enabled else None
         local: TrajectoryVerdict | str | None = None  # the verdict, or what went wrong (a string)
         if snapshot is None:
-            reason = self.ring.reason or (f"no snapshot from before the onset (step {diagnosis.step}) is held; "
-                                          f"one is taken every {self.ring.every} steps")
+            reason = self.ring.reason or self.ring.dropped or (
+                f"no snapshot from before the onset (step {diagnosis.step}) is held; "
+                f"one is taken every {self.ring.every} steps")
             ev["trajectory_control"] = f"not run: {reason}"
         else:
             try:

@@ -95,6 +95,8 @@ def parse_remediate(remediate: Any) -> frozenset[RemedyName]:
     """``remediate=`` as a set of remedy names; ``ValueError`` naming the bad value and the valid ones."""
     if remediate is True:
         return frozenset(DEFAULT_REMEDIES)
+    if remediate == "all":  # every remedy, reduce_lr included (API.md)
+        return frozenset(RemedyName)
     if remediate is False or remediate is None:
         return frozenset()
     valid = ", ".join(r.value for r in RemedyName)
@@ -103,7 +105,7 @@ def parse_remediate(remediate: Any) -> frozenset[RemedyName]:
     try:
         items = list(remediate)
     except TypeError:
-        raise ValueError(f"remediate={remediate!r} is not valid; use True, False, a remedy name or a list of them "
+        raise ValueError(f"remediate={remediate!r} is not valid; use True, False, 'all', a remedy name or a list of them "
                          f"({valid})") from None
     names = []
     for item in items:
