@@ -7,16 +7,22 @@ from __future__ import annotations
 import html
 import io
 import itertools
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from rich.console import Console
+from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Diagnosis, Finding
 from lightning_ampwatch.cli import main
 from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, timeline_figure
-from lightning_ampwatch.scenarios import run_scenario
+from lightning_ampwatch.scenarios import ExpAttention, regression_data, run_scenario, true_fp16_plugin
 from lightning_ampwatch.summary import RunStats, summary_lines
 
 COUNTS = re.compile(r"(\d+ optimizer steps?[^;]*);")
@@ -140,3 +146,63 @@ def test_plot_labels_at_the_same_step_do_not_collide(tmp_path: Path) -> None:
     boxes = [t.get_window_extent(renderer) for t in labels]
     for a, b in itertools.combinations(boxes, 2):
         assert not a.overlaps(b), (a, b)
+
+
+class _Gan(LightningModule):
+    """Manual optimization with two optimizers (generator, then discriminator), one GradScaler: Lightning's
+    ``global_step`` counts both optimizers' steps. The discriminator's exp() overflows float16 on the large real
+    data, so its own steps are the ones the scaler skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.d = nn.Sequential(nn.Linear(16, 16), ExpAttention(16), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        x, _ = batch
+        fake = self.g(torch.randn_like(x))
+        g_loss = -self.d(fake).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        d_loss = self.d(x).mean() - self.d(fake.detach()).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.g.parameters(), lr=1e-3), torch.optim.SGD(self.d.parameters(), lr=1e-3)
+
+
+class _TakenSteps(Callback):
+    """Counts, apart from AmpWatch, the optimizer steps the scaler let through (its step post-hook runs only for
+    those)."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for opt in trainer.optimizers:
+            opt.register_step_post_hook(lambda *_: setattr(self, "taken", self.taken + 1))
+
+
+def test_a_gans_summary_counts_every_optimizers_steps_as_lightning_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seed_everything(0, verbose=False)
+    watch, taken = AmpWatch(), _TakenSteps()
+    trainer = Trainer(accelerator="cpu", max_steps=20, plugins=[true_fp16_plugin()], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), callbacks=[watch, taken])
+    trainer.fit(_Gan(), DataLoader(regression_data(x_scale=10.0), batch_size=32))
+    assert trainer.global_step == 20  # 10 batches, two optimizer steps each
+    skipped = trainer.global_step - taken.taken
+    assert skipped >= 10  # every discriminator step overflowed: its skips are the run's own, and counted
+    scale = trainer.precision_plugin.scaler.get_scale()
+    summary = summary_counts(capsys.readouterr().out)
+    assert summary.startswith(f"20 optimizer steps, {skipped} skipped by the scaler"), summary
+    assert summary.endswith(f"loss scale 2**{int(math.log2(scale))} at the end"), summary  # the scaler's own
+    out = report_out(tmp_path, capsys)
+    assert f"  {summary};" in out, out  # the report says what the summary said
+    assert [d.finding for d in watch.diagnoses if d.is_alarm] == [Finding.FORWARD_OVERFLOW]

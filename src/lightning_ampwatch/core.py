@@ -340,9 +340,9 @@ class RunWatcher:
         if self.disabled or ledger is None:
             return
         try:
-            if ledger.stepped:  # manual optimization: a second step in the same batch
-                self._take_closed(ledger.close(self.host, self.machine.quiet))  # type: ignore[union-attr]
-            ledger.stepped = True  # the step itself is read when it is over, in batch_end
+            if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
+                self._take_closed(ledger.close(self.host, self.machine.quiet, split=True))  # type: ignore[union-attr]
+            ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self.investigations is not None and self.investigations.probing:
                 self.investigations.optimizer_step(optimizer)
         except Exception as err:  # noqa: BLE001
