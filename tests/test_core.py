@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, ContextManager, Sequence
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from conftest import make_trainer
 from torch import nn
@@ -16,7 +17,7 @@ from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.core import Host, RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.remedies import RemedyContext
+from lightning_ampwatch.remedies import RemedyContext, RemedyName
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.signals import PrecisionInfo
 from lightning_ampwatch.machine import PrecisionMode
@@ -104,15 +105,14 @@ def test_the_lightning_adapter_hands_the_core_a_host(tmp_path: Path) -> None:
     assert watch._host is None  # dropped at the end of the fit: the instance holds no trainer
 
 
-def test_the_core_names_a_startup_overflow_in_a_hand_written_fp16_loop(tmp_path: Path) -> None:
-    """A loop with no framework: the scale starts far too high, the scaler skips step after step, and the core
-    names the start-up overflow with the scale that held, after replaying the step through ``step_loss``."""
+def _startup_overflow_loop(config: WatchConfig, tmp_path: Path) -> RunWatcher:
+    """A hand-written fp16 loop whose scaler starts far too high: 48 steps, the core driven call by call."""
     torch.manual_seed(0)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     host = PlainHost(model, optimizer, scaler, tmp_path)
-    watcher = RunWatcher(WatchConfig(verbose=False, log_dir=tmp_path))
+    watcher = RunWatcher(config)
     watcher.start(host)
     watcher.begin_training()
     data = torch.utils.data.DataLoader(regression_data(n=8 * 48), batch_size=8)
@@ -130,6 +130,13 @@ def test_the_core_names_a_startup_overflow_in_a_hand_written_fp16_loop(tmp_path:
         host.steps += 1
         watcher.batch_end((x, y), batch_idx)
     watcher.finish()
+    return watcher
+
+
+def test_the_core_names_a_startup_overflow_in_a_hand_written_fp16_loop(tmp_path: Path) -> None:
+    """A loop with no framework: the scale starts far too high, the scaler skips step after step, and the core
+    names the start-up overflow with the scale that held, after replaying the step through ``step_loss``."""
+    watcher = _startup_overflow_loop(WatchConfig(verbose=False, log_dir=tmp_path), tmp_path)
 
     assert watcher.machine is not None and watcher.machine.steps_seen == 48
     alarms = [d for d in watcher.diagnoses if d.is_alarm]
@@ -146,3 +153,27 @@ def test_the_core_names_a_startup_overflow_in_a_hand_written_fp16_loop(tmp_path:
     assert [e["finding"] for e in logged] == ["GRADIENT_OVERFLOW"]
     assert watcher.host is None  # close() dropped the host
     watcher.close()  # idempotent, never raises
+
+
+def test_both_adapters_share_one_validation_of_verbose_and_remediate() -> None:
+    """WatchConfig, which AmpWatch and FabricWatch both build, takes verbose="full" and remediate="all" and
+    refuses the same bad values with the same words."""
+    assert WatchConfig(verbose="full").verbose == "full"
+    assert WatchConfig(remediate="all").remedies == frozenset(RemedyName)
+    assert RemedyName.REDUCE_LR not in WatchConfig(remediate=True).remedies
+    for bad in ("loud", "FULL", 1, None):
+        with pytest.raises(ValueError, match="True or False, or \"full\""):
+            WatchConfig(verbose=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'all'"):
+        WatchConfig(remediate=3)  # type: ignore[arg-type]
+
+
+def test_the_cores_summary_says_why_an_alarm_got_no_remedy(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The core hands the reporters what remediate= allows: with reduce_lr alone, the start-up overflow's ladder
+    (lower_init_scale, bf16_fallback) is left out, and the summary says so."""
+    watcher = _startup_overflow_loop(WatchConfig(remediate=["reduce_lr"], log_dir=tmp_path), tmp_path)
+    watcher.close()
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GRADIENT_OVERFLOW in 2.weight (not fixed: see the advice above; remediate= leaves out its ladder " \
+           "(lower_init_scale, bf16_fallback))" in out, out

@@ -132,9 +132,10 @@ def test_help_lists_the_arguments_with_their_docs(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         LightningCLI(SummedLossRegressor, run=False, args=["--trainer.callbacks.help", "lightning_ampwatch.AmpWatch"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--trainer.callbacks.remediate" in text and "every remedy except ``reduce_lr``" in text
+    assert "--trainer.callbacks.remediate" in text and "every remedy except `reduce_lr`" in text
     assert "--trainer.callbacks.on_unrecoverable {warn,stop,raise}" in text
     assert "--trainer.callbacks.thresholds" in text
+    assert "``" not in text  # the docstring's markup is Markdown (single backticks), not RST
 
 
 def test_command_line_takes_a_single_remedy_name(tmp_path: Path) -> None:
@@ -145,3 +146,14 @@ def test_command_line_takes_a_single_remedy_name(tmp_path: Path) -> None:
     ])
     (watch,) = watches(cli)
     assert watch.remedies == {"lower_init_scale"}
+
+
+def test_command_line_allows_every_remedy_with_all(tmp_path: Path) -> None:
+    cli = LightningCLI(SummedLossRegressor, run=False, save_config_callback=None, args=[
+        "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=lightning_ampwatch.AmpWatch",
+        "--trainer.callbacks.remediate=all", "--trainer.callbacks.verbose=full",
+    ])
+    (watch,) = watches(cli)
+    assert "reduce_lr" in watch.remedies and len(watch.remedies) == 6
+    assert watch.verbose == "full"

@@ -51,7 +51,8 @@ def tensorboard_texts(logger: TensorBoardLogger) -> list[str]:
 
 
 def test_console_panel_prints_user_text_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reporters(tmp_path).publish(HOSTILE, [])
+    # verbose="full": the compact panel shows only a finding's own evidence rows, and "[dim]op" is not one of them
+    reporters(tmp_path, verbose="full").publish(HOSTILE, [])
     out = flat(capsys.readouterr().out)
     assert "AmpWatch: FORWARD_OVERFLOW at step 3 in heads.[bold red]x" in out
     assert "[dim]op" in out and "return losses[idx] * 1024" in out

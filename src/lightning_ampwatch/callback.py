@@ -137,35 +137,75 @@ class AmpWatch(Callback):
     r"""Watch a mixed-precision run and name the cause when it goes wrong.
 
     Every optimizer step it learns, at no extra host-device synchronisation, whether the GradScaler skipped the
-    step, the scale and its growth, and the learning rate; on an anomaly it reads the loss and the batch,
-    classifies the episode into the AMP failure taxonomy and reports it once.
+    step, the scale and its growth, the loss and the learning rate; on an anomaly it reads the loss and the batch,
+    replays the faulty step (with probes, and in float32 as a control), classifies the episode into the AMP
+    failure taxonomy and reports it once: a console panel (rank zero), a JSON line in
+    `<log_dir>/ampwatch/diagnoses.jsonl`, text for the loggers that take it. With `remediate` it also fixes the
+    run mid-training and verifies that it recovered.
 
     Args:
-        remediate: ``False`` (diagnose only), ``True`` (every remedy except ``reduce_lr``), or one remedy name or
-            an iterable of them: ``lower_init_scale``, ``slow_growth``, ``fp32_island``, ``bf16_fallback``,
-            ``reduce_lr``, ``unscale_before_clip``.
-        on_unrecoverable: what to do about an alarm no allowed remedy fixes: ``"warn"`` (report and go on),
-            ``"stop"`` (set ``trainer.should_stop`` for a clean end) or ``"raise"`` (:class:`AmpWatchError`).
-        control_replay: replay the offending batch without autocast (the FP32 control) on the first alarm.
-        localize: name the first module or parameter that overflowed.
-        hold_lr_on_skip: a step the scaler skipped does not advance the LR scheduler either.
-        verbose: print each diagnosis once on the console (rank zero).
-        thresholds: when patterns become alarms; the defaults suit a default GradScaler.
-        log_dir: where ``ampwatch/diagnoses.jsonl`` goes; defaults to the trainer's log directory. ``~`` is expanded.
+        remediate: `False` (diagnose only), `True` (every remedy except `reduce_lr`), `"all"` (every remedy,
+            `reduce_lr` included), or one remedy name or an iterable of them: `lower_init_scale`, `slow_growth`,
+            `fp32_island`, `bf16_fallback`, `reduce_lr`, `unscale_before_clip`.
+        on_unrecoverable: what to do about an alarm that no allowed remedy fixes: `"warn"` (report and go on),
+            `"stop"` (set `trainer.should_stop` for a clean end) or `"raise"` (`AmpWatchError`, with the
+            diagnosis as `.diagnosis`).
+        control_replay: on the first alarm of an episode, replay the offending batch without autocast (the FP32
+            control). `False` also turns off the FP32 trajectory control and the snapshots it keeps, so a
+            rollback can then only go back to a `ModelCheckpoint` file.
+        localize: name the first module or parameter that overflowed (probes armed for the replay only).
+        hold_lr_on_skip: a step the scaler skipped does not advance a step-interval LR scheduler either.
+        verbose: `True` prints each diagnosis once on the console (rank zero) as a compact panel with the
+            evidence rows its finding rests on, and the end-of-fit summary; `"full"` prints every evidence row;
+            `False` prints nothing (the event log and the loggers still get everything).
+        thresholds: when patterns become alarms (streak lengths, windows, the input limit, the loss trend);
+            `None` means `Thresholds()`, which suits a default GradScaler.
+        log_dir: where `ampwatch/diagnoses.jsonl` and `ampwatch/timeline.jsonl` go; `None` means the trainer's
+            log directory (`default_root_dir` without a logger). A leading `~` is expanded.
         name: tells two AmpWatch instances in one Trainer apart (their checkpoint state is filed under
-            ``AmpWatch[name]``); leave it ``None`` for one instance (state under ``AmpWatch``).
-        snapshot_every: keep an in-memory snapshot (weights, optimizer, scaler, schedulers, RNG) every this many
-            optimizer steps, the newest two, for the FP32 trajectory control; ``0`` turns snapshots off.
-            ``"auto"`` (the default): every 20 steps at first; once the first snapshots have been timed, as often
-            as keeps their copies within 0.25% of the training time (said once when that lengthens the interval).
+            `AmpWatch[name]`); leave it `None` for one instance (state under `AmpWatch`).
+        snapshot_every: keep an in-memory snapshot (weights, buffers, optimizer, scaler, step schedulers, RNG)
+            every this many optimizer steps, the newest two, for the FP32 trajectory control and for rollback;
+            `0` turns snapshots off. `"auto"` (the default): every 20 steps at first; once the first snapshots
+            have been timed, as often as keeps their copies within 0.25% of the training time (said once when that
+            lengthens the interval; under DDP it stays at 20, since the ranks snapshot at the same steps).
         snapshot_budget: the host memory, in bytes, that snapshots and the batches since them may hold together;
-            ``None`` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, the control
-            falls back to the single batch, and AmpWatch says so once.
-        rollback: before a remedy is applied, go back to the newest snapshot from before the episode's onset (else
-            the newest ``ModelCheckpoint`` file from before it) and skip the episode's batches; ``False`` applies
-            remedies in place.
+            `None` means a tenth of the host's RAM, at most 8 GiB. When one snapshot does not fit, snapshots are
+            off for the run, and AmpWatch says so once.
+        rollback: before a remedy is applied, go back to the newest snapshot from before the step that may have
+            done the damage (else the newest `ModelCheckpoint` file from before it) and skip the episode's
+            batches; `False` applies remedies in place.
         replay_episode: after a rollback to a snapshot, train on the episode's batches again with the remedy in
-            effect, instead of skipping them (the practice after a loss spike is to skip them).
+            effect, instead of skipping them (the usual practice after a loss spike is to skip them).
+
+    Attributes:
+        diagnoses: every `Diagnosis` of the current fit, in the order they were made; a diagnosis updated later
+            (a remedy's outcome, a withdrawn `NORMAL_SCALING`) is replaced in place by its newer record. Under
+            `ddp_spawn` it is filled from rank zero when the fit returns.
+        applied: every remedy applied in this run, in order, as `AppliedRemedy(name, step, finding, details)`
+            (kept across a resume).
+
+    Raises:
+        ValueError: at construction, for an invalid argument, naming the value and the valid ones.
+        AmpWatchError: from `trainer.fit`, with `on_unrecoverable="raise"`, when an alarm is left without a
+            remedy that recovered.
+
+    Example:
+        ```python
+        import torch
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.plugins.precision import MixedPrecision
+        from lightning_ampwatch import AmpWatch
+
+        watch = AmpWatch(remediate="all", on_unrecoverable="stop")
+        trainer = Trainer(precision="16-mixed", callbacks=[watch])  # on a GPU
+        # on a CPU, real float16 needs the plugin (precision="16-mixed" there means bf16):
+        trainer = Trainer(accelerator="cpu", callbacks=[watch],
+                          plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+        trainer.fit(model)
+        for d in watch.diagnoses:
+            print(d.finding, d.step, d.location, d.advice, d.remedy, d.outcome)
+        ```
     """
 
     def __init__(
@@ -175,7 +215,7 @@ class AmpWatch(Callback):
         control_replay: bool = True,
         localize: bool = True,
         hold_lr_on_skip: bool = False,
-        verbose: bool = True,
+        verbose: Union[bool, Literal["full"]] = True,
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,

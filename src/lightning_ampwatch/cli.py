@@ -1,4 +1,4 @@
-"""``ampwatch``: run a demo that hits a real AMP fault, or summarise a run's diagnoses."""
+"""ampwatch: run a demo that hits a real AMP fault, or summarise a run's diagnoses."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
 from lightning_ampwatch.reporters import EVENT_LOG_NAME, ensure_writable
 
@@ -27,8 +29,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     from lightning_ampwatch.scenarios import SCENARIOS
 
     if args.list:
-        for name, scenario in SCENARIOS.items():
-            console.print(f"[bold]{name:<18}[/bold] -> {scenario.expected:<18} {scenario.description}")
+        _list_scenarios(SCENARIOS, console)
         return 0
     if args.scenario not in SCENARIOS:
         console.print(f"[red]Unknown scenario {escape(repr(args.scenario))}.[/red] "
@@ -36,7 +37,6 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         return 2
     _quiet_lightning()
     from lightning_ampwatch.callback import AmpWatch
-    from lightning_ampwatch.remedies import RemedyName
     from lightning_ampwatch.scenarios import run_scenario
 
     scenario = SCENARIOS[args.scenario]
@@ -53,7 +53,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     console.print(scenario.description)
     console.print(f"Precision: {scenario.precision} on the CPU, {steps} optimizer steps, logs in {root}\n",
                   markup=False, soft_wrap=True)  # never break a path across lines
-    watch = AmpWatch(remediate=[r.value for r in RemedyName] if args.remediate else False)  # reduce_lr included
+    watch = AmpWatch(remediate="all" if args.remediate else False)  # reduce_lr included
     run_scenario(args.scenario, str(root), watch, max_steps=steps)
     alarms = [d for d in watch.diagnoses if d.is_alarm]
     console.print()
@@ -70,17 +70,29 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if scenario.expected in found else 1
 
 
+def _list_scenarios(scenarios: dict[str, Any], console: Console) -> None:
+    """One scenario a row: its name, the finding it makes, and its description wrapped in its own column."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True, style="bold")
+    table.add_column(no_wrap=True)
+    table.add_column(ratio=1)
+    for name, scenario in scenarios.items():
+        table.add_row(Text(name), Text(scenario.expected), Text(scenario.description))
+    console.print(table)
+
+
 def _say_recovery(watch: object, console: Console) -> None:
     """After a ``--remediate`` demo: each alarm's remedy, where the run went back to, and whether it was verified;
     or why it got none."""
-    from lightning_ampwatch.remedies import ladder_for
+    from lightning_ampwatch.reporters import unremedied_reason
     from lightning_ampwatch.summary import remedy_outcome
 
-    for d in [d for d in getattr(watch, "diagnoses", []) if d.is_alarm]:
+    diagnoses = list(getattr(watch, "diagnoses", []))
+    for d in sorted((d for d in diagnoses if d.is_alarm), key=lambda d: d.step):
         if d.remedy is None:
-            ladder = ", ".join(ladder_for(d))
-            why = f"its ladder ({ladder}) did not apply here" if ladder else "no AMP setting fixes it"
-            console.print(f"{d.finding.value} at step {d.step}: no remedy, {why}.", markup=False, soft_wrap=True)
+            why = unremedied_reason(d, diagnoses, getattr(watch, "remedies", None)) or "see the advice above"
+            console.print(f"{d.finding.value} at step {d.step}: no remedy; {why}.",
+                          markup=False, soft_wrap=True)
             continue
         console.print(f"Remedy for {d.finding.value} at step {d.step}: {remedy_outcome(d)}.", markup=False,
                       soft_wrap=True)

@@ -19,6 +19,9 @@ from lightning_ampwatch.remedies.policy import parse_remediate
 
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
 OnUnrecoverable = Literal["warn", "stop", "raise"]
+#: ``True`` (a compact panel per diagnosis), ``"full"`` (every evidence row on the console) or ``False``.
+VERBOSE_MODES = (True, False, "full")
+Verbose = Union[bool, Literal["full"]]
 
 
 @dataclass
@@ -31,7 +34,7 @@ class WatchConfig:
     control_replay: bool = True
     localize: bool = True
     hold_lr_on_skip: bool = False
-    verbose: bool = True
+    verbose: Verbose = True
     thresholds: Thresholds | None = None
     log_dir: str | os.PathLike[str] | None = None
     name: str | None = None
@@ -46,10 +49,14 @@ class WatchConfig:
         if self.on_unrecoverable not in UNRECOVERABLE_MODES:
             raise ValueError(f"on_unrecoverable={self.on_unrecoverable!r} is not valid; use one of "
                              f"{UNRECOVERABLE_MODES}")
-        for flag in ("control_replay", "localize", "hold_lr_on_skip", "verbose", "rollback", "replay_episode"):
+        for flag in ("control_replay", "localize", "hold_lr_on_skip", "rollback", "replay_episode"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise ValueError(f"{flag}={value!r} is not valid; use True or False")
+        verbose = self.verbose
+        if not (isinstance(verbose, bool) or (isinstance(verbose, str) and verbose == "full")):
+            raise ValueError(f"verbose={verbose!r} is not valid; use True or False, or \"full\" (every evidence row "
+                             "on the console)")
         if self.thresholds is not None and not isinstance(self.thresholds, Thresholds):
             raise ValueError(f"thresholds={self.thresholds!r} is not valid; use lightning_ampwatch.Thresholds(...) "
                              "or None")

@@ -285,7 +285,7 @@ class RunWatcher:
         self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
-                                   world_size=self.world_size, say=self._say)
+                                   world_size=self.world_size, remedies=config.remedies, say=self._say)
         self._timeline = self.reporters.timeline
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
@@ -372,10 +372,10 @@ class RunWatcher:
                 self._bystander.optimizer_step()
             return
         try:
-            if ledger.stepped:  # manual optimization: a second step in the same batch
+            if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                 quiet = self.machine.quiet  # type: ignore[union-attr]
-                self._take_closed(ledger.close(self.host, quiet), quiet)
-            ledger.stepped = True  # the step itself is read when it is over, in batch_end
+                self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
+            ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self._probing:
                 self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]
         except Exception as err:  # noqa: BLE001

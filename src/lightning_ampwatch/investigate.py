@@ -550,9 +550,9 @@ class TrajectoryControl:
             return replace(diagnosis, evidence=ev), None
         local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
-            reason = self.ring.reason or (f"no snapshot from before step {before} (the update before the onset at "
-                                          f"step {diagnosis.step}) is held; one is taken every {self.ring.every} "
-                                          "steps")
+            reason = self.ring.reason or self.ring.dropped or (
+                f"no snapshot from before step {before} (the update before the onset at step {diagnosis.step}) is "
+                f"held; one is taken every {self.ring.every} steps")
             ev["trajectory_control"] = f"not run: {reason}"
         else:
             try:

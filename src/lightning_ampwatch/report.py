@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value
+from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value, panel_rows
 from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes, remedy_outcome
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline
@@ -184,14 +184,20 @@ def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
     if timeline is None or not timeline.steps:
         return None
     ends = timeline.of_kind("end")
-    if ends and ends[-1].get("step") == timeline.steps[-1]:  # exact counters, written at fit end
+    # The exact counters, written at fit end. Its step is the run's last step, which the sampled rows need not
+    # hold (a healthy last step is often left out); an end with rows after it belongs to a fit that was resumed.
+    if ends and ends[-1].get("step", -1) >= timeline.steps[-1]:
         end = ends[-1]
+        precision = end.get("precision", timeline.precision)
+        scale = end.get("scale") if precision in (None, "fp16") else None
         return RunStats(steps=int(end.get("steps", 0)), skipped=int(end.get("skipped", 0)),
-                        nonfinite=int(end.get("nonfinite", 0)), scale=end.get("scale"), precision=timeline.precision)
-    scales = [s for s in timeline.scales if s is not None]
+                        nonfinite=int(end.get("nonfinite", 0)), scale=scale, precision=precision)
+    # No end (a crash): what the rows say. The last row's scale, not the last one seen: after a bf16 fallback the
+    # rows carry none.
+    fell_back = any(e.get("name") == "bf16_fallback" for e in timeline.of_kind("remedy"))
     return RunStats(steps=timeline.steps[-1] - timeline.steps[0] + 1, skipped=sum(timeline.skipped),
                     nonfinite=sum(1 for f in timeline.loss_finite if f is False),
-                    scale=scales[-1] if scales else None, precision=timeline.precision)
+                    scale=timeline.scales[-1], precision="bf16" if fell_back else timeline.precision)
 
 
 def report_episodes(diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> list[Episode]:
@@ -210,7 +216,7 @@ def episodes_table(rows: Sequence[Episode]) -> Table:
     table.add_column("steps", no_wrap=True)
     table.add_column("finding", no_wrap=True)
     table.add_column("location", overflow="fold", max_width=28)
-    table.add_column("advice", ratio=1, min_width=24)
+    table.add_column("advice", ratio=1, min_width=24, overflow="fold")  # a long code fix wraps, never cut
     table.add_column("remedy", overflow="fold")
     for row in rows:
         d = row.diagnosis
@@ -235,6 +241,10 @@ def report_lines(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
     stats = timeline_stats(timeline)
     alarms = diagnoses.alarms
     counts = counts_line(stats) if stats is not None else "no timeline beside the event log"
+    fallback = next((e for e in timeline.of_kind("remedy") if e.get("name") == "bf16_fallback"), None) \
+        if timeline is not None else None
+    if fallback is not None:
+        counts += f", bf16 from step {fallback['step']} on (bf16_fallback dropped the scaler)"
     verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}" if alarms else "no alarm: a healthy run"
     lines.append(f"  {counts}; {verdict}.")
     return lines
@@ -261,13 +271,23 @@ def _pow2_label(value: float, _pos: Any = None) -> str:
 
 def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str | os.PathLike[str] | IO[bytes],
                 title: str = "AmpWatch timeline", fmt: str | None = None) -> None:
-    """Draw the timeline: loss scale (log2) with skipped steps, loss, learning rates, and a marker at every
-    diagnosis and remedy. Headless: a bare ``Figure`` on the Agg canvas, no pyplot state."""
+    """Draw the timeline to ``out`` (see :func:`timeline_figure`)."""
+    fig = timeline_figure(timeline, diagnoses, title)
+    if fmt is None:
+        suffix = Path(out).suffix.lstrip(".").lower() if isinstance(out, (str, os.PathLike)) else ""
+        fmt = suffix or "png"
+    # no version stamp in a PNG: the same run gives the same bytes (docs/timeline.png stays diff-free)
+    fig.savefig(out, format=fmt, metadata={"Software": None} if fmt == "png" else None)
+
+
+def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], title: str = "AmpWatch timeline") -> Any:
+    """The timeline as a matplotlib ``Figure``: loss scale (log2) with skipped steps, loss, learning rates, and a
+    marker at every diagnosis and remedy. Headless: a bare ``Figure`` on the Agg canvas, no pyplot state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    from matplotlib.transforms import blended_transform_factory
+    from matplotlib.transforms import blended_transform_factory, offset_copy
 
     if not timeline.steps:
         raise ValueError(f"{timeline.path}: the timeline holds no steps to draw")
@@ -356,10 +376,13 @@ def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str
     label_at = blended_transform_factory(top_ax.transData, top_ax.transAxes)
     previous: float | None = None
     lane = 0
-    for step, label, colour, _ in markers:
+    # In step order, so that labels at the same (or a nearby) step take lanes side by side, each a label's line
+    # height (in points, whatever the figure's width) to the right of the one before: they never overlap.
+    for step, label, colour, _ in sorted(markers, key=lambda m: m[0]):
         lane = lane + 1 if previous is not None and step - previous < 0.03 * span else 0
         previous = step
-        top_ax.text(step + 0.004 * span * (1 + 3 * lane), 0.97, label, transform=label_at, rotation=90,
+        at = offset_copy(label_at, fig=fig, x=2 + 10.5 * lane, y=0, units="points")
+        top_ax.text(step, 0.97, label, transform=at, rotation=90,
                     va="top", ha="left", fontsize=8, color=colour, clip_on=True,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75})
     if markers:
@@ -372,47 +395,66 @@ def render_plot(timeline: TimelineData, diagnoses: Sequence[Diagnosis], out: str
     fig.suptitle(title, fontsize=12, fontweight="bold")
     if stats is not None:
         axes[0].set_title(counts_line(stats), fontsize=9, color="0.3")
-    if fmt is None:
-        suffix = Path(out).suffix.lstrip(".").lower() if isinstance(out, (str, os.PathLike)) else ""
-        fmt = suffix or "png"
-    # no version stamp in a PNG: the same run gives the same bytes (docs/timeline.png stays diff-free)
-    fig.savefig(out, format=fmt, metadata={"Software": None} if fmt == "png" else None)
+    return fig
 
 
-def _evidence_html(evidence: dict[str, object]) -> str:
-    if not evidence:
+def _evidence_html(d: Diagnosis) -> str:
+    """The rows this finding rests on first (the console panel's, and a remedy's recovery), then the others under
+    a fold."""
+    if not d.evidence:
         return "-"
-    rows = "".join(f"<tr><td>{html.escape(_clip(str(k)))}</td><td>{html.escape(_clip(format_value(v)))}</td></tr>"
-                   for k, v in evidence.items())
-    return f'<table class="evidence">{rows}</table>'
+
+    def rows(items: Sequence[tuple[str, object]]) -> str:
+        return "".join(f"<tr><td>{html.escape(_clip(str(k)))}</td><td>{html.escape(_clip(format_value(v)))}</td></tr>"
+                       for k, v in items)
+
+    key = panel_rows(d) + [(k, d.evidence[k]) for k in ("recovery", "remedies_tried") if k in d.evidence]
+    shown = {k for k, _ in key}
+    rest = [(k, v) for k, v in d.evidence.items() if k not in shown]
+    out = f'<table class="evidence">{rows(key)}</table>' if key else ""
+    if rest:
+        out += (f"<details><summary>all evidence ({len(d.evidence)} rows)</summary>"
+                f'<table class="evidence">{rows(rest)}</table></details>')
+    return out
 
 
 def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: LoggedDiagnoses,
                 timeline: TimelineData | None) -> None:
-    """One self-contained page: the report header, the plot (embedded) and the episode table with the evidence."""
+    """One self-contained page, at most 1280 px wide: the report header, the plot (embedded) and the episode
+    table, each episode with the evidence its finding rests on first and the rest folded."""
+    title = html.escape(run_title(files))
     parts = ["<!doctype html>", '<html><head><meta charset="utf-8">'
-             f"<title>AmpWatch report: {html.escape(run_title(files))}</title><style>",
-             "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}",
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.4em .6em;vertical-align:top;"
-             "text-align:left}.alarm{color:#b00;font-weight:bold}.normal{color:#35c}img{max-width:100%}"
-             ".evidence td{border:none;padding:0 .6em 0 0;font-size:90%}"
-             "</style></head><body>", "<h1>AmpWatch report</h1>"]
-    parts += [f"<p>{html.escape(line.strip())}</p>" for line in report_lines(files, diagnoses, timeline)]
+             f"<title>AmpWatch report: {title}</title><style>",
+             "body{font-family:sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}",
+             "table.episodes{border-collapse:collapse;table-layout:fixed;width:100%}"
+             ".episodes>tbody>tr>td,.episodes>tbody>tr>th{border:1px solid #ccc;padding:.4em .5em;"
+             "vertical-align:top;text-align:left;overflow-wrap:anywhere}"
+             ".alarm{color:#b00;font-weight:bold}.normal{color:#35c}img{max-width:100%}"
+             ".evidence{border-collapse:collapse;font-size:88%;width:100%}"
+             ".evidence td{padding:0;overflow-wrap:anywhere;vertical-align:top}"
+             ".evidence td:first-child{color:#555;padding:0 .6em 0 0;white-space:nowrap}summary{cursor:pointer;color:#555;font-size:88%}"
+             ".dim{color:#666}",
+             "</style></head><body>", f"<h1>AmpWatch report: {title}</h1>"]
+    header = report_lines(files, diagnoses, timeline)
+    parts.append(f'<p class="dim">{html.escape(str(files.directory))}</p>')  # the title already names the run
+    parts += [f"<p>{html.escape(line.strip())}</p>" for line in header[1:]]
     if timeline is not None and timeline.steps:
         buffer = io.BytesIO()
         render_plot(timeline, diagnoses.shown, buffer, title=f"AmpWatch timeline: {run_title(files)}", fmt="png")
         encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
         parts.append(f'<p><img alt="AmpWatch timeline" src="data:image/png;base64,{encoded}"></p>')
     if diagnoses.total:
-        parts.append("<table><tr><th>steps</th><th>finding</th><th>location</th><th>evidence</th><th>advice</th>"
+        parts.append('<table class="episodes"><colgroup><col style="width:7%"><col style="width:13%">'
+                     '<col style="width:11%"><col style="width:35%"><col style="width:20%"><col style="width:14%">'
+                     "</colgroup><tr><th>steps</th><th>finding</th><th>location</th><th>evidence</th><th>advice</th>"
                      "<th>remedy</th></tr>")
         for row in report_episodes(diagnoses, timeline):
             d = row.diagnosis
+            remedy = remedy_outcome(d) if d.remedy else ("none" if d.is_alarm else "-")
             parts.append(f"<tr><td>{html.escape(row.steps)}</td>"
                          f"<td class=\"{'alarm' if d.is_alarm else 'normal'}\">{d.finding.value}</td>"
-                         f"<td>{html.escape(_clip(d.location or '-'))}</td><td>{_evidence_html(d.evidence)}</td>"
-                         f"<td>{html.escape(_clip(d.advice))}</td>"
-                         f"<td>{html.escape(_clip(remedy_outcome(d) if d.remedy else ('none' if d.is_alarm else '-')))}</td></tr>")
+                         f"<td>{html.escape(_clip(d.location or '-'))}</td><td>{_evidence_html(d)}</td>"
+                         f"<td>{html.escape(d.advice)}</td><td>{html.escape(_clip(remedy))}</td></tr>")
         parts.append("</table>")
         if diagnoses.hidden:
             parts.append(f"<p>{html.escape(more_line(diagnoses, files))}</p>")

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from rich.console import Console, Group
@@ -25,7 +25,7 @@ from torchmetrics.aggregation import SumMetric
 
 from lightning_ampwatch import compat
 from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 EVENT_LOG_NAME = "diagnoses.jsonl"
@@ -59,28 +59,122 @@ def format_value(value: object) -> str:
     return str(value)
 
 
-def diagnosis_panel(diagnosis: Diagnosis) -> Panel:
-    """A rich panel: headline, evidence table, advice, remedy. Every string is a ``Text``, never markup: a module
-    name like ``[bold]x`` or a code line with ``losses[idx]`` prints as written."""
-    evidence = Table.grid(padding=(0, 2))
-    evidence.add_column(style="dim")
-    evidence.add_column()
-    for key, value in diagnosis.evidence.items():
-        evidence.add_row(Text(str(key)), Text(format_value(value)))
-    parts: list[Any] = [Text(diagnosis.summary, style="bold"), evidence, Text("Fix: " + diagnosis.advice)]
+#: The evidence rows a compact panel shows for each finding, in this order: the numbers that finding rests on
+#: (the docs' "Findings" page says what each means). Every other row stays in ``Diagnosis.evidence``, the event
+#: log and ``ampwatch report``; ``AmpWatch(verbose="full")`` prints them all.
+KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
+    Finding.DATA_NONFINITE: ("nonfinite_where", "control_verdict"),
+    Finding.FP32_UNSTABLE: ("control_verdict", "divergence", "diverged_first", "loss_at_onset", "loss_level",
+                            "fp32_control_loss"),
+    Finding.FORWARD_OVERFLOW: ("replay_first_nonfinite_module", "live_first_nonfinite_module", "replay_loss",
+                               "fp32_control_loss", "fp16_headroom_log2", "control_verdict"),
+    Finding.INPUT_RANGE: ("input_absmax", "input_where", "control_verdict"),
+    Finding.GRADIENT_OVERFLOW: ("pattern", "skipped_in_row", "scale_history", "safe_scale", "safe_scale_from",
+                                "replay_first_nonfinite_param", "control_verdict"),
+    Finding.GROWTH_OVERFLOW: ("growth_steps", "skip_rate", "growth_interval", "growth_factor", "control_verdict"),
+    Finding.LR_SCHEDULE: ("lr_event", "lr_before", "lr_after", "lr_change_step", "divergence", "control_verdict"),
+    Finding.NORMAL_SCALING: ("skipped_steps", "steps", "scale", "withdrawn_by", "withdrawn_at"),
+    Finding.NOT_REPRODUCED: ("control_verdict", "trajectory_window", "trajectory_amp_skipped"),
+    Finding.LOSS_OUTSIDE_AUTOCAST: ("loss_op", "loss_dtype", "call_site", "code"),
+    Finding.CLIP_BEFORE_UNSCALE: ("call_site", "via", "scale", "clip_limit", "limit_in_real_units"),
+    Finding.STEP_OUTSIDE_SCALER: ("call_site", "optimizer", "optimizer_state"),
+    Finding.MANUAL_PRESCALE: ("factor", "second_scaler_scale", "scale", "call_site"),
+    Finding.FP16_PARAMETERS: ("float16_parameters", "first_float16"),
+    Finding.EPS_UNDERFLOW: ("optimizer", "param_group", "eps", "eps_in_float16"),
+}
+#: Rows any finding shows when present: why nothing was replayed, and where a remedy took the run back to.
+ALWAYS_SHOWN = ("replay", "live_probe", "rollback")
+#: Evidence the console never shows: the single batch's control verdict, kept in the evidence (and the event log)
+#: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
+#: contradiction.
+SUPERSEDED = ("batch_control_verdict",)
+
+
+def _reason(value: object) -> object:
+    """A dict with a ``reason`` (``recovery``) shows as that sentence on the console."""
+    if isinstance(value, dict) and isinstance(value.get("reason"), str):
+        return value["reason"]
+    return value
+
+
+def panel_rows(diagnosis: Diagnosis, full: bool = False) -> list[tuple[str, object]]:
+    """The evidence rows a panel shows: the finding's own (``KEY_EVIDENCE``) and ``ALWAYS_SHOWN``, or with
+    ``full`` every row; never a ``SUPERSEDED`` one."""
+    evidence = diagnosis.evidence
+    if full:
+        return [(k, v) for k, v in evidence.items() if k not in SUPERSEDED]
+    keys = KEY_EVIDENCE.get(diagnosis.finding, ()) + ALWAYS_SHOWN
+    return [(k, evidence[k]) for k in keys if k in evidence]
+
+
+def _evidence_table(rows: Sequence[tuple[str, object]]) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(Text(str(key)), Text(format_value(_reason(value))))
+    return table
+
+
+def _title(diagnosis: Diagnosis, tail: str = "") -> Text:
+    where = f" in {diagnosis.location}" if diagnosis.location else ""
+    return Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}{tail}")
+
+
+def _outcome_line(diagnosis: Diagnosis) -> Text:
+    return Text(f"Outcome: {remedy_outcome(diagnosis)}",
+                style="green" if diagnosis.outcome == "recovered" else "red")
+
+
+def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: str | None = None) -> Panel:
+    """A rich panel: headline, the one-line meaning, the evidence rows this finding rests on, the fix, the remedy
+    and its outcome. ``verbose="full"`` shows every evidence row (but the superseded ``batch_control_verdict``);
+    otherwise a dim last line counts the rows left out and says where they are (``more_at``). Every string is a
+    ``Text``, never markup: a module name like ``[bold]x`` or a code line with ``losses[idx]`` prints as written."""
+    full = verbose == "full"
+    rows = panel_rows(diagnosis, full)
+    parts: list[Any] = [Text(diagnosis.summary, style="bold")]
+    if rows:
+        parts.append(_evidence_table(rows))
+    parts.append(Text("Fix: " + diagnosis.advice))
     if diagnosis.remedy:
         parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
     if diagnosis.outcome is not None:
-        parts.append(Text(f"Outcome: {remedy_outcome(diagnosis)}",
-                          style="green" if diagnosis.outcome == "recovered" else "red"))
-    where = f" in {diagnosis.location}" if diagnosis.location else ""
-    title = Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}")
-    return Panel(Group(*parts), title=title, title_align="left", border_style="red" if diagnosis.is_alarm else "blue",
-                 expand=False)
+        parts.append(_outcome_line(diagnosis))
+    left_out = sum(1 for k in diagnosis.evidence if k not in SUPERSEDED) - len(rows)
+    if not full and left_out > 0:
+        where = f"ampwatch report {more_at}" if more_at else "Diagnosis.evidence"
+        parts.append(Text(f"{left_out} more evidence row{'s' if left_out != 1 else ''}: {where}, "
+                          'or AmpWatch(verbose="full")', style="dim"))
+    return Panel(Group(*parts), title=_title(diagnosis), title_align="left",
+                 border_style="red" if diagnosis.is_alarm else "blue", expand=False)
 
 
-def print_diagnosis(diagnosis: Diagnosis, console: Console | None = None) -> None:
-    (console or Console(highlight=False)).print(diagnosis_panel(diagnosis))
+def update_panel(before: Diagnosis, after: Diagnosis) -> Panel:
+    """A later fact about a diagnosis already printed (a remedy's outcome, the next rung, a withdrawal): one short
+    panel that refers to the first, with only what changed."""
+    parts: list[Any] = []
+    if after.remedy != before.remedy and after.remedy:
+        parts.append(Text(f"Applied: {after.remedy}" + (f" (after {before.remedy})" if before.remedy else ""),
+                          style="green"))
+    changed = [(k, v) for k, v in after.evidence.items()
+               if k not in SUPERSEDED and before.evidence.get(k) != v and k not in ("remedy_details",)]
+    if changed:
+        parts.append(_evidence_table(changed))
+    if after.advice != before.advice:
+        parts.append(Text("Fix: " + after.advice))
+    if after.outcome is not None:
+        parts.append(_outcome_line(after))
+    if not parts:
+        parts.append(Text("updated (see the event log)", style="dim"))
+    colour = ("green" if after.outcome == "recovered" else "red") if after.is_alarm else "blue"
+    return Panel(Group(*parts), title=_title(after, " (update)"), title_align="left",
+                 border_style=colour, expand=False)
+
+
+def print_diagnosis(diagnosis: Diagnosis, console: Console | None = None, verbose: bool | str = True,
+                    more_at: str | None = None) -> None:
+    (console or Console(highlight=False)).print(diagnosis_panel(diagnosis, verbose, more_at))
 
 
 def diagnosis_markdown(diagnosis: Diagnosis) -> str:
@@ -95,6 +189,37 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     if diagnosis.outcome is not None:
         lines.append(f"Outcome: {remedy_outcome(diagnosis)}")
     return "\n".join(lines)
+
+
+def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
+                      allowed: Iterable[str] | None) -> str | None:
+    """Why an alarm got no remedy, in a few words for the summary (after "not fixed: see the advice above; "): no ladder, a ladder ``remediate`` leaves out
+    (``reduce_lr`` is opt-in), rungs that could not apply here, or a ladder used up by the same finding's earlier
+    alarms. ``None`` when nothing can be said (``allowed`` unknown) or remediation is off."""
+    from lightning_ampwatch.remedies import ladder_for
+
+    if allowed is None:
+        return None
+    allowed = frozenset(allowed)
+    ladder = [str(getattr(r, "value", r)) for r in ladder_for(diagnosis)]
+    if not ladder:
+        return "no AMP setting fixes it"
+    if not allowed:
+        return None
+    named = ", ".join(ladder)
+    if not any(r in allowed for r in ladder):
+        tail = ', remediate="all" allows it' if "reduce_lr" in ladder else ""
+        return f"remediate= leaves out its ladder ({named}){tail}"
+    failed = diagnosis.evidence.get("remedies_failed")
+    if isinstance(failed, list) and failed:
+        return f"no allowed remedy could apply here ({'; '.join(str(f) for f in failed)})"
+    tried = [d.step for d in diagnoses
+             if d.finding is diagnosis.finding and d.step < diagnosis.step and d.remedy in ladder]
+    if tried:
+        steps = ", ".join(str(s) for s in tried)
+        return f"its ladder ({named}) is used up, tried for the alarm{'s' if len(tried) > 1 else ''} " \
+               f"at step{'s' if len(tried) > 1 else ''} {steps}"
+    return f"no rung of its ladder ({named}) was applied"
 
 
 # One writer per logger kind that takes text; loggers not listed get metrics only (the jsonl has the text).
@@ -151,12 +276,16 @@ class Reporters:
     """Every place a diagnosis, a metric or the summary goes. Each sink fails alone: a failure is warned once
     (naming the sink, and the path for files) and never stops the other sinks or the caller."""
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool, precision: str,
-                 device: torch.device, world_size: int = 1, say: Callable[[str], None] | None = None) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str], *, is_global_zero: bool, verbose: bool | str,
+                 precision: str, device: torch.device, world_size: int = 1,
+                 remedies: Iterable[str] | None = None, say: Callable[[str], None] | None = None) -> None:
         self.dir = Path(log_dir) / "ampwatch"
+        self.remedies = None if remedies is None else frozenset(str(r) for r in remedies)  # what remediate= allows
         self._say = say or _RANK_ZERO_LOG.info  # the adapter's rank-zero info line
         self.is_global_zero = is_global_zero
         self.verbose = verbose
+        # what the console last showed of each diagnosis: a later fact about it prints as a short update
+        self._printed: dict[tuple[Any, int], Diagnosis] = {}
         self.event_log = EventLog(log_dir)
         self._warned: set[str] = set()
         self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
@@ -212,11 +341,21 @@ class Reporters:
         if self.timeline is not None:
             self.sink("timeline", lambda: self.timeline.record_diagnosis(diagnosis), self.timeline.path)
         if self.verbose:
-            self.sink("console", lambda: print_diagnosis(diagnosis, self.console))
+            self.sink("console", lambda: self._print(diagnosis))
         for logger in loggers:
             writer = text_writer(logger)
             if writer is not None:
                 self.sink(type(logger).__name__, lambda: writer(logger, diagnosis))  # noqa: B023 - called at once
+
+    def _print(self, diagnosis: Diagnosis) -> None:
+        key = (diagnosis.finding, diagnosis.step)
+        before = self._printed.get(key)
+        if before is None:
+            more_at = str(self.dir.parent) if self.writable else None
+            self.console.print(diagnosis_panel(diagnosis, self.verbose, more_at))
+        else:
+            self.console.print(update_panel(before, diagnosis))
+        self._printed[key] = diagnosis
 
     def record_remedy(self, step: int, name: str) -> None:
         if self.timeline is not None:
@@ -277,14 +416,18 @@ class Reporters:
         verbose)."""
         self.sink("loggers", self._release_metrics)
         if self.timeline is not None and stats is not None:
+            scale = stats.scale if stats.precision in (None, "fp16") else None  # a bf16 fallback dropped the scaler
             self.sink("timeline", lambda: self.timeline.record_end(stats.steps, stats.skipped, stats.nonfinite,
-                                                                    stats.scale), self.timeline.path)
+                                                                   scale, precision=stats.precision),
+                      self.timeline.path)
         self.flush()
         if self.is_global_zero and self.verbose and stats is not None:
             self.sink("console", lambda: self._print_summary(diagnoses, stats))
 
     def _print_summary(self, diagnoses: Sequence[Diagnosis], stats: RunStats) -> None:
-        for line in summary_lines(diagnoses, stats, self.dir.parent):
+        why = {(d.finding, d.step): unremedied_reason(d, diagnoses, self.remedies)
+               for d in diagnoses if d.is_alarm and not d.remedy}
+        for line in summary_lines(diagnoses, stats, self.dir.parent, why):
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _release_metrics(self) -> None:

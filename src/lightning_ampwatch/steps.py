@@ -148,6 +148,7 @@ class StepLedger:
         self.trajectory: Any = None  # investigate.TrajectoryControl, for the treatment's rollback (fed by the core)
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
+        self._mark = 0  # the tape's length when that step began: later losses belong to the batch's next step
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
         self.recent_losses: deque[tuple[int, float]] = deque(maxlen=RECENT_LOSSES)  # (step, loss) as read
@@ -257,17 +258,34 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    def close(self, trainer: Any, quiet: bool, micro_batch: MicroBatch | tuple[Any, ...] | None = None
-              ) -> ClosedStep | None:
+    def optimizer_step_begins(self) -> None:
+        """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
+        self.stepped = True
+        self._mark = len(self._tape)
+
+    def close(self, trainer: Any, quiet: bool, micro_batch: MicroBatch | tuple[Any, ...] | None = None,
+              split: bool = False) -> ClosedStep | None:
         """This batch's optimizer step is over (the scaler has updated, the scheduler has stepped): take it in.
         ``quiet``: the machine has nothing in progress (a clean step may take the fast path). ``micro_batch``: this
         batch, if not kept yet (:meth:`keep_batch` in the same call). None when backward never ran (no step was
-        taken)."""
+        taken). ``split``: another optimizer steps next in the same batch (manual optimization, a GAN's generator
+        then discriminator): this step takes the losses handed to backward before it began; the later ones stay
+        for the next step (which shares them when there are none: several optimizers stepped from one backward).
+        Each optimizer step is a step, as Lightning's ``global_step`` counts them."""
         self.stepped = False
         tape, batches = self._tape, self._batches
         if micro_batch is not None:
             batches.append(micro_batch)  # type: ignore[arg-type]
-        self._tape, self._batches = LossTape(), []
+        if split:
+            mark = self._mark
+            if 0 < mark < len(tape):
+                self._tape = LossTape(tape[mark:])
+                del tape[mark:]
+            else:
+                self._tape = LossTape(tape)
+        else:
+            self._tape = LossTape()
+        self._batches = []
         step = self.step_index
         self.step_index = step + 1
         lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...

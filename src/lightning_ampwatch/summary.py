@@ -10,7 +10,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
@@ -31,14 +31,15 @@ class RunStats:
 
 
 def counts_line(stats: RunStats) -> str:
-    """"60 optimizer steps, 8 skipped by the scaler (13%), loss scale 2**8 at the end"."""
+    """"60 optimizer steps, 8 skipped by the scaler (13%), loss scale 2**8 at the end". No scale is named once
+    the run has no scaler (bf16, 32, or after a bf16 fallback dropped it)."""
     parts = [f"{stats.steps} optimizer step{'s' if stats.steps != 1 else ''}"]
     if stats.skipped:
         share = f" ({stats.skipped / stats.steps:.0%})" if stats.steps else ""
         parts.append(f"{stats.skipped} skipped by the scaler{share}")
     if stats.nonfinite:
         parts.append(f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}")
-    if stats.scale is not None:
+    if stats.scale is not None and stats.precision in (None, "fp16"):
         parts.append(f"loss scale {format_pow2(stats.scale)} at the end")
     return ", ".join(parts)
 
@@ -55,20 +56,23 @@ def remedy_outcome(d: Diagnosis) -> str:
         f"{d.remedy} applied; recovery not verified (the run ended first)"
 
 
-def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str | Path | None = None) -> list[str]:
-    """The end-of-fit summary: one line for a healthy run, a few for one that had trouble."""
+def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str | Path | None = None,
+                  why_unfixed: Mapping[tuple[Finding, int], str] | None = None) -> list[str]:
+    """The end-of-fit summary: one line for a healthy run, a few for one that had trouble, in step order.
+    ``why_unfixed`` says, per (finding, step) of an alarm without a remedy, why it got none."""
     alarms = [d for d in diagnoses if d.is_alarm]
     if not alarms:
         if any(d.finding is Finding.NORMAL_SCALING for d in diagnoses):
             return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]
         return [f"AmpWatch: {counts_line(stats)}; nothing to report. Healthy run."]
     lines = [f"AmpWatch summary: {counts_line(stats)}; {len(alarms)} alarm{'s' if len(alarms) != 1 else ''}."]
-    for d in diagnoses:
+    for d in sorted(diagnoses, key=lambda d: d.step):  # stable: records of one step keep their order
         where = f" in {d.location}" if d.location else ""
         if d.remedy:
             outcome = remedy_outcome(d)
         elif d.is_alarm:
-            outcome = "not fixed: see the advice above"
+            why = (why_unfixed or {}).get((d.finding, d.step))
+            outcome = "not fixed: see the advice above" + (f"; {why}" if why else "")
         else:
             outcome = "normal"
         lines.append(f"  step {d.step:>6}  {d.finding.value}{where} ({outcome})")

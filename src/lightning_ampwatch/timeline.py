@@ -168,14 +168,18 @@ class Timeline:
             return
         self._buffer.append({"event": "remedy", "step": int(step), "name": str(name)})
 
-    def record_end(self, steps: int, skipped: int, nonfinite: int, scale: float | None) -> None:
-        """The run's exact counters at fit end (the rows alone are sampled), for the report's header."""
+    def record_end(self, steps: int, skipped: int, nonfinite: int, scale: float | None,
+                   precision: str | None = None) -> None:
+        """The run's exact counters at fit end (the rows alone are sampled), for the report's header; ``precision``
+        is the run's at the end (``bf16`` after a fallback), ``scale`` None once there is no scaler."""
         if self.path is None:
             return
         event: dict[str, Any] = {"event": "end", "step": self._last_step if self._last_step is not None else 0,
                                  "steps": int(steps), "skipped": int(skipped), "nonfinite": int(nonfinite)}
         if scale is not None:
             event["scale"] = float(scale)
+        if precision is not None:
+            event["precision"] = str(precision)
         self._buffer.append(event)
 
     # ------------------------------------------------------------------ writing

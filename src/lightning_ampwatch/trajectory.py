@@ -398,6 +398,9 @@ class SnapshotRing:
         self._batch_bytes = 0  # what the held batches take, kept as they come and go (read every step)
         self._step_batch_bytes = 0  # the most one step's batches have held
         self._unheld: Sequence[Any] | None = None  # the latest batches seen before the first snapshot
+        #: the most steps of batches held: the newest ``keep`` snapshots' span and as much again
+        self.max_held_steps = every * (keep + 2)
+        self.dropped: str | None = None  # why the snapshots were let go mid-run, until the next one is taken
 
     @property
     def snapshots(self) -> tuple[Snapshot, ...]:
@@ -414,6 +417,15 @@ class SnapshotRing:
         between two snapshots the batches held can grow by ``every`` steps' worth, which :meth:`_fits` allows."""
         if not self.enabled:
             return
+        if self._snapshots and len(self._batches) >= self.max_held_steps:
+            # A long stretch of trouble (no snapshot is taken while it lasts) would hold every batch of it: a run
+            # stuck at NaN for thousands of steps grew without bound. Past this many steps the snapshots from
+            # before it are too old to go back to: let them go, with the batches, and say so where they are asked
+            # for. Snapshots resume once the run is quiet again.
+            first = next(iter(self._batches), step)
+            self.reset()
+            self.dropped = (f"the snapshots from before step {first} were let go after {self.max_held_steps} "
+                            "steps without a new one (a long stretch of trouble)")
         if self._snapshots:
             self._batches[step] = (micro_batches, -1)
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
@@ -439,6 +451,7 @@ class SnapshotRing:
                                    or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
             spare = self._drop_oldest().host
         self._snapshots.append(Snapshot._copied(state, step, live, parts, spare))
+        self.dropped = None
         self._prune()
 
     def _count_batches(self) -> None:
