@@ -320,7 +320,9 @@ def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
     elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
     elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
-        why = (f"Replayed in float32 the loss is finite but {control:.3g}, against a usual level of {level:.3g}: "
+        against = "the run's first loss" if str(ev.get("loss_level_from", "")).startswith("the run's first loss") \
+            else "a healthy level"
+        why = (f"Replayed in float32 the loss is finite but {control:.3g}, against {against} of {level:.3g}: "
                "training is diverging and float16 merely overflowed first. ")
     else:
         why = "The loss is non-finite at full precision as well, so reduced precision is not the cause. "
