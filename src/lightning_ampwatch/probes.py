@@ -260,17 +260,7 @@ class Replayer:
         # the FP32 control is FP32 throughout: a frozen half-precision base is computed in float32 meanwhile
         fp32 = contextlib.nullcontext(0) if use_autocast else sharding.fp32_frozen(self.module)
         with no_trace(self.module), (probe_ctx or contextlib.nullcontext()), fp32:
-            for mb in micro_batches:
-                if mb.rng is not None:
-                    torch.set_rng_state(mb.rng)
-                if mb.cuda_rng is not None:
-                    torch.cuda.set_rng_state(mb.cuda_rng, self.device)
-                ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
-                with ctx:
-                    loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
-                if loss is None:
-                    continue
-                loss = loss.float() / len(micro_batches)
+            for loss in self._losses(micro_batches, use_autocast):
                 total = loss if total is None else total + loss.detach()
                 if grad_scale is not None and loss.requires_grad:
                     step = torch.autograd.grad(loss * grad_scale, tensors, allow_unused=True,
@@ -304,6 +294,20 @@ class Replayer:
         return result
 
 
+    def _losses(self, micro_batches: Sequence[MicroBatch], use_autocast: bool) -> Iterator[Tensor]:
+        """Each micro-batch's loss as the training step computes it, with the step's own random numbers, under the
+        run's autocast or none (the FP32 control), in float32 and divided by the number of micro-batches (as
+        accumulation sums them). A step that returned no loss yields nothing."""
+        for mb in micro_batches:
+            if mb.rng is not None:
+                torch.set_rng_state(mb.rng)
+            if mb.cuda_rng is not None:
+                torch.cuda.set_rng_state(mb.cuda_rng, self.device)
+            with self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False):
+                loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
+            if loss is not None:
+                yield loss.float() / len(micro_batches)
+
     def _run_sharded(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float,
                      probe: bool) -> ReplayResult:
         """The replay of a sharded model (FSDP), which every rank runs at the same time. ``torch.autograd.grad``
@@ -327,17 +331,7 @@ class Replayer:
                     for _, p in params:
                         p.grad = None
                     with (probe_ctx if probe_ctx is not None and i == 0 else contextlib.nullcontext()):
-                        for mb in micro_batches:
-                            if mb.rng is not None:
-                                torch.set_rng_state(mb.rng)
-                            if mb.cuda_rng is not None:
-                                torch.cuda.set_rng_state(mb.cuda_rng, self.device)
-                            ctx = self.autocast() if use_autocast else torch.autocast(self.device.type, enabled=False)
-                            with ctx:
-                                loss = loss_of(self._training_step(mb.batch, mb.batch_idx))
-                            if loss is None:
-                                continue
-                            loss = loss.float() / len(micro_batches)
+                        for loss in self._losses(micro_batches, use_autocast):
                             if i == 0:
                                 total = loss.detach() if total is None else total + loss.detach()
                             if loss.requires_grad:
