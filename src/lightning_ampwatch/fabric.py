@@ -55,19 +55,6 @@ class FabricWatch:
     r"""Watch a Lightning Fabric loop under mixed precision and name the cause when it goes wrong; the same
     diagnoses, remedies, event log and console output as :class:`~lightning_ampwatch.AmpWatch`, from the same core.
 
-    .. code-block:: python
-
-        watch = FabricWatch(fabric, loss_fn=step_loss)   # step_loss(model, batch) -> loss
-        watch.attach(model, optimizer, scheduler)          # once, after fabric.setup
-        for batch in loader:
-            loss = step_loss(model, batch)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            scheduler.step()
-            watch.step(batch, loss)                        # once per optimizer step, after it
-        watch.close()                                      # or: with FabricWatch(...) as watch:
-
     Args:
         fabric: the :class:`~lightning.fabric.Fabric` the loop runs on.
         loss_fn: ``loss_fn(model, batch) -> loss``, how one micro-batch's loss is computed. Replays call it with the
@@ -79,6 +66,20 @@ class FabricWatch:
     Every other keyword is :class:`~lightning_ampwatch.AmpWatch`'s, with the same meaning and the same checks.
     ``log_dir`` defaults to the first logger's ``log_dir``, else the working directory (``./ampwatch/``).
     With ``on_unrecoverable="stop"`` the watch sets :attr:`should_stop`; the loop ends when it sees it.
+
+    Example:
+        ```python
+        watch = FabricWatch(fabric, loss_fn=step_loss)   # step_loss(model, batch) -> loss
+        watch.attach(model, optimizer, scheduler)          # once, after fabric.setup
+        for batch in loader:
+            loss = step_loss(model, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            watch.step(batch, loss)                        # once per optimizer step, after it
+        watch.close()                                      # or: with FabricWatch(...) as watch:
+        ```
     """
 
     def __init__(
@@ -91,11 +92,11 @@ class FabricWatch:
         control_replay: bool = True,
         localize: bool = True,
         hold_lr_on_skip: bool = False,
-        verbose: bool = True,
+        verbose: Union[bool, Literal["full"]] = True,
         thresholds: Thresholds | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         name: str | None = None,
-        snapshot_every: int = 20,
+        snapshot_every: Union[int, Literal["auto"]] = "auto",
         snapshot_budget: int | None = None,
         rollback: bool = True,
         replay_episode: bool = False,
