@@ -7,7 +7,6 @@ It decides *what* is wrong; how the numbers were measured and what to do about t
 from __future__ import annotations
 
 import math
-import statistics
 import types
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -131,6 +130,7 @@ HEALTHY_RISE = 2.0
 #: The healthy level is re-judged every this many candidate losses (and at the first sign of trouble): a few
 #: medians of ``loss_window`` numbers, not one per step.
 _PROMOTE_EVERY = 4
+_INF = math.inf
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
 DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
@@ -418,8 +418,41 @@ class AmpStateMachine:
         """Healthy steps' losses read after the fact (the adapter reads them in batches, at no added sync), in
         step order: they feed :attr:`loss_level` and mark a climb exactly as ``observe_clean(loss=...)`` would.
         The adapter hands them over before it observes any later anomalous step."""
+        # :meth:`_take_loss` for each, with its common case inline (a log step hands over ~50 at once): while nothing
+        # is in progress (no climb, episode, streak, isolated skip or noted divergence), a finite loss under the climb
+        # threshold only joins the candidate window, and the level is re-judged every ``_PROMOTE_EVERY`` losses. That
+        # state and the threshold are read once, and again after anything that may change them (a re-judged level,
+        # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
+        s, take, promote = self.state, self._take_loss, self._promote
+        ratio = self.thresholds.divergence_ratio
+        limit: float | None = None  # the climb threshold while the inline path holds; None: read the state again
+        since = self._since_promote
         for step, loss in losses:
-            self._take_loss(step, loss)
+            if limit is None:
+                start = s.start_loss
+                if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
+                        or s.streak is not None or s.isolated_since is not None):
+                    self._since_promote = since
+                    take(step, loss)
+                    since = self._since_promote
+                    continue
+                ref = s.reference
+                limit = ratio * (ref.level if ref is not None else start)
+                window, window_steps = s.losses, s.loss_steps
+            if not -_INF < loss < _INF or loss > limit:
+                self._since_promote = since
+                take(step, loss)
+                since = self._since_promote
+                limit = None
+                continue
+            window.append(loss)
+            window_steps.append(step)
+            since += 1
+            if since >= _PROMOTE_EVERY:  # quiet: read with the threshold
+                promote()
+                since = self._since_promote
+                limit = None
+        self._since_promote = since
 
     @property
     def has_reference(self) -> bool:
@@ -644,14 +677,25 @@ class AmpStateMachine:
         n = len(losses)
         if n < _LEVEL_MIN_LOSSES:
             return
+        # statistics.median's arithmetic (the middle of the sorted values, or the mean of the two middle ones), on
+        # lists made here: no per-call type checks (a log step re-judges the level about a dozen times)
         half = n // 2
-        if statistics.median(losses[half:]) > HEALTHY_RISE * statistics.median(losses[:half]):
+        newer, older = losses[half:], losses[:half]
+        newer.sort()
+        older.sort()
+        n_new = n - half
+        mid = n_new // 2
+        newer_median = newer[mid] if n_new % 2 else (newer[mid - 1] + newer[mid]) / 2
+        mid = half // 2
+        older_median = older[mid] if half % 2 else (older[mid - 1] + older[mid]) / 2
+        if newer_median > HEALTHY_RISE * older_median:
             return
-        level = statistics.median(losses)
+        losses.sort()
+        level = losses[half] if n % 2 else (losses[half - 1] + losses[half]) / 2
         ref = s.reference
         if ref is not None and level > HEALTHY_RISE * ref.level:
             return
-        steps = list(s.loss_steps)
+        steps = s.loss_steps  # the deque's ends: no list of it
         first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
         s.reference = Reference(level, first, last, n)
 
