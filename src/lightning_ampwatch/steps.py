@@ -158,6 +158,9 @@ class StepLedger:
         self._batches: list[MicroBatch] = []
         self._pending: deque[OpenStep] = deque()
         self._lrs: tuple[float, ...] = ()  # the LRs the next step will run with
+        # the scaler's scale and growth tracker (0-d on torch 2.x) as 1-d views for the log step's ``cat``, made once
+        # per pair of tensors (the scaler updates them in place): (scale, tracker, their views)
+        self._scaler_views: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self._param_groups: list[dict[str, Any]] = []
         self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._one_group: dict[str, Any] | None = None  # the only param group, when there is one with a number LR
@@ -446,7 +449,16 @@ class StepLedger:
         if scale_t is None:
             values = self.read_losses(extra)
             return (self.mirror.scale if self.mirror is not None else None), values
-        scale, tracker, *values = self.read_losses([scale_t, compat.growth_tracker_tensor(scaler), *extra])
+        tracker_t = compat.growth_tracker_tensor(scaler)
+        views = self._scaler_views
+        if views is None or views[0] is not scale_t or views[1] is not tracker_t:
+            # views (``view``: never a copy) alias the scaler's tensors, read as they are at each log step: no
+            # reshape op per read
+            views = (scale_t, tracker_t, scale_t.data.view(-1), tracker_t.data.view(-1)) if tracker_t is not None \
+                else None
+            self._scaler_views = views
+        pair = [views[2], views[3]] if views is not None else [scale_t, tracker_t]
+        scale, tracker, *values = self.read_losses([*pair, *extra])
         if self.mirror is not None:
             self.mirror.reconcile(scale, int(tracker))
         return scale, values
