@@ -390,8 +390,11 @@ class Reporters:
         if not trainer.loggers:
             return
         nonfinite_total = values[0] if values else self._nonfinite_total
-        steps = sum(n for n, _ in self._skip_window)
-        skip_rate = sum(k for _, k in self._skip_window) / steps if steps else 0.0
+        steps = skipped = 0
+        for n, k in self._skip_window:  # one pass, no generators: once per log step
+            steps += n
+            skipped += k
+        skip_rate = skipped / steps if steps else 0.0
         metrics: dict[str, float] = {
             "ampwatch/skipped_steps": float(skipped_total),
             "ampwatch/nonfinite_losses": float(nonfinite_total),
