@@ -786,3 +786,36 @@ def test_the_clean_step_fast_path_changes_nothing(observations: list[Observation
             fast_out.extend(fast.observe(obs))
     assert fast_out == slow_out
     assert fast.state_dict() == slow.state_dict()
+
+
+_LOSS_KINDS = st.one_of(
+    st.floats(min_value=0.5, max_value=1.5),  # healthy
+    st.floats(min_value=3.0, max_value=200.0),  # a spike (a run of them is a finite divergence)
+    st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 0.0]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(losses=st.lists(st.tuples(_LOSS_KINDS, st.integers(min_value=1, max_value=12)), min_size=1, max_size=40),
+       cuts=st.lists(st.integers(min_value=1, max_value=60), min_size=1, max_size=8))
+def test_note_losses_in_batches_is_one_loss_at_a_time(losses: list[tuple[float, int]], cuts: list[int]) -> None:
+    """A log step hands the machine ~50 losses at once (``note_losses``, with the healthy case inline): the level,
+    the climb and the finite divergence come out as when each loss is taken as the step's own
+    (``observe_clean(loss=...)``)."""
+    sequence = [loss for loss, repeat in losses for _ in range(repeat)]
+    batched, single = AmpStateMachine("fp16"), AmpStateMachine("fp16")
+    steps = list(enumerate(sequence))
+    i, k = 0, 0
+    while i < len(steps):
+        n = cuts[k % len(cuts)]
+        batched.note_losses(steps[i:i + n])
+        i, k = i + n, k + 1
+    for step, loss in steps:
+        single.observe_clean(step, None, False, (), loss)
+
+    def seen(m: AmpStateMachine) -> tuple:
+        s = m.state
+        return (s.reference, list(s.losses), list(s.loss_steps), s.climb, s.divergence_noted, s.start_loss,
+                [(d.finding, d.step, d.evidence.get("loss_reference")) for d in m.take_pending()])
+
+    assert seen(batched) == seen(single)
