@@ -143,3 +143,17 @@ def test_verbose_is_validated() -> None:
     for bad in ("loud", "FULL", 1, None):
         with pytest.raises(ValueError, match="True or False, or \"full\""):
             AmpWatch(verbose=bad)  # type: ignore[arg-type]
+
+
+def test_applied_line_says_what_the_remedy_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Applied line names the remedy and, from what it did to this run, what it changed: the module it put in
+    float32, the learning rates before and after."""
+    watch = run_scenario("forward_overflow", str(tmp_path / "island"), AmpWatch(remediate=True))
+    out = capsys.readouterr().out
+    island = next(d for d in watch.diagnoses if d.remedy == "fp32_island")
+    assert f"Applied: fp32_island: {island.location} runs in float32 with autocast off" in out, out
+    watch = run_scenario("lr_schedule", str(tmp_path / "lr"), AmpWatch(remediate="all"), max_steps=120)
+    out = re.sub(r"\s*│\s*", " ", capsys.readouterr().out)  # the panel's wrapped lines joined
+    applied = next(a for a in watch.applied if a.name == "reduce_lr")
+    before, after = applied.details["lr_before"][0], applied.details["lr_after"][0]
+    assert f"Applied: reduce_lr: learning rates x{after / before:g}: {before:g} -> {after:g}" in out, out

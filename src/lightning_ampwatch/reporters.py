@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from rich.console import Console, Group
@@ -140,7 +140,7 @@ def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: s
         parts.append(_evidence_table(rows))
     parts.append(Text("Fix: " + diagnosis.advice))
     if diagnosis.remedy:
-        parts.append(Text(f"Applied: {diagnosis.remedy}", style="green"))
+        parts.append(Text(f"Applied: {applied_text(diagnosis.remedy, diagnosis.evidence)}", style="green"))
     if diagnosis.outcome is not None:
         parts.append(_outcome_line(diagnosis))
     left_out = sum(1 for k in diagnosis.evidence if k not in SUPERSEDED) - len(rows)
@@ -152,13 +152,27 @@ def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: s
                  border_style="red" if diagnosis.is_alarm else "blue", expand=False)
 
 
+def applied_text(remedy: str, evidence: Mapping[str, Any]) -> str:
+    """The remedy's name and, from the details it returned when applied, what it changed, in one line
+    (``reduce_lr: learning rates x0.1: 5 -> 0.5``); the name alone when the details say nothing."""
+    from lightning_ampwatch.remedies import REGISTRY, RemedyName
+
+    details = evidence.get("remedy_details")
+    if not isinstance(details, Mapping):
+        return str(remedy)
+    try:
+        return f"{remedy}: {REGISTRY[RemedyName(remedy)].describe(details)}"
+    except Exception:  # noqa: BLE001 - an unknown name or partial details: the name still says what was done
+        return str(remedy)
+
+
 def update_panel(before: Diagnosis, after: Diagnosis) -> Panel:
     """A later fact about a diagnosis already printed (a remedy's outcome, the next rung, a withdrawal): one short
     panel that refers to the first, with only what changed."""
     parts: list[Any] = []
     if after.remedy != before.remedy and after.remedy:
-        parts.append(Text(f"Applied: {after.remedy}" + (f" (after {before.remedy})" if before.remedy else ""),
-                          style="green"))
+        parts.append(Text(f"Applied: {applied_text(after.remedy, after.evidence)}"
+                          + (f" (after {before.remedy})" if before.remedy else ""), style="green"))
     changed = [(k, v) for k, v in after.evidence.items()
                if k not in SUPERSEDED and before.evidence.get(k) != v and k not in ("remedy_details",)]
     if changed:
@@ -187,7 +201,7 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     lines += [f"| {k} | {format_value(v)} |" for k, v in diagnosis.evidence.items()]
     lines += ["", f"Fix: {diagnosis.advice}"]
     if diagnosis.remedy:
-        lines.append(f"Applied: {diagnosis.remedy}")
+        lines.append(f"Applied: {applied_text(diagnosis.remedy, diagnosis.evidence)}")
     if diagnosis.outcome is not None:
         lines.append(f"Outcome: {remedy_outcome(diagnosis)}")
     return "\n".join(lines)
