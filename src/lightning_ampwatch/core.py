@@ -525,7 +525,7 @@ class RunWatcher:
         published."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
-        timeline = self.reporters.timeline if self.reporters is not None else None
+        timeline = self._timeline
         for step in resolved:
             if step.losses_before:
                 machine.note_losses(step.losses_before)
@@ -563,9 +563,8 @@ class RunWatcher:
         since a treatment is a decision every rank must take together."""
         if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
             self._publish(diagnosis)
-        elif self.treatment.folds(diagnosis):  # an AMP alarm during a divergence: part of that episode
-            self.treatment.due.append(diagnosis)
-        elif self.treatment.wants(diagnosis):
+        elif self.treatment.folds(diagnosis) or self.treatment.wants(diagnosis):
+            # held for the step boundary: a remedy on its ladder, or an AMP alarm during a divergence (part of it)
             self.treatment.due.append(diagnosis)
         else:
             self._publish(diagnosis)

@@ -145,7 +145,6 @@ class StepLedger:
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
         self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
-        self.trajectory: Any = None  # investigate.TrajectoryControl, for the treatment's rollback (fed by the core)
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self._mark = 0  # the tape's length when that step began: later losses belong to the batch's next step
