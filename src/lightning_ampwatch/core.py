@@ -441,6 +441,18 @@ class RunWatcher:
             self.close()
             return
         self._finish()
+        # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
+        # end-of-run work just failed (skipping it would leave the others waiting in the collective)
+        if self.disabled and self._bystander is not None:
+            self._bystander.finish()
+        elif self._relaying:
+            try:
+                for relayed in self._relay.exchange():
+                    self._publish_relayed(relayed)
+            except Exception as err:  # noqa: BLE001
+                self.internal_failure("finish", err)
+        self._summarize()
+        self.close()
 
     @_guarded
     def _finish(self) -> None:
@@ -455,12 +467,11 @@ class RunWatcher:
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
         self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
-        if self._relaying:  # every rank is here: the last exchange
-            for relayed in self._relay.exchange():
-                self._publish_relayed(relayed)
+
+    @_guarded
+    def _summarize(self) -> None:
         if self.reporters is not None:
             self.reporters.finish(self.diagnoses, self._run_stats())
-        self.close()
 
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
@@ -595,8 +606,8 @@ class RunWatcher:
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
-            if self.trajectory is not None and self.host is not None:
-                treatment.fp32_reference(self.trajectory, self.host.global_step)  # when no healthy level exists
+            if self.host is not None:  # when no healthy level exists (every rank here: judged together)
+                treatment.fp32_reference(self.trajectory, self.host.global_step, gather=distributed.gather)
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             self._ended(treatment.end(recovery))

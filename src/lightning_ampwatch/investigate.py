@@ -548,9 +548,18 @@ class TrajectoryControl:
                                         "a scaler the ranks meet anomalies at different steps: a replay on this "
                                         "rank alone would wait for the others")
             return replace(diagnosis, evidence=ev), None
+        disagreed = None
+        if agree and distributed.world_size() > 1:
+            # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
+            # drops snapshots on its own budget, and a restore of a split snapshot broadcasts entry by entry
+            held = distributed.gather(None if snapshot is None else snapshot.step)
+            if len(set(held)) > 1:
+                snapshot = None
+                disagreed = (f"the ranks do not hold the same snapshot from before step {before} (steps by rank: "
+                             f"{held}), and a replay from different states would not meet in its collectives")
         local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
-            reason = self.ring.reason or self.ring.dropped or (
+            reason = disagreed or self.ring.reason or self.ring.dropped or (
                 f"no snapshot from before step {before} (the update before the onset at step {diagnosis.step}) is "
                 f"held; one is taken every {self.ring.every} steps")
             ev["trajectory_control"] = f"not run: {reason}"

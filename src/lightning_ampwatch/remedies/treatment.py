@@ -190,19 +190,22 @@ class Treatment:
                            reference=reference, reference_from=reference_from, snapshot=snapshot)
         self.ended(treated)
 
-    def fp32_reference(self, control: Any, now: int) -> None:
+    def fp32_reference(self, control: Any, now: int, gather: Callable[[Any], list[Any]] = lambda v: [v]) -> None:
         """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
         replay FP32 training from the newest snapshot before the remedy over the same steps the remedied run took.
         If that trains down (finite, its loss falling), what it reached is a healthy reference; otherwise there is
-        still none and the outcome stays unverified."""
+        still none and the outcome stays unverified. ``gather``: every rank's value (several ranks judge a remedy
+        together, under a scaler): a replay runs only where every rank can run the same one, since restoring a
+        split snapshot and a sharded forward talk to every rank."""
         watch = self.watch
-        if watch is None or watch.reference is not None or control is None or not control.ring.enabled:
+        if watch is None:  # (a remedy is watched on every rank alike; its reference, from each rank's losses, not)
             return
-        snapshot = control.ring.newest_before(watch.start)
-        if snapshot is None:
-            return
-        steps = control.ring.batches(snapshot.step + 1, now - 1)
-        if len(steps) < 3 or len(steps) != now - 1 - snapshot.step:
+        snapshot = control.ring.newest_before(watch.start) \
+            if watch.reference is None and control is not None and control.ring.enabled else None
+        steps = control.ring.batches(snapshot.step + 1, now - 1) if snapshot is not None else []
+        ready = snapshot is not None and len(steps) >= 3 and len(steps) == now - 1 - snapshot.step
+        held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
+        if not ready or len(set(held)) > 1:
             return
         try:
             fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
