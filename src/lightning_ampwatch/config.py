@@ -20,14 +20,13 @@ from lightning_ampwatch.remedies.policy import parse_remediate
 UNRECOVERABLE_MODES = ("warn", "stop", "raise")
 OnUnrecoverable = Literal["warn", "stop", "raise"]
 #: ``True`` (a compact panel per diagnosis), ``"full"`` (every evidence row on the console) or ``False``.
-VERBOSE_MODES = (True, False, "full")
 Verbose = Union[bool, Literal["full"]]
 
 
 @dataclass
 class WatchConfig:
-    """Every option of a watch (the adapters' docstrings say what each one does). ``remediate`` is kept as the
-    set of remedies it allows; ``log_dir`` with ``~`` expanded."""
+    """Every option of a watch (the adapters' docstrings say what each one does), checked when made.
+    ``remedies`` is the set of remedies ``remediate`` allows; ``log_dir`` has ``~`` expanded."""
 
     remediate: Union[bool, str, Iterable[str]] = False
     on_unrecoverable: OnUnrecoverable = "warn"

@@ -7,7 +7,8 @@ Fabric has no hooks of its own to feed a watch, so the adapter takes what the lo
   put back by :meth:`FabricWatch.close`), so the watch sees the loss exactly as Fabric hands it to autograd,
   scaled by the GradScaler, once per micro-batch, at the user's line;
 - ``optimizer.step()``: Fabric's optimizer wrapper steps the raw optimizer through the precision plugin's scaler,
-  and the watch's step hook on the raw optimizer learns, without a read, whether the scaler took the step;
+  and the watch's step hook on the raw optimizer learns, without a read (a fused optimizer
+  excepted, whose flag is read once it lands), whether the scaler took the step;
 - ``watch.step(batch, loss)``: the optimizer-step boundary, once per optimizer step.
 
 Fabric's own ways are taken into account: ``fabric.setup`` runs the module's forward under autocast and casts
@@ -447,7 +448,6 @@ class FabricHost:
         self._held: tuple[list[tuple[Any, dict[str, Any]]], list[list[Any]]] | None = None
         self._batch_started = False
         self.in_loop = True
-        self._said: set[str] = set()
         self._remedy_target = SimpleNamespace(
             optimizers=optimizers,
             lr_scheduler_configs=[SimpleNamespace(scheduler=s, interval="step", frequency=1) for s in schedulers],
@@ -570,9 +570,7 @@ class FabricHost:
             _FABRIC_LOG.info(message)
 
     def say_once(self, message: str) -> None:
-        if message not in self._said:
-            self._said.add(message)
-            self.say(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
+        self.watcher.say_once(message)
 
     # ------------------------------------------------------------------ the adapter's own bookkeeping
 
@@ -646,7 +644,7 @@ class FabricHost:
         """The scaler has just updated: the loop's optimizer step ran (taken or skipped). With ``hold_lr_on_skip``, a
         skipped step's schedulers are held: their state (and the LRs they set) from before the loop steps them is
         kept, to be put back in ``watch.step``. Only skipped steps cost anything; the skip is the step hook's host
-        flag, no device read."""
+        flag, no device read (a fused optimizer excepted: its found-inf flag is read, as under ``AmpWatch``)."""
         if self.in_step:
             return  # a replay's or a remedy's update, not the loop's
         self.scaler_updates += 1

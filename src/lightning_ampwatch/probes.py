@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_ampwatch import compat, sharding
+from lightning_ampwatch import compat, distributed, sharding
 
 FP16_MAX = 65504.0
 _STOCHASTIC = compat.STOCHASTIC_MODULES
@@ -247,7 +247,7 @@ class Replayer:
     def run(self, micro_batches: Sequence[MicroBatch], *, use_autocast: bool, grad_scale: float | None,
             probe: bool) -> ReplayResult:
         """Replay; with ``grad_scale``, take the gradients at that loss scale and, from the same graph, at scale 1."""
-        if grad_scale is not None and sharding.replay_needs_all_ranks(self.root_module()) and _world_size() > 1:
+        if grad_scale is not None and sharding.replay_needs_all_ranks(self.root_module()) and distributed.world_size() > 1:
             return self._run_sharded(micro_batches, use_autocast=use_autocast, grad_scale=grad_scale, probe=probe)
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -371,12 +371,6 @@ def _grad_flags(grad: Tensor | None) -> Tensor:
     if g.numel() == 0:  # this rank holds no part of it
         return torch.tensor([1.0, 0.0, 0.0], device=g.device)
     return torch.stack([torch.ones((), device=g.device), (~torch.isfinite(g)).any().float(), _finite_absmax(g)])
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _accumulate(total: list[Tensor | None] | None, grads: Sequence[Tensor | None]) -> list[Tensor | None]:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampwatch import compat
+from lightning_ampwatch.distributed import world_size
 
 try:  # torch >= 2.4 has both; kept optional so that a build without torch.distributed still imports
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -187,18 +188,6 @@ def redirects(root: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(root, FullyShardedDataParallel)
-
-
-def world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def broadcast(t: Tensor, src: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat, sharding
+from lightning_ampwatch import compat, distributed, sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -207,7 +207,7 @@ class Snapshot:
             if why is not None:
                 raise SnapshotError(why)
         model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
-        self._rank = sharding.rank()
+        self._rank = distributed.rank()
         missing = [k for k, _ in self.model if k not in model_sd] + \
                   [k for k, _ in self.optim_state if k not in optim_sd]
         if missing:
@@ -300,9 +300,9 @@ def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[T
     values copied as they are). ``split``: this rank's share only of the state every DDP rank holds alike (the
     scaler, the gradients and the RNG stay whole: they are small, or differ by rank)."""
     live: list[Tensor] = []
-    split = split and sharding.world_size() > 1
-    me = sharding.rank()
-    loads = [0] * sharding.world_size()  # bytes each rank holds so far: the next tensor goes to the least loaded
+    split = split and distributed.world_size() > 1
+    me = distributed.rank()
+    loads = [0] * distributed.world_size()  # bytes each rank holds so far: the next tensor goes to the least loaded
 
     def at(t: Tensor) -> _At:
         t = sharding.local(t.detach())
