@@ -367,7 +367,12 @@ def judge_lower_lr(lower: TrajectoryResult, factor: float) -> LowerLrVerdict:
         f"({first:.4g} -> {last:.4g})"), factor, evidence)
 
 
-def trains_down(result: TrajectoryResult) -> bool:
-    """The replay's loss falls over its window (the median of its last three losses under its first)."""
-    finite = [v for v in result.losses if v is not None and math.isfinite(v)]
+def falls(losses: Sequence[float | None]) -> bool:
+    """A loss that falls over its window: the median of its last three finite values under its first."""
+    finite = [v for v in losses if v is not None and math.isfinite(v)]
     return len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]
+
+
+def trains_down(result: TrajectoryResult) -> bool:
+    """The replay's loss falls over its window (:func:`falls`)."""
+    return falls(result.losses)

@@ -30,7 +30,7 @@ from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import replay_trajectory
 from lightning_ampwatch.machine import DIVERGENCE_FINDINGS
-from lightning_ampwatch.verdicts import AMP_BLAMING, judge_recovery, trains_down
+from lightning_ampwatch.verdicts import AMP_BLAMING, falls, judge_recovery, trains_down
 
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
@@ -310,9 +310,8 @@ def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None
     trajectory = facts.trajectory
     fp32_reached: float | None = None
     if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED:
-        finite = [v for v in trajectory.fp32_losses if v is not None and math.isfinite(v)]
-        if len(finite) >= 3 and statistics.median(finite[-3:]) < finite[0]:  # FP32 trained down: a healthy run
-            fp32_reached = statistics.median(finite)
+        if falls(trajectory.fp32_losses):  # FP32 trained down: a healthy run
+            fp32_reached = statistics.median([v for v in trajectory.fp32_losses if v is not None and math.isfinite(v)])
     if level is not None:
         if resumed_at is not None:
             then, _, _ = level_at(recent, resumed_at, window)
