@@ -19,7 +19,10 @@ strategy computes.
   root_device.index``, ``None`` on the CPU, which FSDP reads as "the current CUDA device"; the override passes
   ``torch.device("cpu")``. Its precision plugin (``FSDPPrecision("16-mixed")``) makes a ``ShardedGradScaler`` for
   CUDA, disabled without it, and refuses a scaler as an argument: ``fsdp1_fp16`` sets a CPU ``ShardedGradScaler``
-  on it afterwards. Lightning's FSDP "16-mixed" gathers the parameters in float16 (its ``param_dtype``).
+  on it afterwards. Lightning's FSDP "16-mixed" gathers the parameters in float16 (its ``param_dtype``). Its
+  ``forward_context`` is ``torch.autocast("cuda")`` whatever the device: on the CPU no op would run under autocast
+  (a real GPU run has its loss ops in float32), so ``fsdp1_fp16``'s subclass enters ``torch.autocast("cpu",
+  float16)`` instead.
 """
 
 from __future__ import annotations
@@ -116,11 +119,20 @@ def cpu_fsdp1(**kwargs: Any) -> Any:
 
 
 def fsdp1_fp16(**scaler_kwargs: Any) -> Any:
-    """Lightning's FSDP precision plugin for "16-mixed", with a working ``ShardedGradScaler`` on the CPU."""
+    """Lightning's FSDP precision plugin for "16-mixed", with CPU autocast and a working ``ShardedGradScaler`` on the
+    CPU (see the module's notes)."""
+    import torch
     from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    plugin = FSDPPrecision("16-mixed")
+    class CpuFsdpPrecision(FSDPPrecision):
+        def forward_context(self) -> Any:
+            # Lightning's FSDP precision is GPU-only: its "16-mixed" enters torch.autocast("cuda"), under which
+            # nothing on the CPU runs in autocast (the loss ops would run in the gathered float16 parameters' dtype,
+            # not autocast's float32). The same autocast, on the device the processes compute on.
+            return torch.autocast("cpu", dtype=torch.float16)
+
+    plugin = CpuFsdpPrecision("16-mixed")
     plugin.scaler = ShardedGradScaler(device="cpu", **scaler_kwargs)
     return plugin
 

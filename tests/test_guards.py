@@ -474,6 +474,24 @@ def test_analyze_loss_reads_factors_and_float16_loss_ops() -> None:
     assert analyze_loss(scaler.scale(outside.float() * 2), scaler).float16_loss_op == "MseLossBackward0"
 
 
+def test_analyze_loss_steps_over_the_cast_fsdp1_s_sharded_scaler_makes() -> None:
+    # FSDP1's ShardedGradScaler multiplies a float16 loss by its float32 scale and casts the product back to float16:
+    # that cast and product are the scaler's own, not a hand-made scale under a second one
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)
+    w = torch.randn(4, 3, requires_grad=True)
+    loss = (torch.randn(5, 4).half() @ w.half()).sum()  # a float16 loss, as a float16 model's sum is
+    scaled = scaler.scale(loss)
+    assert scaled.grad_fn.name() == "ToCopyBackward0"  # the mechanism this test is about
+    graph = analyze_loss(scaled, scaler)
+    assert graph.factor == 1.0 and not graph.second_scale and not graph.prescaled
+    by_hand = analyze_loss(scaler.scale(loss * 1024), scaler)
+    assert by_hand.factor == 1024.0 and by_hand.prescaled and not by_hand.second_scale
+    twice = analyze_loss(scaler.scale(scaler.scale(loss)), scaler)
+    assert twice.second_scale and twice.prescaled
+
+
 def test_scaler_stage_and_who_steps() -> None:
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)

@@ -255,6 +255,11 @@ def analyze_loss(scaled_loss: Tensor, scaler: Any = None, scale: Callable[[], fl
     if node is None:
         return LossGraph(loss_dtype=scaled_loss.dtype)
     scale_tensor = compat.scale_tensor(scaler) if scaler is not None else None
+    if scaler is not None and node.name().startswith("ToCopyBackward") and node.next_functions \
+            and node.next_functions[0][0] is not None and node.next_functions[0][0].name().startswith("Mul"):
+        # FSDP1's ShardedGradScaler casts the scaled loss back to the loss's dtype (a float16 loss times its float32
+        # scale is float32): that cast is the scaler's too, not a cast the user made above a hand-made scale
+        node = node.next_functions[0][0]
     if scaler is not None and node.name().startswith("Mul"):
         top = _constant_operand(node)
         if top is not None:
