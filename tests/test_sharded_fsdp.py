@@ -297,24 +297,106 @@ def test_fsdp2_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_l
     assert d["outcome"] == "recovered"
 
 
-def test_fsdp1_a_remedy_without_rollback_says_fsdp1_is_why(tmp_path: Path) -> None:
-    # FSDP1 keeps no snapshots, and Lightning's FSDP1 loading puts a checkpoint into the live model before its step
-    # can be checked: the rollback evidence names that, not a missing checkpoint file.
+class FullWeights(pl.Callback):
+    """Each rank writes the whole model (every rank takes part in gathering it), and what its snapshots held."""
+
+    def __init__(self, watch: AmpWatch, out_dir: Path) -> None:
+        self.watch, self.out_dir = watch, out_dir
+        self.snapshot_bytes: int | None = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        control = self.watch.watcher.trajectory  # (let go when the fit ends)
+        self.snapshot_bytes = control.ring.bytes_per_snapshot if control is not None else None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+        torch.save({"weights": full, "snapshot_bytes": self.snapshot_bytes},
+                   self.out_dir / f"weights{trainer.global_rank}.pt")
+
+
+def _fit_fsdp1_lr_jump(tmp_path: Path, strategy: Any, snapshot_every: int, **trainer_kw: Any) -> list[dict[str, Any]]:
     from test_trajectory_e2e import LrJump
 
     from lightning_ampwatch.scenarios import regression_data
 
     pl.seed_everything(0, verbose=False)
-    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=snapshot_every)
+    callbacks = [watch, Dump(watch, str(tmp_path)), FullWeights(watch, tmp_path), *trainer_kw.pop("callbacks", [])]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=cpu_fsdp1(), plugins=[fsdp1_fp16()], max_steps=30, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+        accelerator="cpu", devices=2, strategy=strategy, plugins=[fsdp1_fp16()], max_steps=40, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks,
+        use_distributed_sampler=False, **{"enable_checkpointing": False, **trainer_kw})
     trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_fsdp1_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tmp_path: Path) -> None:
+    rank0, rank1 = _fit_fsdp1_lr_jump(tmp_path, cpu_fsdp1(), snapshot_every=5)
     assert rank0["diagnoses"] == rank1["diagnoses"]
     d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
-    assert d["finding"] == Finding.LR_SCHEDULE.value
+    assert d["finding"] == Finding.LR_SCHEDULE.value and d["outcome"] == "recovered"
+    assert "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 40 and rank["skipped"] == rank["run_skipped"]
+    saved = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    weights = [s["weights"] for s in saved]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
+    # each rank's snapshot held its shard: about half of the whole trained state (the weights, Adam's two moments
+    # and step counts, the scaler), not all of it
+    whole = 3 * sum(t.nbytes for t in weights[0].values())
+    for s in saved:
+        assert 0.4 * whole < s["snapshot_bytes"] < 0.6 * whole, (s["snapshot_bytes"], whole)
+    print(f"FSDP1 snapshot bytes per rank: {[s['snapshot_bytes'] for s in saved]}, the whole trained state: {whole}")
+
+
+def test_fsdp1_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_loading(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    rank0, rank1 = _fit_fsdp1_lr_jump(tmp_path, cpu_fsdp1(state_dict_type="sharded"), snapshot_every=0,
+                                      callbacks=[ckpt], enable_checkpointing=True)  # no snapshots: the checkpoint
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
     rollback = d["evidence"]["rollback"]
-    assert rollback.startswith("none: snapshots are off, and no checkpoint can be rolled back to under FSDP1")
-    assert "no checkpoint file" not in rollback
+    assert "rolled back from step" in rollback and str(tmp_path / "ckpt") in rollback, rollback
+    path = rollback.split("(the checkpoint file ")[1].split(")")[0]
+    assert Path(path).is_dir()  # a sharded checkpoint is a directory
+    assert d["outcome"] == "recovered"
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 40 and rank["skipped"] == rank["run_skipped"]
+    weights = [torch.load(tmp_path / f"weights{r}.pt")["weights"] for r in range(2)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
+
+
+class HalfLoss:
+    """A loss left in the output's dtype (float16 under autocast): an L1 loss written by hand. FSDP1's
+    ShardedGradScaler casts the scaled float16 loss back to float16, a cast AmpWatch must know for the scaler's."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return (out - y.to(out.dtype)).abs().mean()
+
+
+@pytest.mark.parametrize("half_loss", [False, True], ids=["mse", "float16-loss"])
+def test_fsdp1_fp16_a_healthy_run_reports_no_finding(tmp_path: Path, half_loss: bool) -> None:
+    # Lightning's FSDP precision with real float16 autocast and a ShardedGradScaler: nothing to report (before the
+    # harness autocast on the CPU, and before AmpWatch knew the cast ShardedGradScaler adds, this read as
+    # LOSS_OUTSIDE_AUTOCAST and MANUAL_PRESCALE at step 0)
+    from lightning_ampwatch.scenarios import Regressor, regression_data
+
+    module = type("HalfLossRegressor", (HalfLoss, Regressor), {})() if half_loss else Regressor()
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1(), plugins=[fsdp1_fp16(init_scale=2.0**8)], max_steps=20,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, Dump(watch, str(tmp_path))], use_distributed_sampler=False)
+    trainer.fit(module, datamodule=RowsByRank(regression_data(n=1024)))
+    for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)):
+        assert rank["diagnoses"] == []
+        assert rank["steps"] == rank["run_steps"] == 20 and rank["skipped"] == rank["run_skipped"] == 0

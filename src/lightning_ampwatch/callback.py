@@ -89,11 +89,9 @@ class LightningHost:
                              safe_scale=safe_scale, guards=guards)
 
     def rollback_unavailable(self) -> str | None:
-        """Why no checkpoint can be rolled back to in this fit, or None."""
-        if sharding.uses_fsdp1(self.wrapped_module()):
-            return ("no checkpoint can be rolled back to under FSDP1 (FullyShardedDataParallel): loading one puts it "
-                    "into the live model before its step can be checked, and FSDP1's live state cannot be put back "
-                    "in place if it turns out too new")
+        """Why no checkpoint can be rolled back to in this fit, or None. Every strategy Lightning loads checkpoints
+        for can roll back now: a sharded one (FSDP1, FSDP2) loads a checkpoint into the live model before its step
+        can be checked, and the live state, kept on the host meanwhile, is put back when it turns out too new."""
         return None
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:

@@ -665,7 +665,8 @@ class RunWatcher:
         untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
             and machine.untouched_since(diagnosis.step, now - 1)
         snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
-                                                          decide=self._decide, host=host, untouched=untouched)
+                                                          decide=self._decide, host=host, untouched=untouched,
+                                                          gather=distributed.gather)
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
             machine.rebase(*level_at(ledger.recent_losses, rollback.resumed_at, machine.thresholds.loss_window))

@@ -536,6 +536,9 @@ class TrajectoryControl:
         equally grave ones, a rank at fault's (its batches are the ones that went wrong), and the evidence names
         the rank."""
         ev = dict(diagnosis.evidence)
+        if self.state.replay_unavailable is not None:  # the same on every rank: none of them gathers below
+            ev["trajectory_control"] = f"not run: {self.state.replay_unavailable}"
+            return replace(diagnosis, evidence=ev), None
         before = max(diagnosis.step - 1, 0)
         snapshot = self.ring.newest_before(before) if self.ring.enabled else None
         stale = snapshot.stale(self.state) if snapshot is not None else None

@@ -7,15 +7,20 @@ module, DDP and FSDP2 the tensors it returns *are* the live tensors (a DTensor's
 so a snapshot copies them to the host and a restore copies them back in place: no second model, no new tensors,
 the optimizer's param-group dicts untouched (the step ledger holds on to them).
 
-FSDP1 (``FullyShardedDataParallel``) returns state-dict tensors that are built for the call, not views of its flat
-parameters: an in-place restore would change nothing. AmpWatch says so and keeps the trajectory control off there
-rather than pretend (see :func:`unsupported_reason`).
+FSDP1 (``FullyShardedDataParallel``) is the exception, on two counts: its state-dict tensors are built for each call,
+not views of its flat parameters (an in-place restore into them would change nothing), and building them is a
+collective (measured: ``get_model_state_dict`` and ``get_optimizer_state_dict`` on one rank alone wait for the
+other), so a snapshot taken by one rank and not another, as an episode on one rank's data makes it, would hang the
+run. Between optimizer steps each of its flat parameters holds this rank's shard, and the optimizer's parameters
+(the flat parameters, or with ``use_orig_params`` the original parameters, views of that shard) and their state are
+live tensors: :func:`fsdp1_live_state` reads those, so that FSDP1 snapshots and restores are this rank's alone, in
+place, like every other strategy's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -45,10 +50,6 @@ def unsupported_reason(root: nn.Module, optimizers: Sequence[Any] = ()) -> str |
             not isinstance(opt, torch.optim.Optimizer) for opt in optimizers):
         return ("the trajectory control is not available under DeepSpeed: its engine keeps the optimizer state "
                 "partitioned in its own form, which AmpWatch does not snapshot")
-    if uses_fsdp1(root):
-        return ("the trajectory control is not available under FSDP1 (FullyShardedDataParallel): its state-dict "
-                "tensors are built for each call rather than views of its flat parameters, so a snapshot could not "
-                "be put back in place; FSDP2 (ModelParallelStrategy / fully_shard) is supported")
     if get_state_dict is None:  # pragma: no cover
         return "the trajectory control needs torch.distributed.checkpoint, which this torch build lacks"
     return None
@@ -63,7 +64,7 @@ def uses_fsdp1(root: nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in root.modules())
 
 
-def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer], create: Collection[str] = ()
                ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(model state, optimizer state keyed by parameter name) of the live run, frozen parameters left out. For the
     modules :func:`unsupported_reason` accepts, every tensor in them is (or, for a DTensor, wraps) the live tensor,
@@ -72,7 +73,10 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     ``get_state_dict`` steps an optimizer that has no state and no gradients once, at LR 0, to create its state.
     That step is not harmless (Adam's step count and bias correction move, so the run is no longer the one it would
     have been): an optimizer with no state yet (before the first step, or a stateless SGD) is left out, its state
-    is empty. The optimizers' step hooks are hidden all the same so that AmpWatch's own hook never counts a step."""
+    is empty. The optimizers' step hooks are hidden all the same so that AmpWatch's own hook never counts a step.
+    Under FSDP1 the live tensors are read directly (:func:`fsdp1_live_state`; ``create`` is for it)."""
+    if uses_fsdp1(root):
+        return fsdp1_live_state(root, optimizers, create)
     options = StateDictOptions(ignore_frozen_params=True)
     optimizers = [opt for opt in optimizers if opt.state]
     with without_step_hooks(optimizers):
@@ -87,7 +91,10 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
 def frozen_versions(root: nn.Module) -> tuple[tuple[str, int], ...]:
     """The version counter of every frozen parameter: any in-place change bumps it, so a snapshot that left them
     out can tell when they are no longer what it assumed. A Python loop over the frozen parameters, run when a
-    snapshot is taken (every ``snapshot_every`` steps), never on other steps."""
+    snapshot is taken (every ``snapshot_every`` steps), never on other steps. None under FSDP1 (see
+    :func:`fsdp1_live_state`)."""
+    if uses_fsdp1(root):
+        return ()
     return tuple((name, compat.tensor_version(p)) for name, p in root.named_parameters() if not p.requires_grad)
 
 
@@ -199,3 +206,65 @@ def broadcast(t: Tensor, src: int) -> None:
 def replicated(root: nn.Module) -> bool:
     """Whether every rank holds the whole state alike (DDP over more than one rank)."""
     return isinstance(root, nn.parallel.DistributedDataParallel) and world_size() > 1
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP1 (FullyShardedDataParallel): this rank's shards, read and put back in place, no collective
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp1_live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer], create: Collection[str] = ()
+                     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """FSDP1's live state on this rank, as :func:`live_state` gives it: (the trained parameters this rank holds and
+    the buffers, the optimizer state of each trained parameter), keyed by the wrapped module's parameter names.
+
+    Between optimizer steps each flat parameter holds this rank's shard. Its trained parameters are what the
+    optimizers step: the flat parameters themselves (``use_orig_params=False``), or the original parameters, views of
+    the shard (``use_orig_params=True``, Lightning's default; a parameter this rank holds no part of is an empty
+    view). Each tensor returned is the live one and each per-parameter dict is the optimizer's own ``state[param]``,
+    so a snapshot copies exactly this rank's shard and a restore writes it back in place, no rank waiting for
+    another. Frozen parameters are left out: under ``use_orig_params`` they can share a flat parameter (and its
+    version counter) with trained ones, so :func:`frozen_versions` keeps no guard for them. Buffers are whole on
+    every rank. A parameter named in ``create`` that has no optimizer state yet gets an empty dict there (torch's
+    optimizers start such state afresh), so that a restore has a place to put the state a snapshot holds for it."""
+    _check_fsdp1_resharded(root)
+    names: dict[int, str] = {}
+    model: dict[str, Any] = {}
+    for name, p in root.named_parameters():
+        if p.requires_grad:
+            names[id(p)] = name
+            model[name] = p
+    model.update(root.named_buffers())
+    optim: dict[str, dict[str, Any]] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is not None and (p in opt.state or name in create):
+                    optim[name] = opt.state[p]  # the live dict (``opt.state`` is a defaultdict)
+    return model, optim
+
+
+def _check_fsdp1_resharded(root: nn.Module) -> None:
+    """Raise when a sharded flat parameter's live data is not this rank's shard (it is gathered whole between the
+    forward and the backward, never at an optimizer-step boundary, where snapshots and restores happen)."""
+    for m in root.modules():
+        handle = getattr(m, "_handle", None)  # each FullyShardedDataParallel's FlatParamHandle (None: no parameter)
+        flat = getattr(handle, "flat_param", None)
+        shard = getattr(flat, "_local_shard", None)
+        if shard is not None and getattr(handle, "uses_sharded_strategy", False) \
+                and flat.data_ptr() != shard.data_ptr():
+            raise RuntimeError("an FSDP1 flat parameter is not resharded (its live data is the gathered whole, "
+                               "not this rank's shard), so this rank's state cannot be read in place now")
+
+
+def replay_scaler(scaler: Any, device_type: str) -> Any:
+    """A fresh GradScaler of the kind the run uses, for a replay at the run's precision: FSDP1's ShardedGradScaler
+    agrees ``found_inf`` across the ranks' gradient shards, as the run's own does; else ``torch.amp.GradScaler``."""
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    except ImportError:  # pragma: no cover
+        ShardedGradScaler = None  # type: ignore[assignment,misc]  # noqa: N806
+    if ShardedGradScaler is not None and isinstance(scaler, ShardedGradScaler):
+        return ShardedGradScaler(device=device_type)
+    return torch.amp.GradScaler(device_type)

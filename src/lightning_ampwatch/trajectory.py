@@ -59,6 +59,9 @@ class TrainState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_context: Callable[[], Any] = contextlib.nullcontext  # the precision plugin's: the amp replay's autocast
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
+    #: why the FP32 replay cannot run though snapshots can (FSDP gathers half-precision parameters for compute): the
+    #: snapshots still serve rollback; None when it can
+    replay_unavailable: str | None = None
     step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
     root: Any = None  # the module as the strategy wraps it (DDP, FSDP2): state dicts are read from it; else module
@@ -77,7 +80,7 @@ class TrainState:
         plugin = trainer.precision_plugin
         root = getattr(trainer.strategy, "model", None)
         root = root if isinstance(root, torch.nn.Module) else pl_module
-        unavailable = None
+        unavailable = replay_unavailable = None
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
@@ -86,12 +89,13 @@ class TrainState:
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
             unavailable = ("the trajectory control is not available: the trained weights themselves are half "
                            "precision (a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
-        elif sharding.half_param_dtype(root) is not None:
-            unavailable = (f"the trajectory control is not available: FSDP gathers the parameters in "
-                           f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a replay "
-                           "without autocast would not be an FP32 run")
         else:
             unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
+        if unavailable is None and sharding.half_param_dtype(root) is not None:
+            # the snapshots are still taken: a rollback needs no FP32 replay
+            replay_unavailable = (f"the trajectory control is not available: FSDP gathers the parameters in "
+                                  f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a "
+                                  "replay without autocast would not be an FP32 run")
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and not _enabled(scaler):
             scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
@@ -109,6 +113,9 @@ class TrainState:
             device=pl_module.device,
             forward_context=plugin.forward_context,
             unavailable=unavailable,
+            replay_unavailable=replay_unavailable,
+            # through a root FSDP1 wrapper's forward, which gathers the parameters (a plain call everywhere else)
+            step_loss=functools.partial(sharding.training_step, root, pl_module) if sharding.redirects(root) else None,
             root=root,
             split=split,
         )
@@ -206,7 +213,8 @@ class Snapshot:
             why = self.stale(state)
             if why is not None:
                 raise SnapshotError(why)
-        model_sd, optim_sd = sharding.live_state(state.root, state.optimizers)
+        model_sd, optim_sd = sharding.live_state(state.root, state.optimizers,
+                                                 create=[k for k, _ in self.optim_state])
         self._rank = distributed.rank()
         missing = [k for k, _ in self.model if k not in model_sd] + \
                   [k for k, _ in self.optim_state if k not in optim_sd]
@@ -330,7 +338,9 @@ def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[T
         "optim_state": [(k, {name: keep(v) for name, v in per.items()}) for k, per in optim_sd.items()],
         "groups": [[{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
                    for opt in state.optimizers],
-        "grads": [None if p.grad is None else at(p.grad) for p in _trainable(state)] if grads else None,
+        # (not under FSDP1: its gradients live in its flat parameters, and the next step's zero_grad clears them)
+        "grads": [None if p.grad is None else at(p.grad) for p in _trainable(state)]
+        if grads and not sharding.uses_fsdp1(state.root) else None,
         "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
         "scaler": None,
         "frozen": sharding.frozen_versions(state.root),
@@ -525,6 +535,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
         raise ValueError(state.unavailable)
+    if precision == "fp32" and state.replay_unavailable is not None:
+        raise ValueError(state.replay_unavailable)
     indices = [s for s, _ in steps]
     expected = list(range(snapshot.step + 1, snapshot.step + 1 + len(steps)))
     if not steps or indices != expected:
@@ -535,7 +547,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         torch.cuda.current_stream(state.device).synchronize()  # the snapshot's host copies are complete
     scaler = None
     if amp and snapshot.scaler is not None:
-        scaler = torch.amp.GradScaler(state.device.type)
+        scaler = sharding.replay_scaler(state.scaler, state.device.type)
         scaler.load_state_dict(snapshot.scaler_state_dict())
     live = Snapshot.take(state, -1, grads=True)
     losses: list[Tensor | None] = []
@@ -550,7 +562,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
                 skipped.append(skip)
-            finite = torch.stack([torch.isfinite(sharding.local(p)).all() for p in state.module.parameters()]).all()
+            # the root's parameters: under FSDP1 without use_orig_params the module itself holds none
+            finite = torch.stack([torch.isfinite(sharding.local(p)).all() for p in state.root.parameters()]).all()
             present = [t.float().reshape(()) for t in losses if t is not None]
             read = torch.stack([*present, finite.float(), *(s.float() for s in skipped)]).tolist()  # the one read
     finally:

@@ -118,11 +118,16 @@ class Treatment:
     # ------------------------------------------------------------------ rolling back
 
     def roll_back(self, diagnosis: Diagnosis, *, now: int, control: Any, decide: Callable[[Any], Any],
-                  host: Any, untouched: bool = False) -> tuple[Any, Rollback, list[Any]]:
+                  host: Any, untouched: bool = False,
+                  gather: Callable[[Any], list[Any]] = lambda v: [v]) -> tuple[Any, Rollback, list[Any]]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
         it. Returns the snapshot (kept for a later rung), the :class:`Rollback` record, and, with
-        ``replay_episode``, the episode's held batches. ``decide`` is rank zero's value on every rank; ``host``
-        loads checkpoint files. The caller re-reads what a rollback changes (:data:`ROLLED_BACK`)."""
+        ``replay_episode``, the episode's held batches. ``decide`` is rank zero's value on every rank; ``gather``
+        every rank's value (several ranks roll back together, under a scaler): the ranks go back to a snapshot only
+        where every rank holds one from the same step (each ring keeps and drops on its own budget, and a rank that
+        lacks it would otherwise load a checkpoint, a collective under a sharded strategy, alone); else every rank
+        looks for a checkpoint. ``host`` loads checkpoint files. The caller re-reads what a rollback changes
+        (:data:`ROLLED_BACK`)."""
         if not self.rollback:
             return None, Rollback(RollbackKind.OFF, now), []
         if untouched:  # from the fit's first step the scaler skipped every step: nothing changed to go back from
@@ -136,7 +141,9 @@ class Treatment:
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
         if snapshot is None and control is not None and control.ring.enabled:
             snapshot = control.ring.newest_before(max(before, 0))  # the fit's starting state is before step 0
-        target = decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
+        held = gather(None if snapshot is None else snapshot.step)
+        # every rank goes back to the same step, or none to a snapshot
+        target = decide(held[0] if len(set(held)) == 1 else None)
         if target is not None and snapshot is not None and snapshot.step == target:
             episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
             if len(episode) != (now - 1 - target):
