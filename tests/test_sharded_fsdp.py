@@ -400,3 +400,45 @@ def test_fsdp1_fp16_a_healthy_run_reports_no_finding(tmp_path: Path, half_loss: 
     for rank in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)):
         assert rank["diagnoses"] == []
         assert rank["steps"] == rank["run_steps"] == 20 and rank["skipped"] == rank["run_skipped"] == 0
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig-params", "flat-params"])
+def test_fsdp1_with_float32_parameters_runs_the_trajectory_control_and_puts_the_live_shards_back_exactly(
+        tmp_path: Path, use_orig_params: bool) -> None:
+    # FSDP1 gathering float32 parameters (its MixedPrecision without a param_dtype) under float16 autocast: the FP32
+    # replay is an FP32 run, so every rank restores its own shard from the agreed snapshot and replays together
+    from torch.distributed.fsdp import MixedPrecision as FsdpMixedPrecision
+
+    def fit(out: Path, snapshot_every: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        out.mkdir()
+        pl.seed_everything(0, verbose=False)
+        watch = AmpWatch(verbose=False, snapshot_every=snapshot_every)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, plugins=[fsdp1_fp16(init_scale=2.0**8)], max_steps=10, logger=False,
+            strategy=cpu_fsdp1(mixed_precision=FsdpMixedPrecision(), use_orig_params=use_orig_params),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=str(out), callbacks=[watch, Dump(watch, str(out)), FullWeights(watch, out)],
+            use_distributed_sampler=False)
+        trainer.fit(Unsharded(), datamodule=RowsByRank(one_rank_overflows()))
+        return ([json.loads((out / f"rank{r}.json").read_text()) for r in range(2)],
+                [torch.load(out / f"weights{r}.pt") for r in range(2)])
+
+    (rank0, rank1), saved = fit(tmp_path / "snapshots", snapshot_every=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = _alarm(rank0)
+    assert (d["finding"], d["step"], d["location"]) == (Finding.FORWARD_OVERFLOW.value, 5, "Unsharded.training_step")
+    ev = d["evidence"]
+    assert ev["trajectory_verdict"] == "amp_confirmed" and ev["trajectory_snapshot_step"] == 2
+    assert ev["trajectory_rank"] == 1  # every rank replayed its own batches: the evidence is the faulty rank's
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 10
+        assert rank["skipped"] == rank["run_skipped"] == 1 and rank["scale"] == rank["run_scale"] == 2.0**7
+    # this rank's shard of the trained state (weights, Adam's moments), not the whole of it
+    whole = 3 * sum(t.nbytes for t in saved[0]["weights"].values())
+    assert 0.45 * whole < ev["trajectory_snapshot_bytes"] < 0.55 * whole
+    # three replays from a snapshot, each followed by putting the live shards back: the run is the one it would have
+    # been without them, bit for bit
+    _, unreplayed = fit(tmp_path / "no-snapshots", snapshot_every=0)
+    for r in range(2):
+        for name, value in unreplayed[r]["weights"].items():
+            assert torch.equal(saved[r]["weights"][name], value), name
