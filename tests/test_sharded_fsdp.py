@@ -316,7 +316,8 @@ class FullWeights(pl.Callback):
                    self.out_dir / f"weights{trainer.global_rank}.pt")
 
 
-def _fit_fsdp1_lr_jump(tmp_path: Path, strategy: Any, snapshot_every: int, **trainer_kw: Any) -> list[dict[str, Any]]:
+def _fit_fsdp1_lr_jump(tmp_path: Path, strategy: Any, snapshot_every: int, module: Any = None,
+                       **trainer_kw: Any) -> list[dict[str, Any]]:
     from test_trajectory_e2e import LrJump
 
     from lightning_ampwatch.scenarios import regression_data
@@ -328,7 +329,7 @@ def _fit_fsdp1_lr_jump(tmp_path: Path, strategy: Any, snapshot_every: int, **tra
         accelerator="cpu", devices=2, strategy=strategy, plugins=[fsdp1_fp16()], max_steps=40, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks,
         use_distributed_sampler=False, **{"enable_checkpointing": False, **trainer_kw})
-    trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+    trainer.fit((module or LrJump)(), datamodule=RowsByRank(regression_data(n=1024)))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -370,6 +371,37 @@ def test_fsdp1_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_l
     weights = [torch.load(tmp_path / f"weights{r}.pt")["weights"] for r in range(2)]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()
+
+
+def test_fsdp1_a_frozen_part_is_left_out_of_each_rank_s_snapshot_and_the_rollback_holds(tmp_path: Path) -> None:
+    # a frozen first layer sharing the root's flat parameter with trained ones (use_orig_params, Lightning's default)
+    from test_trajectory_e2e import LrJump
+
+    class FrozenFirst(LrJump):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder[0].requires_grad_(False)
+
+        def configure_optimizers(self) -> Any:
+            config = super().configure_optimizers()
+            opt = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=3e-2)
+            config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda step: 100.0 if step >= 20 else 1.0)
+            return {**config, "optimizer": opt}
+
+    rank0, rank1 = _fit_fsdp1_lr_jump(tmp_path, cpu_fsdp1(), snapshot_every=5, module=FrozenFirst)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["outcome"] == "recovered" and "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
+    saved = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    for name in saved[0]["weights"]:
+        assert torch.equal(saved[0]["weights"][name], saved[1]["weights"][name])
+    trained = sum(v.nbytes for k, v in saved[0]["weights"].items() if not k.startswith("encoder.0."))
+    frozen = sum(v.nbytes for k, v in saved[0]["weights"].items() if k.startswith("encoder.0."))
+    # the ranks' snapshots together: the trained weights and Adam's two moments once, plus a few scalars (Adam's
+    # step counts, each rank's scale and growth tracker); the frozen layer's bytes are in none of them
+    total = sum(s["snapshot_bytes"] for s in saved)
+    assert 3 * trained <= total < 3 * trained + 64 < 3 * trained + frozen
 
 
 class HalfLoss:
