@@ -2,14 +2,14 @@
 
 Run it from the repository root::
 
-    python benchmarks/snapshot_cost.py            # 1M and 10M parameters: one process, frozen base, DDP, FSDP2
+    python benchmarks/snapshot_cost.py            # 1M and 10M parameters: one process, frozen base, DDP, FSDP2, FSDP1
     python benchmarks/snapshot_cost.py --sizes 1e6 # one size only (quicker)
 
 Each configuration takes snapshots the way the ring does (``Snapshot.take`` on a ``TrainState``, through torch's
-distributed state-dict machinery), after three float32 AdamW steps so that the optimizer state is real. DDP and
-FSDP2 run as two CPU processes with gloo; each rank reports its own bytes and median time. On this machine the
-copy measures the CPU's memory bandwidth (one thread); on an accelerator it would cross the bus into pinned
-memory. Timing on a shared machine is noisy: compare rows, do not tune on them.
+distributed state-dict machinery; under FSDP1 from its flat parameters' shards directly), after three float32 AdamW
+steps so that the optimizer state is real. DDP, FSDP2 and FSDP1 run as two CPU processes with gloo; each rank reports
+its own bytes and median time. On this machine the copy measures the CPU's memory bandwidth (one thread); on an
+accelerator it would cross the bus into pinned memory. Timing on a shared machine is noisy: compare rows, do not tune on them.
 
 ``measure(state)`` and ``cost(kind, params)`` are plain functions another benchmark can call.
 """
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from lightning_ampwatch.trajectory import Snapshot, TrainState  # noqa: E402
 
 WIDTH = 512
-KINDS = ("single", "frozen_base", "ddp", "fsdp2")
+KINDS = ("single", "frozen_base", "ddp", "fsdp2", "fsdp1")
 
 
 @dataclass
@@ -73,7 +73,7 @@ def measure(state: TrainState, repeats: int = 5) -> tuple[int, float]:
 
 
 def cost(kind: str, params: int, rank: int = 0) -> Cost:
-    """One configuration on this process (under ``ddp``/``fsdp2`` the process group must be up)."""
+    """One configuration on this process (under ``ddp``/``fsdp2``/``fsdp1`` the process group must be up)."""
     torch.manual_seed(0)
     model = _model(params)
     total = sum(p.numel() for p in model.parameters())
@@ -89,6 +89,13 @@ def cost(kind: str, params: int, rank: int = 0) -> Cost:
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
+    elif kind == "fsdp1":  # each layer its own FullyShardedDataParallel unit, as Lightning's auto-wrap makes them
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        root = FullyShardedDataParallel(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(
+            {nn.Linear}), use_orig_params=True)
+        model = root
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     _train(root, optimizer)
     # DDP: each rank keeps its share, as inside a fit with a scaler (the ranks restore together there)
@@ -110,7 +117,7 @@ def _worker(rank: int, kind: str, params: int, port: int, out: str) -> None:
 
 
 def run(kind: str, params: int) -> list[Cost]:
-    """``kind`` in ``KINDS``; DDP and FSDP2 in two CPU processes (one row per rank)."""
+    """``kind`` in ``KINDS``; DDP, FSDP2 and FSDP1 in two CPU processes (one row per rank)."""
     if kind in ("single", "frozen_base"):
         torch.set_num_threads(1)
         return [cost(kind, params)]

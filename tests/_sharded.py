@@ -22,7 +22,9 @@ strategy computes.
   on it afterwards. Lightning's FSDP "16-mixed" gathers the parameters in float16 (its ``param_dtype``). Its
   ``forward_context`` is ``torch.autocast("cuda")`` whatever the device: on the CPU no op would run under autocast
   (a real GPU run has its loss ops in float32), so ``fsdp1_fp16``'s subclass enters ``torch.autocast("cpu",
-  float16)`` instead.
+  float16)`` instead. Checkpoints are saved sharded (``state_dict_type="sharded"``): saving Lightning's default
+  "full" checkpoint kills the process with a segmentation fault on the CPU (in FSDP's full-state-dict hook, with
+  Lightning's offload to the CPU it already is on; seen with no AmpWatch in the fit).
 """
 
 from __future__ import annotations

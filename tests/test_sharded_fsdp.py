@@ -354,6 +354,7 @@ def test_fsdp1_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tm
 
 
 def test_fsdp1_rolls_back_to_a_sharded_checkpoint_directory_through_lightnings_loading(tmp_path: Path) -> None:
+    # (a "full" checkpoint cannot be saved on the CPU: see tests/_sharded.py)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=5, save_top_k=-1)

@@ -130,6 +130,19 @@ def fsdp1_flattened(p: Tensor) -> bool:
     return bool(getattr(p, "_fsdp_flattened", False))
 
 
+def fsdp1_unsharded(root: nn.Module) -> bool:
+    """Whether one of FSDP1's sharded flat parameters under ``root`` holds the gathered whole rather than this rank's
+    shard (``FlatParamHandle.flat_param`` against its ``_local_shard``; FSDP1 keeps no public reader of either)."""
+    for m in root.modules():
+        handle = getattr(m, "_handle", None)  # each FullyShardedDataParallel's FlatParamHandle (None: no parameter)
+        flat = getattr(handle, "flat_param", None)
+        shard = getattr(flat, "_local_shard", None)
+        if shard is not None and getattr(handle, "uses_sharded_strategy", False) \
+                and flat.data_ptr() != shard.data_ptr():
+            return True
+    return False
+
+
 def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
     """The ``param_dtype`` of the ``MixedPrecisionPolicy`` ``fully_shard`` gave ``module`` (FSDP2), or None."""
     get_state = getattr(module, "_get_fsdp_state", None)  # fully_shard's module class has it

@@ -157,6 +157,23 @@ def half_param_dtype(module: nn.Module) -> torch.dtype | None:
     return None
 
 
+def fp32_replay_unavailable(root: nn.Module) -> str | None:
+    """Why a replay without autocast would not be an FP32 run though snapshots can be taken, or None: FSDP gathers
+    the parameters in half precision for compute, or (FSDP1) frozen half-precision parameters, which its forward
+    gathers in their own dtype whatever :func:`fp32_frozen` makes of them."""
+    dtype = half_param_dtype(root)
+    if dtype is not None:
+        return (f"the trajectory control is not available: FSDP gathers the parameters in "
+                f"{str(dtype).replace('torch.', '')} for compute, so a replay without autocast would not be an FP32 "
+                "run")
+    if uses_fsdp1(root):
+        frozen = next((n for n, p in root.named_parameters() if not p.requires_grad and p.dtype in HALF), None)
+        if frozen is not None:
+            return (f"the trajectory control is not available: FSDP1 gathers the frozen parameter {frozen!r} in "
+                    "half precision for compute, so a replay without autocast would not be an FP32 run")
+    return None
+
+
 def class_name(module: nn.Module) -> str:
     """The user's class name: ``fully_shard`` swaps a module's class for a generated ``FSDP<Name>`` subclass."""
     cls = type(module)
@@ -227,7 +244,9 @@ def fsdp1_live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     version counter) with trained ones, so :func:`frozen_versions` keeps no guard for them. Buffers are whole on
     every rank. A parameter named in ``create`` that has no optimizer state yet gets an empty dict there (torch's
     optimizers start such state afresh), so that a restore has a place to put the state a snapshot holds for it."""
-    _check_fsdp1_resharded(root)
+    if compat.fsdp1_unsharded(root):  # never at an optimizer-step boundary, where snapshots and restores happen
+        raise RuntimeError("an FSDP1 flat parameter is not resharded (its live data is the gathered whole, not this "
+                           "rank's shard), so this rank's state cannot be read in place now")
     names: dict[int, str] = {}
     model: dict[str, Any] = {}
     for name, p in root.named_parameters():
@@ -243,19 +262,6 @@ def fsdp1_live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer
                 if name is not None and (p in opt.state or name in create):
                     optim[name] = opt.state[p]  # the live dict (``opt.state`` is a defaultdict)
     return model, optim
-
-
-def _check_fsdp1_resharded(root: nn.Module) -> None:
-    """Raise when a sharded flat parameter's live data is not this rank's shard (it is gathered whole between the
-    forward and the backward, never at an optimizer-step boundary, where snapshots and restores happen)."""
-    for m in root.modules():
-        handle = getattr(m, "_handle", None)  # each FullyShardedDataParallel's FlatParamHandle (None: no parameter)
-        flat = getattr(handle, "flat_param", None)
-        shard = getattr(flat, "_local_shard", None)
-        if shard is not None and getattr(handle, "uses_sharded_strategy", False) \
-                and flat.data_ptr() != shard.data_ptr():
-            raise RuntimeError("an FSDP1 flat parameter is not resharded (its live data is the gathered whole, "
-                               "not this rank's shard), so this rank's state cannot be read in place now")
 
 
 def replay_scaler(scaler: Any, device_type: str) -> Any:

@@ -64,7 +64,7 @@ class TrainState:
     replay_unavailable: str | None = None
     step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
-    root: Any = None  # the module as the strategy wraps it (DDP, FSDP2): state dicts are read from it; else module
+    root: Any = None  # the module as the strategy wraps it (DDP, FSDP1, FSDP2): state is read from it; else module
     #: DDP with a scaler: every rank holds the same state, so each keeps 1/N of a snapshot and the ranks put it
     #: back together on restore (a collective; restores then happen on every rank at once: the ranks meet
     #: anomalies together under a scaler). Off without a scaler, where a rank may replay alone.
@@ -91,11 +91,8 @@ class TrainState:
                            "precision (a '16-true' or 'bf16-true' run), so there is no FP32 run to replay")
         else:
             unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
-        if unavailable is None and sharding.half_param_dtype(root) is not None:
-            # the snapshots are still taken: a rollback needs no FP32 replay
-            replay_unavailable = (f"the trajectory control is not available: FSDP gathers the parameters in "
-                                  f"{str(sharding.half_param_dtype(root)).replace('torch.', '')} for compute, so a "
-                                  "replay without autocast would not be an FP32 run")
+        if unavailable is None:  # the snapshots are taken in any case below: a rollback needs no FP32 replay
+            replay_unavailable = sharding.fp32_replay_unavailable(root)
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and not _enabled(scaler):
             scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
@@ -155,8 +152,8 @@ class SnapshotError(RuntimeError):
 class Snapshot:
     """The trained state (module parameters that require gradients and buffers, every optimizer's state), the
     scaler's and the step schedulers' state and the RNG, taken after optimizer step ``step``. The module and
-    optimizer state come from torch's distributed state-dict machinery (:mod:`~lightning_ampwatch.sharding`), so
-    under DDP and FSDP2 each rank copies what it holds; frozen parameters are left out and only their version
+    optimizer state come from torch's distributed state-dict machinery (:mod:`~lightning_ampwatch.sharding`; under
+    FSDP1 from its flat parameters' shards directly), so under DDP, FSDP1 and FSDP2 each rank copies what it holds; frozen parameters are left out and only their version
     counters kept. Tensors are host copies; the loops' counters are not included (``global_step`` stays
     monotonic)."""
 
