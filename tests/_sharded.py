@@ -120,23 +120,34 @@ def cpu_fsdp1(**kwargs: Any) -> Any:
     return CpuFsdp1Strategy(**kwargs)
 
 
-def fsdp1_fp16(**scaler_kwargs: Any) -> Any:
-    """Lightning's FSDP precision plugin for "16-mixed", with CPU autocast and a working ``ShardedGradScaler`` on the
-    CPU (see the module's notes)."""
+def _cpu_fsdp_precision(precision: str) -> Any:
+    """Lightning's FSDP precision plugin for ``precision`` ("16-mixed", "bf16-mixed"), autocasting on the CPU."""
     import torch
     from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     class CpuFsdpPrecision(FSDPPrecision):
         def forward_context(self) -> Any:
-            # Lightning's FSDP precision is GPU-only: its "16-mixed" enters torch.autocast("cuda"), under which
-            # nothing on the CPU runs in autocast (the loss ops would run in the gathered float16 parameters' dtype,
-            # not autocast's float32). The same autocast, on the device the processes compute on.
-            return torch.autocast("cpu", dtype=torch.float16)
+            # Lightning's FSDP precision is GPU-only: its mixed precision enters torch.autocast("cuda"), under which
+            # nothing on the CPU runs in autocast (the loss ops would run in the gathered half-precision parameters'
+            # dtype, not autocast's float32). The same autocast, on the device the processes compute on.
+            return torch.autocast("cpu", dtype=torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16)
 
-    plugin = CpuFsdpPrecision("16-mixed")
+    return CpuFsdpPrecision(precision)  # type: ignore[arg-type]
+
+
+def fsdp1_fp16(**scaler_kwargs: Any) -> Any:
+    """Lightning's FSDP precision plugin for "16-mixed", with CPU autocast and a working ``ShardedGradScaler`` on the
+    CPU (see the module's notes)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    plugin = _cpu_fsdp_precision("16-mixed")
     plugin.scaler = ShardedGradScaler(device="cpu", **scaler_kwargs)
     return plugin
+
+
+def fsdp1_bf16() -> Any:
+    """Lightning's FSDP precision plugin for "bf16-mixed" (no scaler), with CPU autocast."""
+    return _cpu_fsdp_precision("bf16-mixed")
 
 
 class RowsByRank(pl.LightningDataModule):

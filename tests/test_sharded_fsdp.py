@@ -475,3 +475,108 @@ def test_fsdp1_with_float32_parameters_runs_the_trajectory_control_and_puts_the_
     for r in range(2):
         for name, value in unreplayed[r]["weights"].items():
             assert torch.equal(saved[r]["weights"][name], value), name
+
+
+def _fit_fsdp1_bf16(out_dir: str) -> None:
+    """Run in a child process (the parent enforces the time limit): FSDP1, bf16 (no scaler), NaN on rank 1 only,
+    snapshots every 2 steps; each rank also writes what its snapshots held."""
+    from _sharded import RowsByRank, cpu_fsdp1, fsdp1_bf16
+    from test_ddp import DumpDiagnoses
+
+    from lightning_ampwatch.scenarios import regression_data
+
+    class Sharded(Unsharded):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.body(x[:, :8])).sum(-1).float(), y)
+
+    class Held(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            control = watch.watcher.trajectory
+            held = control.ring.bytes_per_snapshot if control is not None and control.ring.enabled else 0
+            (Path(out_dir) / f"held{trainer.global_rank}.json").write_text(json.dumps(held))
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_fsdp1(), plugins=[fsdp1_bf16()], max_steps=8, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
+        callbacks=[watch, DumpDiagnoses(watch, out_dir), Held()], use_distributed_sampler=False)
+    trainer.fit(Sharded(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+
+
+def test_fsdp1_without_a_scaler_keeps_snapshots_and_no_rank_replays_alone(tmp_path: Path) -> None:
+    # FSDP1 in bf16: the snapshots stay on (for rollback; the FP32 replay is not run), and a NaN on rank 1 alone is
+    # judged there without a replay (a sharded forward would wait for rank 0) and reported by rank zero. The child
+    # must finish well inside the limit.
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
+            f"t._fit_fsdp1_bf16({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    d = rank1[0]
+    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
+    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
+    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+    # the snapshots were on, on both ranks (they are kept for rollback though FSDP gathers bf16 parameters)
+    assert all(json.loads((tmp_path / f"held{r}.json").read_text()) > 0 for r in range(2))
+
+
+def _one_rank_snapshots_alone(rank: int, out_dir: str, port: int) -> None:
+    import datetime
+    import os
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from lightning_ampwatch.trajectory import Snapshot, TrainState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    root = FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.Adam(root.parameters(), lr=0.1)
+
+    def step() -> None:
+        opt.zero_grad()
+        root(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+
+    step()
+    state = TrainState(module=module, optimizers=[opt], root=root)
+    if rank == 0:  # rank 0 alone, as when the other rank is in an episode (no snapshot) or judged a fault alone
+        held = [p for p in root.parameters() if p in opt.state]  # (a parameter of which this rank holds nothing: none)
+        before = [p.detach().clone() for p in root.parameters()]
+        moments = [opt.state[p]["exp_avg"].clone() for p in held]
+        snapshot = Snapshot.take(state, 0)
+        with torch.no_grad():  # not a step: a step's backward would reduce gradients with rank 1
+            for p in root.parameters():
+                p.add_(1.0)
+            for p in held:
+                opt.state[p]["exp_avg"].mul_(3.0)
+        snapshot.restore(state)
+        restored = bool(held) and all(torch.equal(p, b) for p, b in zip(root.parameters(), before)) and all(
+            torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(held, moments))
+        Path(out_dir, "rank0.json").write_text(json.dumps({"restored": restored, "bytes": snapshot.nbytes}))
+    dist.barrier()  # rank 1 waits here the whole time
+    step()  # and both ranks train on together
+    dist.destroy_process_group()
+
+
+def test_fsdp1_a_rank_takes_and_restores_its_snapshot_alone(tmp_path: Path) -> None:
+    # FSDP1's own state-dict calls are collectives (one rank alone waits for the other until gloo gives up): a
+    # snapshot or restore taken by one rank and not another, as an episode on one rank's data makes them, would
+    # hang the run. AmpWatch's read and write this rank's shards only.
+    import os
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_one_rank_snapshots_alone, args=(str(tmp_path), 29400 + os.getpid() % 500), nprocs=2,
+                       start_method="fork")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["restored"] is True
+    assert 0 < result["bytes"] < 0.6 * 3 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # this rank's shard, not the whole
