@@ -91,7 +91,7 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer], cre
 def frozen_versions(root: nn.Module) -> tuple[tuple[str, int], ...]:
     """The version counter of every frozen parameter: any in-place change bumps it, so a snapshot that left them
     out can tell when they are no longer what it assumed. A Python loop over the frozen parameters, run when a
-    snapshot is taken (every ``snapshot_every`` steps), never on other steps. None under FSDP1 (see
+    snapshot is taken (every ``snapshot_every`` steps), never on other steps. None are kept under FSDP1 (see
     :func:`fsdp1_live_state`)."""
     if uses_fsdp1(root):
         return ()
@@ -247,6 +247,7 @@ def fsdp1_live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     if compat.fsdp1_unsharded(root):  # never at an optimizer-step boundary, where snapshots and restores happen
         raise RuntimeError("an FSDP1 flat parameter is not resharded (its live data is the gathered whole, not this "
                            "rank's shard), so this rank's state cannot be read in place now")
+    create = set(create)
     names: dict[int, str] = {}
     model: dict[str, Any] = {}
     for name, p in root.named_parameters():
