@@ -96,7 +96,7 @@ def test_a_run_that_ends_while_its_remedy_is_watched_says_it_was_not_verified(tm
     watch = AmpWatch(verbose=False, remediate=True)
     _fit(tmp_path, watch, seed=2, offset=8.7, max_steps=max_steps)
     [d] = [d for d in watch.diagnoses if d.remedy]
-    assert d.step == 31 and d.outcome is None
+    assert d.outcome is None
     ran = max_steps - watch.applied[0].step
     assert 0 < ran < 8
     assert d.evidence["recovery"]["reason"] == (

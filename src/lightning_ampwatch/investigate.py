@@ -26,8 +26,8 @@ from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, G
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
-    LowerLrKind,
     LevelOrigin,
+    LowerLrKind,
     LowerLrVerdict,
     TrajectoryKind,
     TrajectoryVerdict,

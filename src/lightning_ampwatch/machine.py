@@ -604,7 +604,7 @@ class AmpStateMachine:
         and not a slow build above the healthy level before it. Otherwise there is no level, and
         ``why`` says why."""
         t, s = self.thresholds, self.state
-        then = [(step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at]
+        then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
         where = f"the run went back to step {resumed_at}"
         if not then:
             return LevelAt(resumed_at, None, resumed_at, resumed_at, (
@@ -624,7 +624,7 @@ class AmpStateMachine:
         if streak is not None:
             return unhealthy(f"include skipped steps in a row (from step {streak})")
         losses = [loss for _, loss in then]
-        half = len(losses) // 2  # (a single loss, the fit's first, shows no climb)
+        half = len(losses) // 2  # (a single loss shows no climb)
         older, newer = (statistics.median(losses[:half]), statistics.median(losses[half:])) if half else (0.0, 0.0)
         if half and newer > HEALTHY_RISE * older:
             return unhealthy(f"climb ({older:.4g} -> {newer:.4g})")
