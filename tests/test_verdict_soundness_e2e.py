@@ -21,7 +21,7 @@ from conftest import make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch import AmpWatch, Finding, Thresholds
 
 
 class PlateauExpSoftmax(pl.LightningModule):
@@ -72,6 +72,7 @@ def test_a_float16_overflow_on_a_plateau_is_not_renamed_on_the_noise_of_a_lower_
     # ... while the lower-LR replay trains clean and ends a little under where it began: not a decisive fall
     assert sum(ev["lower_lr_skipped"]) <= 1 and statistics.median(lower[-3:]) < lower[0]
     assert ev["lower_lr_verdict"] == "inconclusive" and "inconclusive" in ev["lower_lr_reason"]
+    assert ev["lower_lr_margin"] == pytest.approx(0.1)
     assert "not an AMP fault" not in ev["control_verdict"]
     assert "superseded_amp_evidence" not in ev
 
@@ -102,3 +103,13 @@ def test_a_run_that_ends_while_its_remedy_is_watched_says_it_was_not_verified(tm
     assert d.evidence["recovery"]["reason"] == (
         f"the run ended {ran} optimizer step{'s' if ran != 1 else ''} after the remedy, before the 8 its recovery is "
         "judged over")
+
+
+def test_the_margin_is_the_users_threshold(tmp_path: Path) -> None:
+    """``Thresholds.lr_cause_margin`` reaches the verdict: at 1% the same plateau noise passes for a cause (which is
+    why the default asks for 10%)."""
+    watch = AmpWatch(verbose=False, thresholds=Thresholds(lr_cause_margin=0.01))
+    _fit(tmp_path, watch, seed=3, offset=8.5, max_steps=80)
+    [d] = _alarms(watch)
+    assert d.evidence["lower_lr_margin"] == pytest.approx(0.01)
+    assert d.evidence["lower_lr_verdict"] == "lr_is_the_cause"

@@ -601,7 +601,8 @@ class TrajectoryControl:
         ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
                    if k not in ("loss_level", "divergence_ratio")})
         ev.update(lower_lr_verdict=lower.kind, lower_lr_reason=lower.reason, lower_lr_factor=lower.factor,
-                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"])
+                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"],
+                  lower_lr_margin=lower.evidence["margin"])
         facts = replace(facts_of(diagnosis), trajectory=verdict, lower_lr=lower)
         if not rename:
             ev["trajectory_reason"] = verdict.reason
