@@ -14,7 +14,7 @@ from lightning_ampwatch.machine import AmpStateMachine, LevelAt, Observation, Pr
 from lightning_ampwatch.records import TrajectoryKind, TrajectoryVerdict, Unverified, facts_of, with_facts
 from lightning_ampwatch.remedies.policy import RemedyPolicy
 from lightning_ampwatch.remedies.treatment import Treatment, Watch, _reference
-from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 from lightning_ampwatch.verdicts import (
     LowerLrKind,
     Outcome,
@@ -188,3 +188,12 @@ def test_a_run_that_ends_before_its_remedy_is_judged_says_so() -> None:
     assert ended.new.evidence["recovery"]["reason"] == ("the run ended 3 optimizer steps after the remedy, before the 8 "
                                                         "its recovery is judged over")
     assert facts_of(ended.new).recovery.unverified is Unverified.RUN_ENDED
+
+
+@pytest.mark.parametrize("first, words", [(True, "against the run's first loss of 0.5"),
+                                          (False, "against a healthy level of 0.5")])
+def test_the_advice_names_the_level_by_its_typed_origin(first: bool, words: str) -> None:
+    """The advice reads which level the control was measured against from the typed origin, not from a sentence."""
+    ev = {"loss_level": 0.5, "fp32_control_loss": 2000.0}  # no loss_level_from sentence to read
+    advice = advise(Finding.FP32_UNSTABLE, ev, control_diverging=True, against_first_loss=first)
+    assert words in advice

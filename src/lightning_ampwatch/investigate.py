@@ -157,7 +157,8 @@ class Investigator:
         if renamed is not None and diagnosis.finding in AMP_BLAMING and finding not in AMP_BLAMING:
             supersede_amp_evidence(ev, diagnosis.finding)
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
-                            advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
+                            advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING,
+                                          against_first_loss=record.loss_level_origin is LevelOrigin.FIRST_LOSS),
                             remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), replay=record, control=control))
         return refined, renamed
 
