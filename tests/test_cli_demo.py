@@ -27,12 +27,18 @@ def test_demo_shows_the_diagnosis_and_writes_the_event_log(tmp_path: Path, capsy
     assert json.loads(line)["location"] == "attention"
 
 
-def test_demo_remediate_recovers_by_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_remediate_applies_the_remedy_and_says_what_it_could_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "forward_overflow", "--remediate", "--root-dir", str(tmp_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "Applied: fp32_island" in out
-    assert "Remedy for FORWARD_OVERFLOW at step 0: fixed with fp32_island, recovery verified." in out
-    assert "recovery: 8 steps after it: 0 skipped, the loss" in out
+    # the fault is at step 0, before any healthy level, and FP32 replayed over the remedied steps falls only a few
+    # percent: there is no healthy reference, so the recovery is not verified, with the reason (the demo said
+    # "recovery verified" against that FP32 replay before a decisive fall was required of it)
+    assert "Remedy for FORWARD_OVERFLOW at step 0: fp32_island applied; recovery not verified: there is no healthy " \
+           "reference to compare the loss with" in out
+    assert "recovery verified" not in out
+    assert "less than the 20% a decisive fall needs" in out
     # the run is twice the scenario's length, to show the recovery: the demo's own line and the summary agree
     assert "Precision: fp16 on the CPU, 16 optimizer steps, logs in" in out
     assert "AmpWatch summary: 16 optimizer steps" in out

@@ -666,7 +666,12 @@ def test_bf16_fallback_switches_fabrics_precision_and_drops_the_scaler(tmp_path:
         watch.attach(module, optimizer)
         losses = train(fabric, module, optimizer, regression_data(x_scale=10.0), watch, mse, 12)
     [d] = [d for d in watch.diagnoses if d.remedy]
-    assert (d.finding, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "bf16_fallback", "recovered")
+    # the fault is at step 0, before any healthy level, and FP32 replayed over the remedied steps falls only a few
+    # percent (0.916 -> 0.885): no healthy reference, so the outcome is not verified (it read "recovered" against
+    # that FP32 replay before a decisive fall was required of it)
+    assert (d.finding, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "bf16_fallback", None)
+    assert "no healthy reference" in d.evidence["recovery"]["reason"]
+    assert "less than the 20% a decisive fall needs" in d.evidence["recovery"]["reason"]
     assert watch.machine.steps_seen == 12  # the steps after the switch are read through the new plugin's backward
     plugin = fabric.strategy.precision
     assert plugin.precision == "bf16-mixed" and plugin.scaler is None

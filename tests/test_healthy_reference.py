@@ -96,11 +96,17 @@ def test_without_a_level_the_fp32_trajectory_is_judged_by_its_own_shape() -> Non
     assert falling.kind is TrajectoryKind.AMP_CONFIRMED
 
 
+FULL_LR_CLIMBS = _result([3.4, 5.0, 9.0, 14.0, 20.0])  # the same steps at the full LR, in FP32
+
+
 def test_the_lower_lr_replay_says_whether_the_lr_is_the_cause() -> None:
-    assert judge_lower_lr(_result([3.4, 2.9, 3.0, 2.6, 2.4]), 0.1).kind is LowerLrKind.LR_IS_THE_CAUSE
-    assert judge_lower_lr(_result([3.4, float("nan"), 3.0]), 0.1).kind is LowerLrKind.STILL_FAULTS
-    assert judge_lower_lr(_result([3.4, 5.0, 9.0, 20.0]), 0.1).kind is LowerLrKind.DOES_NOT_FALL
-    assert judge_lower_lr(_result([3.4, 3.0]), 0.1).kind is LowerLrKind.TOO_SHORT
+    def judge(lower: list[float]) -> LowerLrKind:
+        return judge_lower_lr(_result(lower), 0.1, full=FULL_LR_CLIMBS, margin=0.2).kind
+
+    assert judge([3.4, 2.9, 3.0, 2.6, 2.4]) is LowerLrKind.LR_IS_THE_CAUSE
+    assert judge([3.4, float("nan"), 3.0]) is LowerLrKind.STILL_FAULTS
+    assert judge([3.4, 5.0, 9.0, 20.0]) is LowerLrKind.DOES_NOT_FALL
+    assert judge([3.4, 3.0]) is LowerLrKind.TOO_SHORT
 
 
 def test_under_ddp_a_finite_divergence_is_reported_once_and_opens_no_episode() -> None:

@@ -10,13 +10,17 @@ import pytest
 
 import lightning_ampwatch
 from lightning_ampwatch import Finding
-from lightning_ampwatch.verdicts import AMP_BLAMING, CONTROL_LEVEL_RATIO, judge_control
+from lightning_ampwatch.verdicts import AMP_BLAMING, CONTROL_LEVEL_RATIO, ControlVerdict, LevelOrigin, control_result
 
 
 def judge(finding: Finding, control_loss: float | None, grads_finite: bool | None = True,
-          batch_nonfinite: bool = False, loss_level: float | None = 1.0) -> tuple[Finding, str]:
-    return judge_control(finding, control_loss=control_loss, control_grads_finite=grads_finite,
-                         batch_nonfinite=batch_nonfinite, loss_level=loss_level)
+          batch_nonfinite: bool = False, loss_level: float | None = 1.0,
+          level_origin: LevelOrigin = LevelOrigin.HEALTHY) -> tuple[Finding, str]:
+    """:func:`control_result` (what the investigation uses) as (the finding it leaves standing, why)."""
+    result = control_result(finding, control_loss=control_loss, control_grads_finite=grads_finite,
+                            batch_nonfinite=batch_nonfinite, loss_level=loss_level, level_origin=level_origin)
+    assert result.control_loss is control_loss
+    return result.finding, result.reason
 
 
 def test_no_control_leaves_the_finding() -> None:
@@ -38,6 +42,24 @@ def test_a_finite_control_far_above_the_level_reads_as_divergence() -> None:
     finding, why = judge(Finding.FORWARD_OVERFLOW, 2 * CONTROL_LEVEL_RATIO * 0.5, loss_level=0.5)
     assert finding is Finding.FP32_UNSTABLE and why.startswith("control finite but 2e+03x the run's loss level")
     assert judge(Finding.FORWARD_OVERFLOW, 2 * CONTROL_LEVEL_RATIO, loss_level=None)[0] is Finding.FORWARD_OVERFLOW
+
+
+def test_a_level_that_is_the_first_loss_is_named_so_in_the_verdict() -> None:
+    finding, why = judge(Finding.FORWARD_OVERFLOW, 2 * CONTROL_LEVEL_RATIO * 0.5, loss_level=0.5,
+                         level_origin=LevelOrigin.FIRST_LOSS)
+    assert finding is Finding.FP32_UNSTABLE
+    assert why.startswith("control finite but 2e+03x the run's first loss (there is no healthy level yet)")
+
+
+@pytest.mark.parametrize("loss, grads, batch_nonfinite, verdict", [
+    (None, None, False, ControlVerdict.NOT_RUN), (2.0, True, False, ControlVerdict.AMP_FAULT),
+    (math.nan, True, False, ControlVerdict.NOT_AMP), (math.nan, True, True, ControlVerdict.DATA),
+    (2e3, True, False, ControlVerdict.DIVERGING)])
+def test_each_outcome_has_its_typed_verdict(loss: float | None, grads: bool | None, batch_nonfinite: bool,
+                                            verdict: ControlVerdict) -> None:
+    result = control_result(Finding.GRADIENT_OVERFLOW, control_loss=loss, control_grads_finite=grads,
+                            batch_nonfinite=batch_nonfinite, loss_level=1.0)
+    assert result.verdict is verdict
 
 
 @pytest.mark.parametrize("finding", [Finding.LR_SCHEDULE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE])

@@ -76,7 +76,7 @@ from lightning_ampwatch.remedies import (
     reapply_all,
 )
 from lightning_ampwatch.records import Outcome
-from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment, level_at
+from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
@@ -327,7 +327,9 @@ class RunWatcher:
         ring = SnapshotRing(config.snapshot_budget, every,
                             processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
         control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
-                                    self.say_once, adaptive=adaptive, on_failure=self.internal_failure)
+                                    self.say_once, adaptive=adaptive, on_failure=self.internal_failure,
+                                    fall_margin=config.thresholds.fall_margin,
+                                    lr_cause_margin=config.thresholds.lr_cause_margin)
         self.trajectory = control
         control.start(host.global_step)  # a state from before the first step this run takes
 
@@ -466,7 +468,9 @@ class RunWatcher:
             self._sync_investigations()
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
-        self.treatment.finish()  # still watched: its outcome stays unknown, never assumed
+        ended = self.treatment.finish(self.machine.steps_seen if self.machine is not None else 0)
+        if ended is not None:  # still watched: its outcome stays unknown, never assumed, and the record says why
+            self._update(ended.old, ended.new)
 
     @_guarded
     def _summarize(self) -> None:
@@ -667,9 +671,11 @@ class RunWatcher:
         snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
                                                           decide=self._decide, host=host, untouched=untouched,
                                                           gather=distributed.gather)
+        then = None  # the level where a rollback took the run back to, if that stretch was healthy
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)
-            machine.rebase(*level_at(ledger.recent_losses, rollback.resumed_at, machine.thresholds.loss_window))
+            then = machine.level_before(ledger.recent_losses, rollback.resumed_at)
+            machine.rebase(then)
         diagnosis = treatment.with_lr_tried(diagnosis, choice)
         treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
@@ -681,9 +687,7 @@ class RunWatcher:
             rollback = rollback.after_retraining(retrain(control.state, episode))
         treated = treatment.treated(treated, applied, rollback)
         treatment.start_watch(treated, applied, snapshot, level=None if healthy is None else healthy.level,
-                              recent=ledger.recent_losses,
-                              window=machine.thresholds.loss_window, steps_seen=machine.steps_seen,
-                              skipped_total=machine.skipped_total)
+                              then=then, steps_seen=machine.steps_seen, skipped_total=machine.skipped_total)
         return treated
 
     def _decide(self, value: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from lightning_ampwatch import distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
-from lightning_ampwatch.machine import BatchStats, PrecisionMode
+from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.records import ControlVerdict, facts_of
@@ -26,11 +26,13 @@ from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, G
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
+    LevelOrigin,
     LowerLrKind,
     LowerLrVerdict,
     TrajectoryKind,
     TrajectoryVerdict,
     control_result,
+    fp32_reference,
     judge_lower_lr,
     judge_trajectory,
     trains_down,
@@ -55,7 +57,7 @@ class ReplayRecord:
     control_loss: float | None = None
     control_grads_finite: bool | None = None
     loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
-    loss_level_from: str = "the run's loss level"
+    loss_level_origin: LevelOrigin = LevelOrigin.HEALTHY  # which of the two ``loss_level`` is
     error: str | None = None  # the replay failed on this rank
 
 
@@ -82,7 +84,7 @@ class Investigator:
 
     def collect(self, batches: Sequence[MicroBatch], *, scale: float | None, fault_ranks: Sequence[int],
                 weights_stepped: bool, loss_level: float | None, agree: bool,
-                loss_level_from: str = "the run's loss level",
+                loss_level_origin: LevelOrigin = LevelOrigin.HEALTHY,
                 reference: dict[str, Any] | None = None) -> ReplayRecord | None:
         """Replay on the rank(s) at fault; with ``agree`` every rank must call this together and all get one record.
 
@@ -106,7 +108,7 @@ class Investigator:
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
                 local = self._local(batches, scale, weights_stepped)
-                local.loss_level, local.loss_level_from = loss_level, loss_level_from
+                local.loss_level, local.loss_level_origin = loss_level, loss_level_origin
                 local.evidence.update(reference or {})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = ReplayRecord(error=f"{type(err).__name__}: {err}")
@@ -135,14 +137,14 @@ class Investigator:
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
-            level_from=record.loss_level_from,
+            level_origin=record.loss_level_origin,
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
         if loss_level is not None:
             ev["loss_level"] = loss_level
-            if record.loss_level_from != "the run's loss level":
-                ev["loss_level_from"] = record.loss_level_from
+            if record.loss_level_origin is not LevelOrigin.HEALTHY:
+                ev["loss_level_from"] = record.loss_level_origin.words
         finding = _gradient_scale_evidence(finding, ev)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
@@ -155,7 +157,8 @@ class Investigator:
         if renamed is not None and diagnosis.finding in AMP_BLAMING and finding not in AMP_BLAMING:
             supersede_amp_evidence(ev, diagnosis.finding)
         refined = Diagnosis(finding=finding, step=diagnosis.step, location=location, evidence=ev,
-                            advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING),
+                            advice=advise(finding, ev, control_diverging=control.verdict is ControlVerdict.DIVERGING,
+                                          against_first_loss=record.loss_level_origin is LevelOrigin.FIRST_LOSS),
                             remedy=diagnosis.remedy, facts=replace(facts_of(diagnosis), replay=record, control=control))
         return refined, renamed
 
@@ -387,16 +390,16 @@ class Investigations:
         investigator = self.investigator
         if investigator is None:
             return None
-        level, level_from = self.machine.loss_level, "the run's loss level"
+        level, origin = self.machine.loss_level, LevelOrigin.HEALTHY
         if level is None and self.machine.start_loss is not None:
-            level, level_from = self.machine.start_loss, "the run's first loss (there is no healthy level yet)"
+            level, origin = self.machine.start_loss, LevelOrigin.FIRST_LOSS
         # the healthy level before the first sign of what is replayed (the onset is not known yet: this step, or
         # the skips just before it); carried in the record so that every rank publishes the investigating rank's
         reference = self.machine.reference_evidence(self.machine.first_sign(step.opened.step))
         try:
             return investigator.collect(step.opened.batches, scale=step.opened.scale, fault_ranks=step.fault_ranks,
                                         weights_stepped=weights_stepped, loss_level=level, agree=agree,
-                                        loss_level_from=level_from, reference=reference)
+                                        loss_level_origin=origin, reference=reference)
         except Exception as err:  # noqa: BLE001 - degrade to watching, never to a crash
             self.investigator = None
             self.on_failure("the replay of the faulty batch", err)
@@ -442,10 +445,14 @@ class TrajectoryControl:
 
     def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
                  say: Callable[[str], None], adaptive: bool = False,
-                 on_failure: Callable[[str, Exception], None] | None = None) -> None:
+                 on_failure: Callable[[str, Exception], None] | None = None,
+                 fall_margin: float = Thresholds.fall_margin,
+                 lr_cause_margin: float = Thresholds.lr_cause_margin) -> None:
         self.ring = ring
         self.state = state
         self.divergence_ratio = divergence_ratio
+        self.fall_margin = fall_margin  # Thresholds.fall_margin: a decisive fall of an FP32 replay with no level
+        self.lr_cause_margin = lr_cause_margin  # Thresholds.lr_cause_margin: what the lower-LR verdict needs
         self.say = say
         self.on_failure = on_failure  # the callback's: a failure is reported once, the watch goes on
         if state.unavailable is not None:
@@ -573,9 +580,13 @@ class TrajectoryControl:
                 amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
                 lower = replay_trajectory(self.state, snapshot, steps, precision="amp", lr_factor=LOWER_LR_FACTOR)
                 verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
-                # what the snapshot held on this rank (trained state only: frozen parameters are left out)
-                verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes})
-                local = (verdict, judge_lower_lr(lower, LOWER_LR_FACTOR), trains_down(fp32))
+                # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
+                # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
+                verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes},
+                                  fp32_reference=fp32_reference(fp32.losses, level=loss_level,
+                                                                margin=self.fall_margin))
+                lower_verdict = judge_lower_lr(lower, LOWER_LR_FACTOR, full=fp32, margin=self.lr_cause_margin)
+                local = (verdict, lower_verdict, trains_down(fp32))
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = f"{type(err).__name__}: {err}"
         gathered = distributed.gather(local) if agree else [local]
@@ -594,7 +605,8 @@ class TrajectoryControl:
         ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
                    if k not in ("loss_level", "divergence_ratio")})
         ev.update(lower_lr_verdict=lower.kind, lower_lr_reason=lower.reason, lower_lr_factor=lower.factor,
-                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"])
+                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"],
+                  lower_lr_margin=lower.evidence["margin"])
         facts = replace(facts_of(diagnosis), trajectory=verdict, lower_lr=lower)
         if not rename:
             ev["trajectory_reason"] = verdict.reason
@@ -612,7 +624,8 @@ class TrajectoryControl:
         finding = _RENAMED_BY.get(verdict.kind, diagnosis.finding)
         if verdict.kind is TrajectoryKind.AMP_CONFIRMED and lower.kind is LowerLrKind.LR_IS_THE_CAUSE \
                 and not fp32_down:
-            # FP32 at the full LR stays finite but does not train; the same steps at a lower LR do: the LR
+            # FP32 at the full LR stays finite but does not train; the same steps at a lower LR fall decisively and
+            # end well under it: the LR. An inconclusive lower-LR replay renames nothing: the AMP verdict stands
             finding = Finding.FP32_UNSTABLE
             ev["control_verdict"] = (f"FP32 training from the snapshot after step {snapshot.step if snapshot else '?'}"
                                      f" stays finite but its loss does not fall, and {lower.reason}: not an AMP "

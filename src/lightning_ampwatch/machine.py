@@ -7,6 +7,7 @@ It decides *what* is wrong; how the numbers were measured and what to do about t
 from __future__ import annotations
 
 import math
+import statistics
 import types
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -68,6 +69,14 @@ class Thresholds:
     """Losses read in a row above ``divergence_ratio`` x the healthy reference (or the run's first loss, when there
     is none yet) that make a finite divergence an alarm on their own, with no skip and no NaN: a few hard batches
     come back well before this many."""
+    lr_cause_margin: float = 0.1
+    """The lower-LR counterfactual blames the learning rate only when its loss falls by at least this fraction (the
+    median of its last three losses under its first) and ends at least this fraction under the full-LR FP32 replay's
+    on the same steps: on a plateau, noise moves both by less, and the two replays see the same batches."""
+    fall_margin: float = 0.2
+    """With no healthy level to compare with, an FP32 replay is a remedy's recovery reference only when its loss falls
+    decisively: the median of its last three losses at least this fraction under its first. Minibatch noise on a
+    plateau seldom moves a median of three that far; a smaller fall is no evidence that the replay was healthy."""
 
     def __post_init__(self) -> None:
         kinds = get_type_hints(Thresholds)
@@ -80,6 +89,9 @@ class Thresholds:
         for name in ("window_skip_rate", "growth_skip_rate"):
             if getattr(self, name) > 1:
                 raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {getattr(self, name)!r}")
+        for name in ("lr_cause_margin", "fall_margin"):
+            if getattr(self, name) >= 1:
+                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)!r}")
         if self.divergence_ratio <= 1:
             raise ValueError(f"Thresholds.divergence_ratio must be above 1 (a loss above its level), "
                              f"got {self.divergence_ratio!r}")
@@ -131,6 +143,9 @@ HEALTHY_RISE = 2.0
 #: medians of ``loss_window`` numbers, not one per step.
 _PROMOTE_EVERY = 4
 _INF = math.inf
+#: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
+#: ring a rollback reads keeps as many steps).
+SKIP_LOG = 256
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
 DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
@@ -204,6 +219,20 @@ class Reference:
     count: int
 
 
+@dataclass(frozen=True)
+class LevelAt:
+    """The loss level a run had where a rollback took it back to: the median of the losses of the ``loss_window``
+    steps before ``resumed_at`` (steps ``first_step``..``last_step``), or None (``why`` says why) when that stretch
+    was not healthy or held no loss."""
+
+    resumed_at: int
+    level: float | None
+    first_step: int
+    last_step: int
+    why: str | None = None
+    count: int = 0  # the losses the level is the median of
+
+
 @dataclass
 class NormalCall:
     """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
@@ -241,6 +270,9 @@ class MachineState:
     reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
     start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
     divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
+    skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback
+    # judges the stretch it goes back to by them)
+    rebased_why: str | None = None  # why the latest rollback left no healthy level (None: it left one, or none came)
 
 
 def _plain(value: Any) -> Any:
@@ -333,6 +365,7 @@ class AmpStateMachine:
             lr_history=deque(maxlen=t.window + t.lr_lookback + 2),
             losses=deque(maxlen=t.loss_window),
             loss_steps=deque(maxlen=t.loss_window),
+            skip_log=deque(maxlen=SKIP_LOG),
         )
 
     # ---------------------------------------------------------------- public API
@@ -348,6 +381,7 @@ class AmpStateMachine:
         if obs.skipped:
             s.skipped_total += 1
             s.recent_skips.append(obs.step)
+            s.skip_log.append(obs.step)
         while s.recent_skips and s.recent_skips[0] <= obs.step - t.window:
             s.recent_skips.popleft()
         if obs.loss_finite is False:
@@ -498,7 +532,9 @@ class AmpStateMachine:
         if ref is not None:
             return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
         start = self.state.start_loss
-        why = (f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
+        rebased = self.state.rebased_why
+        why = (f"no healthy loss level before step {onset}: {rebased}" if rebased is not None else
+               f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
                "could be seen")
         if start is not None:
             why += f"; the run's first loss was {start:.4g}"
@@ -561,11 +597,51 @@ class AmpStateMachine:
         s.recent_skips.clear()
         s.growth_skips.clear()
 
-    def rebase(self, level: float | None, first_step: int, last_step: int) -> None:
-        """The run went back to an earlier state (a rollback): its healthy level is the one it had there (None: the
-        fit's start, where the first loss is the base again), and what was climbing belongs to abandoned steps."""
+    def level_before(self, recent: Iterable[tuple[int, float]], resumed_at: int) -> LevelAt:
+        """The loss level the run had where a rollback takes it back to (``resumed_at``: the first step run again),
+        from ``recent`` ((step, loss) pairs as read) over the ``loss_window`` steps before it, judged as a healthy
+        stretch is: every loss finite, no two skipped steps in a row, its newer half not climbing over its older half,
+        and not a slow build above the healthy level before it. Otherwise there is no level, and
+        ``why`` says why."""
+        t, s = self.thresholds, self.state
+        then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
+        where = f"the run went back to step {resumed_at}"
+        if not then:
+            return LevelAt(resumed_at, None, resumed_at, resumed_at, (
+                f"{where}, and no loss was read in the {t.loss_window} steps before it"))
+        first, last = then[0][0], then[-1][0]
+        span = f"steps {first}..{last}" if last > first else f"step {first}"
+
+        def unhealthy(what: str) -> LevelAt:
+            return LevelAt(resumed_at, None, first, last, f"{where}, and the losses of {span} before it {what}: not "
+                                                          "a healthy stretch")
+
+        bad = next((step for step, loss in then if not math.isfinite(loss)), None)
+        if bad is not None:
+            return unhealthy(f"include a non-finite one (step {bad})")
+        skips = sorted(step for step in s.skip_log if resumed_at - t.loss_window <= step < resumed_at)
+        streak = next((a for a, b in zip(skips, skips[1:]) if b == a + 1), None)
+        if streak is not None:
+            return unhealthy(f"include skipped steps in a row (from step {streak})")
+        losses = [loss for _, loss in then]
+        half = len(losses) // 2  # (a single loss shows no climb)
+        older, newer = (statistics.median(losses[:half]), statistics.median(losses[half:])) if half else (0.0, 0.0)
+        if half and newer > HEALTHY_RISE * older:
+            return unhealthy(f"climb ({older:.4g} -> {newer:.4g})")
+        level = statistics.median(losses)
+        before = self.reference_for(first)
+        if before is not None and level > HEALTHY_RISE * before.level:
+            return unhealthy(f"stand at {level:.4g}, {level / before.level:.3g}x the healthy level {before.level:.4g} "
+                             "before them (a slow build)")
+        return LevelAt(resumed_at, level, first, last, count=len(losses))
+
+    def rebase(self, at: LevelAt) -> None:
+        """The run went back to an earlier state (a rollback): its healthy level is the one it had there, if that
+        stretch was healthy (:meth:`level_before`); otherwise there is none, and the evidence of a later alarm says
+        why. What was climbing belongs to abandoned steps."""
         s = self.state
-        s.reference = None if level is None else Reference(level, first_step, last_step, 0)
+        s.reference = None if at.level is None else Reference(at.level, at.first_step, at.last_step, at.count)
+        s.rebased_why = at.why
         s.reference_before_skip = s.reference
         s.losses.clear()
         s.loss_steps.clear()

@@ -16,6 +16,8 @@ from lightning_ampwatch.taxonomy import Diagnosis, GradientPattern, LrEvent
 from lightning_ampwatch.verdicts import (
     ControlResult,
     ControlVerdict,
+    Fp32Reference,
+    LevelOrigin,
     LowerLrKind,
     LowerLrVerdict,
     Outcome,
@@ -26,7 +28,8 @@ from lightning_ampwatch.verdicts import (
 )
 
 __all__ = [
-    "ControlResult", "ControlVerdict", "Facts", "GradientPattern", "LowerLrKind", "LowerLrVerdict", "LrEvent",
+    "ControlResult", "ControlVerdict", "Facts", "Fp32Reference", "GradientPattern", "LevelOrigin", "LowerLrKind",
+    "LowerLrVerdict", "LrEvent",
     "Outcome", "Recovery", "Rollback",
     "RollbackKind", "TrajectoryKind", "TrajectoryVerdict", "Unverified", "facts_of", "with_facts",
 ]

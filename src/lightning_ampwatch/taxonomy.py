@@ -312,7 +312,7 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
     )
 
 
-def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
+def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False, against_first_loss: bool = False) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
     if ev.get("pattern") == "finite_divergence":
         why = (f"The loss climbed ({ev['divergence']}): training diverges at the precision it runs in, and no "
@@ -320,8 +320,7 @@ def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False) -> str:
     elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
     elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
-        against = "the run's first loss" if str(ev.get("loss_level_from", "")).startswith("the run's first loss") \
-            else "a healthy level"
+        against = "the run's first loss" if against_first_loss else "a healthy level"
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against {against} of {level:.3g}: "
                "training is diverging and float16 merely overflowed first. ")
     else:
@@ -482,9 +481,11 @@ ADVICE: dict[Finding, Callable[[Mapping[str, Any]], str]] = {
 }
 
 
-def advise(finding: Finding, evidence: Mapping[str, Any], *, control_diverging: bool = False) -> str:
+def advise(finding: Finding, evidence: Mapping[str, Any], *, control_diverging: bool = False,
+           against_first_loss: bool = False) -> str:
     """The concrete fix for ``finding`` given what was measured. ``control_diverging``: the single-batch FP32
-    control found a finite loss far above the run's level (the optimisation diverges; float16 overflowed first)."""
+    control found a finite loss far above the run's level (the optimisation diverges; float16 overflowed first);
+    ``against_first_loss``: that level was the run's first loss, there being no healthy level yet."""
     if finding is Finding.FP32_UNSTABLE:
-        return _advice_fp32(evidence, control_diverging)
+        return _advice_fp32(evidence, control_diverging, against_first_loss)
     return ADVICE[finding](evidence)

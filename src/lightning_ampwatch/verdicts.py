@@ -33,6 +33,19 @@ class ControlVerdict(str, Enum):
     AMP_FAULT = "amp_fault"  # FP32 finite near the level: reduced precision is at fault
 
 
+class LevelOrigin(str, Enum):
+    """What the loss level a single-batch control is measured against is: the run's healthy level, or, while there is
+    none yet, its first loss. :attr:`words` is what the evidence (``loss_level_from``) and the verdict print."""
+
+    HEALTHY = "healthy"
+    FIRST_LOSS = "first_loss"
+
+    @property
+    def words(self) -> str:
+        return "the run's loss level" if self is LevelOrigin.HEALTHY else \
+            "the run's first loss (there is no healthy level yet)"
+
+
 @dataclass(frozen=True)
 class ControlResult:
     """The FP32 control's conclusion: the finding it leaves standing, the verdict, and why in a few words."""
@@ -45,8 +58,8 @@ class ControlResult:
 
 def control_result(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
                    batch_nonfinite: bool, loss_level: float | None,
-                   level_from: str = "the run's loss level") -> ControlResult:
-    """What the FP32 control says about a finding. ``level_from`` names what ``loss_level`` is (the run's healthy
+                   level_origin: LevelOrigin = LevelOrigin.HEALTHY) -> ControlResult:
+    """What the FP32 control says about a finding. ``level_origin`` says what ``loss_level`` is (the run's healthy
     level, or its first loss when there is no healthy level yet).
 
     A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
@@ -69,17 +82,9 @@ def control_result(finding: Finding, *, control_loss: float | None, control_grad
         return result(Finding.FP32_UNSTABLE, ControlVerdict.NOT_AMP, "control failed too: not an AMP fault")
     if loss_level is not None and loss_level > 0 and control_loss > CONTROL_LEVEL_RATIO * loss_level:
         return result(Finding.FP32_UNSTABLE, ControlVerdict.DIVERGING, (
-            f"control finite but {control_loss / loss_level:.3g}x {level_from}: the optimisation is "
+            f"control finite but {control_loss / loss_level:.3g}x {level_origin.words}: the optimisation is "
             "diverging (or this batch is far outside the data seen so far)"))
     return result(finding, ControlVerdict.AMP_FAULT, "control finite: an AMP fault")
-
-
-def judge_control(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
-                  batch_nonfinite: bool, loss_level: float | None) -> tuple[Finding, str]:
-    """:func:`control_result` as (the finding it leaves standing, why in a few words)."""
-    result = control_result(finding, control_loss=control_loss, control_grads_finite=control_grads_finite,
-                            batch_nonfinite=batch_nonfinite, loss_level=loss_level)
-    return result.finding, result.reason
 
 
 #: After a remedy the loss must come back within this factor of its level before the episode to count as
@@ -214,6 +219,7 @@ class TrajectoryVerdict:
     reason: str  # plain words, for the diagnosis
     evidence: dict[str, Any]  # JSON-ready: non-finite losses are strings
     fp32_losses: tuple[float | None, ...] = ()  # the FP32 replay's losses, as numbers
+    fp32_reference: Fp32Reference | None = None  # what they offer a recovery check (:func:`fp32_reference`)
 
 
 def judge_trajectory(fp32: TrajectoryResult, amp: TrajectoryResult | None, loss_level: float | None,
@@ -325,9 +331,10 @@ LOWER_LR_FACTOR = 0.1
 class LowerLrKind(str, Enum):
     """What the replay at a lower learning rate showed."""
 
-    LR_IS_THE_CAUSE = "lr_is_the_cause"  # it trains clean and its loss falls: the learning rate is the cause
+    LR_IS_THE_CAUSE = "lr_is_the_cause"  # clean, and its loss falls decisively, well under the full-LR replay's
     STILL_FAULTS = "still_faults"  # it still overflows or goes non-finite at the lower LR
-    DOES_NOT_FALL = "does_not_fall"  # clean, but its loss does not fall either: nothing concluded
+    DOES_NOT_FALL = "does_not_fall"  # clean, but its loss does not fall: nothing concluded
+    INCONCLUSIVE = "inconclusive"  # clean and falling, but not by the margin, or not clearly under the full LR's
     TOO_SHORT = "too_short"  # too few steps to see a trend
 
 
@@ -341,13 +348,20 @@ class LowerLrVerdict:
     evidence: dict[str, Any]
 
 
-def judge_lower_lr(lower: TrajectoryResult, factor: float) -> LowerLrVerdict:
-    """What the window replayed at the run's own precision with every learning rate times ``factor`` says. Clean
-    (no non-finite loss or weight, at most one skip: the scaler may probe its scale once) and falling (the median
-    of its last three losses under its first, never above ``CLIMB_AFTER_CROSSING`` x its first): the learning rate
-    is the cause."""
+def judge_lower_lr(lower: TrajectoryResult, factor: float, *, full: TrajectoryResult, margin: float
+                   ) -> LowerLrVerdict:
+    """What the window replayed at the run's own precision with every learning rate times ``factor`` says, against
+    ``full``: the same steps from the same snapshot at the full learning rate in FP32 (no reduced precision, so its
+    losses are the learning rate's own). The learning rate is the cause only when the lower-LR replay is clean (no
+    non-finite loss or weight, at most one skip: the scaler may probe its scale once), its loss falls decisively
+    (the median of its last three at least ``margin`` under its first, never above ``CLIMB_AFTER_CROSSING`` x its
+    first), and it ends clearly better than the full-LR replay (its median of the last three at least ``margin``
+    under that replay's on the same steps, or that replay went non-finite). A fall smaller than that, as noise on a
+    plateau makes, is ``INCONCLUSIVE``: nothing is concluded from it."""
+    if not 0 < margin < 1:
+        raise ValueError(f"margin={margin!r}: expected a fraction in (0, 1)")
     evidence: dict[str, Any] = {"factor": factor, "losses": [_json_float(v) for v in lower.losses],
-                                "skipped": lower.skipped}
+                                "skipped": lower.skipped, "margin": margin}
     lr = f"the learning rate x{factor:g}"
     if lower.first_nonfinite is not None or sum(lower.skipped) > 1:
         return LowerLrVerdict(LowerLrKind.STILL_FAULTS, (
@@ -358,13 +372,33 @@ def judge_lower_lr(lower: TrajectoryResult, factor: float) -> LowerLrVerdict:
             f"replayed at the run's own precision with {lr}, the window is too short ({len(finite)} losses) to see "
             "whether the loss falls"), factor, evidence)
     first, last = finite[0], statistics.median(finite[-3:])
-    if last < first and max(finite) <= CLIMB_AFTER_CROSSING * first:
-        return LowerLrVerdict(LowerLrKind.LR_IS_THE_CAUSE, (
-            f"replayed at the run's own precision with {lr}, the same steps train clean and the loss falls from "
-            f"{first:.4g} to {last:.4g}: the learning rate is the cause"), factor, evidence)
-    return LowerLrVerdict(LowerLrKind.DOES_NOT_FALL, (
-        f"replayed at the run's own precision with {lr}, the same steps train clean but the loss does not fall "
-        f"({first:.4g} -> {last:.4g})"), factor, evidence)
+    if not last < first or max(finite) > CLIMB_AFTER_CROSSING * first:
+        return LowerLrVerdict(LowerLrKind.DOES_NOT_FALL, (
+            f"replayed at the run's own precision with {lr}, the same steps train clean but the loss does not fall "
+            f"({first:.4g} -> {last:.4g}): nothing is concluded about the learning rate"), factor, evidence)
+    clean = f"replayed at the run's own precision with {lr}, the same steps train clean"
+    if last > (1 - margin) * first:
+        return LowerLrVerdict(LowerLrKind.INCONCLUSIVE, (
+            f"{clean} and the loss falls from {first:.4g} to {last:.4g}, by less than the {margin:.0%} needed: "
+            "inconclusive, nothing is concluded about the learning rate"), factor, evidence)
+    full_finite = [v for v in full.losses if v is not None and math.isfinite(v)]
+    if full.first_nonfinite is not None:
+        versus = f"while at the full learning rate FP32 goes non-finite at step {full.first_nonfinite}"
+    elif len(full_finite) >= 3 and last <= (1 - margin) * statistics.median(full_finite[-3:]):
+        full_last = statistics.median(full_finite[-3:])
+        evidence["full_lr_last"] = full_last
+        versus = f"against {full_last:.4g} at the full learning rate in FP32 on the same steps"
+    else:
+        full_last = statistics.median(full_finite[-3:]) if len(full_finite) >= 3 else None
+        evidence["full_lr_last"] = full_last
+        against = f"{full_last:.4g}" if full_last is not None else "too few losses"
+        return LowerLrVerdict(LowerLrKind.INCONCLUSIVE, (
+            f"{clean} and the loss falls from {first:.4g} to {last:.4g}, but not clearly below the same steps at the "
+            f"full learning rate in FP32 ({against}; {margin:.0%} lower is needed): inconclusive, nothing is "
+            "concluded about the learning rate"), factor, evidence)
+    return LowerLrVerdict(LowerLrKind.LR_IS_THE_CAUSE, (
+        f"{clean} and the loss falls from {first:.4g} to {last:.4g}, {versus}: the learning rate is the cause"),
+        factor, evidence)
 
 
 def falls(losses: Sequence[float | None]) -> bool:
@@ -376,3 +410,40 @@ def falls(losses: Sequence[float | None]) -> bool:
 def trains_down(result: TrajectoryResult) -> bool:
     """The replay's loss falls over its window (:func:`falls`)."""
     return falls(result.losses)
+
+
+@dataclass(frozen=True)
+class Fp32Reference:
+    """What an FP32 replay offers a remedy's recovery check: the loss it reached (``level``), only when that replay was
+    itself healthy, and ``why``: what the replay did, in words that follow the replay's name ("went non-finite")."""
+
+    level: float | None
+    why: str
+
+
+def fp32_reference(losses: Sequence[float | None], *, level: float | None, margin: float) -> Fp32Reference:
+    """Whether an FP32 replay's losses make a healthy reference, and what it reached (the median of its last third,
+    at least three losses). Healthy: finite throughout, trained down (:func:`falls`), and near a level: within
+    ``RECOVERY_LOSS_FACTOR`` of the healthy ``level`` from before the episode when there is one, or else fallen
+    decisively (its last three's median at least ``margin`` under its first). A "recovered" is only ever measured
+    against such a reference."""
+    shown = [v for v in losses if v is not None]
+    if any(not math.isfinite(v) for v in shown):
+        return Fp32Reference(None, "went non-finite")
+    if len(shown) < 3:
+        return Fp32Reference(None, f"gave too few losses ({len(shown)}) to judge")
+    first, end = shown[0], statistics.median(shown[-3:])
+    reached = statistics.median(shown[-max(3, len(shown) // 3):])
+    if not falls(shown):
+        return Fp32Reference(None, f"did not train down ({first:.4g} -> {end:.4g})")
+    if level is not None and level > 0:
+        if reached > RECOVERY_LOSS_FACTOR * level:
+            return Fp32Reference(None, (
+                f"ended at {reached:.4g}, {reached / level:.3g}x the healthy level "
+                f"{level:.4g} before the episode: not near it"))
+        return Fp32Reference(reached, f"trained down to {reached:.4g}, within "
+                                      f"{RECOVERY_LOSS_FACTOR:g}x the healthy level {level:.4g}")
+    if end > (1 - margin) * first:
+        return Fp32Reference(None, (
+            f"fell only from {first:.4g} to {end:.4g}, less than the {margin:.0%} a decisive fall needs"))
+    return Fp32Reference(reached, f"fell decisively, from {first:.4g} to {end:.4g}")

@@ -11,7 +11,6 @@ checkpoint file from before it), and the episode's batches are skipped.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -29,8 +28,8 @@ from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import replay_trajectory
-from lightning_ampwatch.machine import DIVERGENCE_FINDINGS
-from lightning_ampwatch.verdicts import AMP_BLAMING, falls, judge_recovery, trains_down
+from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt
+from lightning_ampwatch.verdicts import AMP_BLAMING, fp32_reference, judge_recovery
 
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
@@ -185,14 +184,14 @@ class Treatment:
         return with_facts(replace(diagnosis, evidence=evidence, outcome=None), rollback=rollback, remedy=applied)
 
     def start_watch(self, treated: Diagnosis, applied: AppliedRemedy, snapshot: Any, *, level: float | None,
-                    recent: Any, window: int, steps_seen: int, skipped_total: int) -> None:
-        """The remedy is in effect from step ``applied.step``: watch it for ``recovery_steps`` steps."""
+                    then: LevelAt | None, steps_seen: int, skipped_total: int) -> None:
+        """The remedy is in effect from step ``applied.step``: watch it for ``recovery_steps`` steps. ``level``: the
+        healthy level from before the episode (None: there was none); ``then``: the level where a rollback took the
+        run back to (:meth:`~lightning_ampwatch.machine.AmpStateMachine.level_before`; None without a rollback)."""
         self.applied.append(applied)
         if applied.name is RemedyName.REDUCE_LR and isinstance(applied.details.get("lr_after"), list):
             self.lr_tried = list(applied.details["lr_after"])
-        rollback = facts_of(treated).rollback
-        resumed_at = rollback.resumed_at if rollback is not None else None
-        reference, reference_from = _reference(treated, level, resumed_at, recent, window)
+        reference, reference_from = _reference(treated, level, then)
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot)
         self.ended(treated)
@@ -200,8 +199,8 @@ class Treatment:
     def fp32_reference(self, control: Any, now: int, gather: Callable[[Any], list[Any]] = lambda v: [v]) -> None:
         """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
         replay FP32 training from the newest snapshot before the remedy over the same steps the remedied run took.
-        If that trains down (finite, its loss falling), what it reached is a healthy reference; otherwise there is
-        still none and the outcome stays unverified. ``gather``: every rank's value (several ranks judge a remedy
+        If that falls decisively (finite, its loss falling by ``Thresholds.fall_margin``), what it reached is a healthy
+        reference; otherwise there is still none, the outcome stays unverified, and its reason says why. ``gather``: every rank's value (several ranks judge a remedy
         together, under a scaler): a replay runs only where every rank can run the same one, since restoring a
         split snapshot and a sharded forward talk to every rank."""
         watch = self.watch
@@ -218,13 +217,19 @@ class Treatment:
             fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
-        finite = [v for v in fp32.losses if v is not None and math.isfinite(v)]
-        if fp32.first_nonfinite is not None or not trains_down(fp32):
+        margin = control.fall_margin
+        losses = fp32.losses if fp32.params_finite else [*fp32.losses, math.nan]  # weights gone non-finite: not healthy
+        found = fp32_reference(losses, level=None, margin=margin)
+        replayed = (f"FP32 training from the snapshot after step {snapshot.step} over the steps the remedied run took "
+                    f"({snapshot.step + 1}-{now - 1})")
+        if found.level is None:  # still none: the outcome stays unverified, and says why (this replay, of the very
+            # steps judged, stands over what the trajectory control's replay of the episode said)
+            self.watch = replace(watch, reference_from=(
+                f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"))
             return
-        third = max(1, len(finite) // 3)
-        self.watch = replace(watch, reference=statistics.median(finite[-third:]), reference_from=(
-            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, "
-            "where it trained down)"))
+        self.watch = replace(watch, reference=found.level, reference_from=(
+            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, where "
+            f"it {found.why})"))
 
     def with_lr_tried(self, diagnosis: Diagnosis, choice: Any) -> Diagnosis:
         """Before a ``reduce_lr`` rung that follows an earlier one: the learning rates that one set, in the evidence
@@ -285,9 +290,17 @@ class Treatment:
     def retry_done(self) -> None:
         self._retry = None
 
-    def finish(self) -> None:
-        """The run ended while a remedy was watched: its outcome stays unknown (None), never assumed."""
-        self.watch = None
+    def finish(self, steps_seen: int) -> Ended | None:
+        """The run ended while a remedy was watched, before its ``recovery_steps`` were run: its outcome stays unknown
+        (None), never assumed, and its evidence says why (``Unverified.RUN_ENDED``)."""
+        watch = self.watch
+        if watch is None:
+            return None
+        ran = steps_seen - watch.steps_before
+        return self.end(Recovery(Outcome.NOT_VERIFIED, (
+            f"the run ended {ran} optimizer step{'s' if ran != 1 else ''} after the remedy, before the "
+            f"{self.recovery_steps} its recovery is judged over"), {"steps": ran, "recovery_steps": self.recovery_steps},
+            Unverified.RUN_ENDED))
 
     def forget_states(self) -> None:
         """After the run: drop the snapshots kept for a next rung (they hold copies of the whole model)."""
@@ -305,41 +318,30 @@ def _last_good_step(diagnosis: Diagnosis) -> int:
     return min(step, lr_change) if isinstance(lr_change, int) else step
 
 
-def _reference(diagnosis: Diagnosis, level: float | None, resumed_at: int | None,
-               recent: Any, window: int) -> tuple[float | None, str]:
+def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) -> tuple[float | None, str]:
     """What the loss must come back to: only ever a reference known to be healthy. ``level`` is the healthy level
-    from before the episode (None when the episode began before any healthy stretch). After a rollback, the loss the
-    run had where it went back to, if higher (it cannot be asked to be better than that; that stretch lies before
-    the episode, so it is healthy when a healthy level exists). Where the FP32 replay confirmed an AMP fault and
-    itself trained down, what FP32 reached on the episode's own steps, if higher. With neither, nothing: the outcome
-    is then not verified, never "recovered" against a level made of the trouble itself."""
-    facts = facts_of(diagnosis)
-    trajectory = facts.trajectory
-    fp32_reached: float | None = None
-    if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED:
-        if falls(trajectory.fp32_losses):  # FP32 trained down: a healthy run
-            fp32_reached = statistics.median([v for v in trajectory.fp32_losses if v is not None and math.isfinite(v)])
+    from before the episode (None when the episode began before any healthy stretch). After a rollback, the level the
+    run had where it went back to (``then``), if higher (it cannot be asked to be better than that), and only when
+    that stretch was itself healthy (:meth:`~lightning_ampwatch.machine.AmpStateMachine.level_before`). Where the
+    FP32 replay confirmed an AMP fault, what FP32 reached on the episode's own steps, if higher, and only when that
+    replay was healthy (:func:`~lightning_ampwatch.verdicts.fp32_reference`: trained down near the healthy level, or
+    with no level, fell decisively). With neither, nothing: the outcome is then not verified, never "recovered"
+    against a level made of the trouble itself, and ``reference_from`` says why."""
+    trajectory = facts_of(diagnosis).trajectory
+    fp32 = trajectory.fp32_reference if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED \
+        else None
     if level is not None:
-        if resumed_at is not None:
-            then, _, _ = level_at(recent, resumed_at, window)
-            if then is not None and then > level:
-                return then, f"the healthy loss level where the run went back to (step {resumed_at})"
-        if fp32_reached is not None and fp32_reached > level:
-            return fp32_reached, "what FP32 reached replaying the episode's steps"
+        if then is not None and then.level is not None and then.level > level:
+            return then.level, f"the healthy loss level where the run went back to (step {then.resumed_at})"
+        if fp32 is not None and fp32.level is not None and fp32.level > level:
+            return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
         return level, "the healthy loss level before the episode"
-    if fp32_reached is not None:
-        return fp32_reached, "what FP32 reached replaying the episode's steps (it trained down)"
-    return None, "nothing: there was no healthy loss level before the episode"
-
-
-def level_at(recent: Any, resumed_at: int, window: int) -> tuple[float | None, int, int]:
-    """The loss level a run had where it went back to: the median of the finite losses of the ``window`` steps before
-    ``resumed_at`` (None when there were none: back to the fit's start, whose first loss is the base again), with
-    the steps it spans."""
-    then = [(step, loss) for step, loss in recent if resumed_at - window <= step < resumed_at and math.isfinite(loss)]
-    if not then:
-        return None, resumed_at, resumed_at
-    return statistics.median(v for _, v in then), then[0][0], then[-1][0]
+    if fp32 is not None and fp32.level is not None:
+        return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
+    why = "nothing: there was no healthy loss level before the episode"
+    if fp32 is not None:
+        why += f"; FP32 replaying the episode's steps {fp32.why}"
+    return None, why
 
 
 def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
