@@ -5,6 +5,7 @@ applies what the policy decides from the times it measured, and leaves an explic
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,25 @@ def test_an_explicit_interval_is_kept(tmp_path: Path) -> None:
     control = _fit(tmp_path, AmpWatch(verbose=False, snapshot_every=5), 31)
     assert control.cadence is None and control.ring.every == 5
     assert [s.step for s in control.ring.snapshots] == [25, 30]
+
+
+class _HeavySnapshotSteps(Callback):
+    """Makes every step that ends in a snapshot 5 ms longer, outside the copy itself: what a snapshot step costs
+    beyond its copy (a cold cache, the next allocations) is part of what the cadence must count."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step and trainer.global_step % 20 == 0:
+            time.sleep(5e-3)
+
+
+def test_auto_times_the_whole_snapshot_step_over_an_ordinary_one(tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False)
+    keep = _KeepControl(watch)
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [watch, keep, _HeavySnapshotSteps()], "fp16",
+                           {"init_scale": 2.0**10, "growth_interval": 1000}, max_steps=61)
+    trainer.fit(Regressor(), DataLoader(regression_data(n=2048), batch_size=32))
+    cadence = keep.control.cadence
+    assert cadence is not None and cadence.decided and len(cadence.copies) == 3
+    assert min(cadence.copies) >= 4e-3  # the copy alone takes well under a millisecond here
+    assert cadence.every > 20 and keep.control.ring.every == cadence.every
