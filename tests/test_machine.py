@@ -862,9 +862,9 @@ def test_a_healthy_log_steps_losses_are_taken_at_once_and_trouble_one_by_one() -
     m.note_losses([(i, 1.0 + 0.01 * (i % 7)) for i in range(60)])
     assert m.loss_level is not None
     before = _taken_in(m)
-    for trouble in (math.nan, math.inf, -math.inf, 1000.0):  # a loss the batch path must not take
-        batch = [(60 + i, 1.0) for i in range(49)] + [(109, trouble)]
-        assert not m._note_healthy_batch(batch)
-        assert _taken_in(m) == before  # and it left the machine as it was
-    assert m._note_healthy_batch([(60 + i, 1.0 + 0.02 * (i % 5)) for i in range(50)])
-    assert m.state.loss_steps[-1] == 109 and m.loss_level is not None
+    for trouble in (math.nan, math.inf, -math.inf):  # a batch holding one is taken one by one, all of it
+        assert m._note_healthy_run([(60 + i, 1.0) for i in range(49)] + [(109, trouble)]) == 0
+        assert _taken_in(m) == before  # and the machine is left as it was
+    # a spike: the losses before its run of four are taken at once, the rest is left to the one-by-one path
+    assert m._note_healthy_run([(60 + i, 1.0) for i in range(21)] + [(81, 1000.0)] + [(82, 1.0)]) == 20
+    assert m.state.loss_steps[-1] == 79 and m.loss_level is not None

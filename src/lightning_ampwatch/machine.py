@@ -425,13 +425,12 @@ class AmpStateMachine:
         # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
         if not isinstance(losses, list):
             losses = list(losses)
-        if len(losses) > 1 and self._note_healthy_batch(losses):
-            return
+        taken = self._note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
         s, take, promote = self.state, self._take_loss, self._promote
         ratio = self.thresholds.divergence_ratio
         limit: float | None = None  # the climb threshold while the inline path holds; None: read the state again
         since = self._since_promote
-        for step, loss in losses:
+        for step, loss in (losses[taken:] if taken else losses):
             if limit is None:
                 start = s.start_loss
                 if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
@@ -457,6 +456,45 @@ class AmpStateMachine:
                 since = self._since_promote
                 limit = None
         self._since_promote = since
+
+    def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
+        """The inline path of :meth:`note_losses` over whole runs of losses with C builtins: while nothing is in
+        progress and every loss of the batch is finite, the losses up to the next re-judged level are taken at once
+        when none of them is above the climb threshold in force (one ``max``, two ``extend``), and the level is
+        re-judged exactly where the one-by-one path re-judges it. Returns how many losses it took, from the first:
+        it stops before the first run that holds a loss over the threshold (the rest go one by one)."""
+        s = self.state
+        start = s.start_loss
+        if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
+                or s.streak is not None or s.isolated_since is not None):
+            return 0
+        steps, values = zip(*batch)
+        if not all(map(math.isfinite, values)):
+            return 0
+        ratio, promote = self.thresholds.divergence_ratio, self._promote
+        window, window_steps = s.losses, s.loss_steps
+        n, since = len(values), self._since_promote
+        ref = s.reference
+        limit = ratio * (ref.level if ref is not None else start)
+        taken = 0
+        end = max(1, _PROMOTE_EVERY - since)  # where the level is re-judged first (after this many losses)
+        while taken < n:
+            end = min(end, n)
+            run = values[taken:end]
+            if max(run) > limit:
+                break
+            window.extend(run)
+            window_steps.extend(steps[taken:end])
+            since += end - taken
+            taken = end
+            if since >= _PROMOTE_EVERY:
+                promote()  # as the one-by-one path: the level re-judged, and the threshold with it
+                since = self._since_promote
+                ref = s.reference
+                limit = ratio * (ref.level if ref is not None else start)
+            end = taken + _PROMOTE_EVERY
+        self._since_promote = since
+        return taken
 
     @property
     def has_reference(self) -> bool:
@@ -672,60 +710,12 @@ class AmpStateMachine:
         if self._since_promote >= _PROMOTE_EVERY and self.quiet:
             self._promote()
 
-    def _note_healthy_batch(self, batch: list[tuple[int, float]]) -> bool:
-        """:meth:`note_losses` for a whole healthy batch at once, with C builtins, when every loss in it is sure to
-        take the inline path: nothing in progress, every loss finite and none above the lowest climb threshold that
-        could be in force while the batch is taken in (``divergence_ratio`` times the lower of the base now and the
-        lowest loss in the window or the batch, since a re-judged level is a median of those). The level is then
-        re-judged at the very losses the one-by-one path would re-judge it at, each time on the window as it would
-        stand there. False (nothing changed) otherwise: the batch goes the one-by-one way."""
-        s = self.state
-        start = s.start_loss
-        if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
-                or s.streak is not None or s.isolated_since is not None):
-            return False
-        steps, values = zip(*batch)
-        if not all(map(math.isfinite, values)):
-            return False
-        ratio = self.thresholds.divergence_ratio
-        window, window_steps = s.losses, s.loss_steps
-        ref = s.reference
-        floor = min(values)
-        if window:
-            floor = min(floor, min(window))
-        if not ratio > 0 or max(values) > ratio * min(ref.level if ref is not None else start, floor):
-            return False
-        n, since = len(values), self._since_promote
-        first = max(1, _PROMOTE_EVERY - since)  # the batch's loss (1-based) after which the level is re-judged first
-        if first <= n:
-            seq, seq_steps = [*window, *values], [*window_steps, *steps]
-            held, held_steps = len(window), len(window_steps)
-            keep, keep_steps = window.maxlen or len(seq), window_steps.maxlen or len(seq_steps)
-            judge = self._judge_level
-            for k in range(first, n + 1, _PROMOTE_EVERY):  # the window as it stands after the batch's k-th loss
-                end, end_steps = held + k, held_steps + k
-                begin = end_steps - keep_steps if end_steps > keep_steps else 0
-                judge(seq[end - keep if end > keep else 0:end], end_steps - begin, seq_steps[begin],
-                      seq_steps[end_steps - 1])
-            since = n - k
-        else:
-            since += n
-        window.extend(values)
-        window_steps.extend(steps)
-        self._since_promote = since
-        return True
-
     def _promote(self) -> None:
         """Make the candidate stretch the healthy level, if it looks healthy: enough finite losses, its newer half
         not climbing over its older half, and not a slow build above the level before it."""
         self._since_promote = 0
-        steps = self.state.loss_steps
-        self._judge_level(list(self.state.losses), len(steps), steps[0] if steps else 0, steps[-1] if steps else 0)
-
-    def _judge_level(self, losses: list[float], held_steps: int, first_step: int, last_step: int) -> None:
-        """:meth:`_promote` on the window ``losses`` (a list of its own, sorted here) and its steps: how many, the
-        first and the last."""
         s = self.state
+        losses = list(s.losses)
         n = len(losses)
         if n < _LEVEL_MIN_LOSSES:
             return
@@ -747,7 +737,8 @@ class AmpStateMachine:
         ref = s.reference
         if ref is not None and level > HEALTHY_RISE * ref.level:
             return
-        first, last = (first_step, last_step) if held_steps == n else (s.steps_seen - n, s.steps_seen - 1)
+        steps = s.loss_steps  # the deque's ends: no list of it
+        first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
         s.reference = Reference(level, first, last, n)
 
     def _finite_divergence(self, climb: Climb) -> list[Diagnosis]:
