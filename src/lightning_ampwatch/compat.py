@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence
@@ -51,6 +52,11 @@ def per_optimizer_states(scaler: Any) -> Any:
     """GradScaler's per-optimizer bookkeeping (``{id(optimizer): {"stage": OptState, ...}}``, a defaultdict: read
     it with ``.get``), or None for a scaler that has none."""
     return getattr(scaler, "_per_optimizer_states", None)
+
+
+#: :func:`per_optimizer_states` for a scaler known to have it, as one C call (no Python frame): the recipe guard
+#: reads it at every optimizer step.
+read_per_optimizer_states = operator.attrgetter("_per_optimizer_states")
 
 
 def unscales_in_kernel(optimizer: Any) -> bool:
