@@ -131,6 +131,24 @@ def tensor_version(t: Tensor) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def copy_all(dst: list[Tensor], src: list[Tensor], non_blocking: bool = False) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, in one call (``torch._foreach_copy_``: the loop in C++; on an
+    accelerator, grouped launches). Falls back to the Python loop where a build lacks it."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:  # pragma: no cover - torch < 2.1
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=non_blocking)
+        return
+    foreach(dst, src, non_blocking=non_blocking)
+
+
+#: A module's own parameters, buffers and child modules: its ``_parameters``, ``_buffers`` and ``_modules`` dicts
+#: (None entries included), each read with one C call. The snapshot's fingerprint walks them every snapshot.
+module_parameters = operator.attrgetter("_parameters")
+module_buffers = operator.attrgetter("_buffers")
+module_children = operator.attrgetter("_modules")
+
+
 def fsdp1_flattened(p: Tensor) -> bool:
     """Whether ``p`` is one of FSDP1's flattened parameters (its forward gathers it from every rank)."""
     return bool(getattr(p, "_fsdp_flattened", False))

@@ -213,10 +213,10 @@ def plain_modules(root: nn.Module) -> list[nn.Module] | None:
     parallelism, FSDP1's flat parameters): there every snapshot asks :func:`live_state` again."""
     modules = list(root.modules())
     for m in modules:
-        for p in m._parameters.values():
+        for p in compat.module_parameters(m).values():
             if p is not None and ((DTensor and isinstance(p, DTensor)) or compat.fsdp1_flattened(p)):
                 return None
-        for b in m._buffers.values():
+        for b in compat.module_buffers(m).values():
             if b is not None and DTensor and isinstance(b, DTensor):
                 return None
     return modules
@@ -225,7 +225,8 @@ def plain_modules(root: nn.Module) -> list[nn.Module] | None:
 def owned_by(modules: Sequence[nn.Module], tensors: Sequence[Tensor]) -> bool:
     """Whether every tensor in ``tensors`` views the storage of a parameter or buffer of ``modules`` (what a
     state dict of them returns, unless a state-dict hook made new tensors)."""
-    owners = {t.data_ptr() for m in modules for t in (*m._parameters.values(), *m._buffers.values())
+    owners = {t.data_ptr() for m in modules
+              for t in (*compat.module_parameters(m).values(), *compat.module_buffers(m).values())
               if t is not None}
     return all(t.data_ptr() in owners for t in tensors)
 
@@ -237,10 +238,11 @@ def state_fingerprint(modules: Sequence[nn.Module], optimizers: Sequence[Any],
     (which parameters have one, its dict, its keys, its tensors and their storage), and the ``extra`` tensors'
     (the scaler's). Two equal fingerprints: the same entries, backed by the same tensors. One pass of
     comprehensions, made when a snapshot is taken (every ``snapshot_every`` steps), never on other steps."""
-    fp: list[Any] = [id(child) for m in modules for child in m._modules.values()]
+    params, buffers, children = compat.module_parameters, compat.module_buffers, compat.module_children
+    fp: list[Any] = [id(child) for m in modules for child in children(m).values()]
     fp += [None if p is None else (id(p), p.requires_grad, p.data_ptr())
-           for m in modules for p in m._parameters.values()]
-    fp += [None if b is None else (id(b), b.data_ptr()) for m in modules for b in m._buffers.values()]
+           for m in modules for p in params(m).values()]
+    fp += [None if b is None else (id(b), b.data_ptr()) for m in modules for b in buffers(m).values()]
     for opt in optimizers:
         fp.append(id(opt))
         fp += [(id(p), id(s), *[(k, id(v), v.data_ptr()) if isinstance(v, Tensor) else k for k, v in s.items()])

@@ -193,7 +193,7 @@ class Snapshot:
                             and [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]):
             slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
         if live:
-            torch._foreach_copy_(slot, live, non_blocking=pinned)  # one call: a copy_ per tensor, in C++
+            compat.copy_all(slot, live, non_blocking=pinned)  # one call: a copy_ per tensor, in C++
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned,
                    layout=layout)
