@@ -5,7 +5,7 @@ paid once per interval; a healthy step pays its share of it. :class:`SnapshotCad
 snapshots' costs against the steps between them and, once, lengthens the interval so that the snapshots cost at
 most ``fraction`` of the training time they span. It never shortens the interval below the one the user asked
 for. Its caller (``investigate.TrajectoryControl``) measures a snapshot's cost as what its whole step takes over
-the median ordinary step of its span: the copy alone, timed cache-warm, reads several times lower than a snapshot
+the fastest ordinary step of its span: the copy alone, timed cache-warm, reads several times lower than a snapshot
 step costs in a run, where the copy and its bookkeeping run once in many steps, from a cold cache.
 
 On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and

@@ -10,7 +10,6 @@ finding to rename); the core tells the machine.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -520,10 +519,12 @@ class TrajectoryControl:
         """A snapshot that is due, timed for the cadence, which sets the interval (once, said once).
 
         What a snapshot costs is what its step takes over an ordinary step of the same span: the step from the end
-        of the one before it to the end of the snapshot, less the median of the span's steps (the copy's own time
-        when that is more). Timing the copy alone, cache-warm, reads several times lower than a snapshot step
-        costs in the run: the copy and its bookkeeping run once in many steps, from a cold cache. A snapshot
-        without an ordinary step measured before it (the first of the run) only starts the span."""
+        of the one before it to the end of the snapshot, less the fastest of the span's steps (the copy's own time
+        when that is more; load from elsewhere only adds time, so the fastest step is the ordinary one's best
+        estimate, and the cadence keeps the lowest of these costs). Timing the copy alone, cache-warm, reads
+        several times lower than a snapshot step costs in the run: the copy and its bookkeeping run once in many
+        steps, from a cold cache. A snapshot without an ordinary step measured before it (the first of the run)
+        only starts the span."""
         assert self.cadence is not None
         ring, last, ends = self.ring, self._last_snapshot, self._step_ends or []
         start = time.perf_counter()
@@ -537,7 +538,7 @@ class TrajectoryControl:
         if before is None or not ordinary:
             self._last_snapshot = None
             return
-        copy_s = max(end - start, (end - before) - statistics.median(ordinary))
+        copy_s = max(end - start, (end - before) - min(ordinary))
         self._last_snapshot = (step, end)
         span = (end - last[1], step - last[0]) if last is not None else (None, 0)
         per_step = getattr(ring, "_step_batch_bytes", 0)  # the most one step's batches held: the memory bound
