@@ -126,3 +126,28 @@ def test_the_plan_is_resolved_again_whenever_the_live_state_changes(monkeypatch:
     _train(net, opt)
     kept.restore(state)
     assert all(torch.equal(p, s) for p, s in zip([*net.parameters(), net.seen], saved))
+
+
+def test_the_ring_counts_and_prunes_only_the_ends_of_its_held_steps_in_a_run() -> None:
+    """Steps added in order (as a run adds them): counting walks only the new ones and pruning only the dropped
+    ones; the held bytes, the steps kept and the largest step's bytes are those of the walk over every held step,
+    which steps added out of order still get."""
+    net = nn.Linear(4, 2)
+    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    rings = {True: SnapshotRing(BIG, every=4), False: SnapshotRing(BIG, every=4)}
+    seen: dict[bool, list[Any]] = {True: [], False: []}
+    for in_order, ring in rings.items():
+        ring.after_step(-1, state, due=True)
+        for step in range(15):
+            ring.add_batches(step, [(torch.zeros(8 + step), step)])  # bytes that differ by step
+            if not in_order:
+                ring._in_order = False  # as after a step came back out of order: the walk over every held step
+            ring.after_step(step, state)
+            seen[in_order].append((ring.held_bytes, [s for s, _ in ring.batches(-1, 99)], ring._step_batch_bytes))
+        assert ring._in_order is in_order
+    assert seen[True] == seen[False]
+    assert seen[True][-1][1] == [9, 10, 11, 12, 13, 14]  # back to the older of the two snapshots held, step 8
+    # a step added again comes back out of order: the ring falls back to the whole walk by itself
+    ring = rings[True]
+    ring.add_batches(9, [(torch.zeros(1), 9)])
+    assert not ring._in_order

@@ -529,6 +529,10 @@ class SnapshotRing:
         self._batch_bytes = 0  # what the held batches take, kept as they come and go (read every step)
         self._step_batch_bytes = 0  # the most one step's batches have held
         self._unheld: Sequence[Any] | None = None  # the latest batches seen before the first snapshot
+        #: the held steps were added in increasing order (as a run adds them): counting and pruning then walk only
+        #: the new and the dropped ends of ``_batches``, not every held step
+        self._in_order = True
+        self._newest_held = -1
         #: the most steps of batches held: the newest ``keep`` snapshots' span and as much again
         self.max_held_steps = every * (keep + 2)
         self.dropped: str | None = None  # why the snapshots were let go mid-run, until the next one is taken
@@ -559,6 +563,9 @@ class SnapshotRing:
             self.dropped = (f"the snapshots from before step {first} were let go after {self.max_held_steps} "
                             "steps without a new one (a long stretch of trouble)")
         if self._snapshots:
+            if step <= self._newest_held and self._batches:
+                self._in_order = False
+            self._newest_held = step
             self._batches[step] = (micro_batches, -1)
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
             self._unheld = micro_batches
@@ -605,12 +612,17 @@ class SnapshotRing:
         if self._unheld is not None:
             self._step_batch_bytes = max(self._step_batch_bytes, _nbytes(self._unheld))
             self._unheld = None
-        for step, (batches, nbytes) in self._batches.items():
-            if nbytes < 0:
-                nbytes = _nbytes(batches)
-                self._batches[step] = (batches, nbytes)
-                self._batch_bytes += nbytes
-                self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
+        held = self._batches
+        for step in (reversed(held) if self._in_order else list(held)):
+            batches, nbytes = held[step]
+            if nbytes >= 0:
+                if self._in_order:
+                    break  # in order, every step before a counted one is counted
+                continue
+            nbytes = _nbytes(batches)
+            held[step] = (batches, nbytes)
+            self._batch_bytes += nbytes
+            self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
 
     def reset(self) -> None:
         """Drop every snapshot and batch (after a rollback they belong to abandoned steps). The snapshots' host
@@ -618,6 +630,7 @@ class SnapshotRing:
         self._snapshots.clear()
         self._batches.clear()
         self._batch_bytes = 0
+        self._in_order, self._newest_held = True, -1
 
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after an optimizer step earlier than ``step``."""
@@ -638,8 +651,19 @@ class SnapshotRing:
     def _prune(self) -> None:
         """Drop the batches no held snapshot can replay: those up to the oldest snapshot's step (all, if none)."""
         keep_after = self._snapshots[0].step if self._snapshots else math.inf
-        for step in [s for s in self._batches if s <= keep_after]:
-            self._batch_bytes -= max(self._batches.pop(step)[1], 0)
+        held = self._batches
+        if self._in_order:  # the oldest first: pop from the front up to the first step kept (and put it back)
+            while held:
+                step, entry = held.popitem(last=False)
+                if step > keep_after:
+                    held[step] = entry
+                    held.move_to_end(step, last=False)
+                    break
+                if entry[1] > 0:
+                    self._batch_bytes -= entry[1]
+            return
+        for step in [s for s in held if s <= keep_after]:
+            self._batch_bytes -= max(held.pop(step)[1], 0)
 
     def turn_off(self, reason: str | None = None) -> None:
         """Off for the rest of the run, everything held dropped; ``reason`` (else the budget's) says why."""
