@@ -10,12 +10,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_ampwatch import AmpWatch
+from lightning_ampwatch import AmpWatch, investigate
 from lightning_ampwatch.cadence import MAX_INTERVAL, SNAPSHOT_FRACTION, SnapshotCadence, snapshot_interval
+from lightning_ampwatch.investigate import TrajectoryControl
 from lightning_ampwatch.scenarios import Regressor, regression_data
+from lightning_ampwatch.trajectory import SnapshotRing, TrainState
 
 from conftest import make_trainer
 
@@ -113,3 +117,25 @@ def test_an_explicit_interval_is_kept(tmp_path: Path) -> None:
     control = _fit(tmp_path, AmpWatch(verbose=False, snapshot_every=5), 31)
     assert control.cadence is None and control.ring.every == 5
     assert [s.step for s in control.ring.snapshots] == [25, 30]
+
+
+def test_auto_times_the_whole_snapshot_step_over_an_ordinary_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control's clock scripted: ordinary steps of 1 ms, and steps that end in a snapshot 5 ms longer although
+    the copy itself takes no time on that clock (a cold cache, the allocations that follow it). The cadence counts
+    the 5 ms, not the copy alone; the first snapshot (no ordinary step before it) only starts the span."""
+    now = [0.0]
+    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
+    net = nn.Linear(4, 2)
+    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    said: list[str] = []
+    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
+    control.start(0)
+    for step in range(61):
+        now[0] += 1e-3 + (5e-3 if step and step % 20 == 0 else 0.0)
+        control.note_step(step, [(torch.zeros(4), step)], True, True)
+    cadence = control.cadence
+    assert cadence is not None and cadence.decided
+    assert cadence.copies == pytest.approx([5e-3] * 3)
+    assert cadence.steps == pytest.approx([1e-3] * 2)  # the spans' steps, the snapshot's extra taken off
+    assert cadence.every == control.ring.every == snapshot_interval(5e-3, 1e-3, 20) == 1000
+    assert said and "every 1000 steps instead of every 20" in said[0]

@@ -819,3 +819,52 @@ def test_note_losses_in_batches_is_one_loss_at_a_time(losses: list[tuple[float, 
                 [(d.finding, d.step, d.evidence.get("loss_reference")) for d in m.take_pending()])
 
     assert seen(batched) == seen(single)
+
+
+_MOSTLY_HEALTHY = st.one_of(
+    st.floats(min_value=0.05, max_value=8.0),  # a healthy range wide enough to reach the climb threshold at times
+    st.floats(min_value=0.5, max_value=1.5),
+    _LOSS_KINDS,
+)
+
+
+def _taken_in(m: AmpStateMachine) -> tuple:
+    """Everything the losses leave in a machine, the count towards the next re-judged level included."""
+    return m.state_dict(), m._since_promote, [(d.finding, d.step, d.evidence) for d in m.take_pending()]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(losses=st.lists(st.tuples(_MOSTLY_HEALTHY, st.integers(min_value=1, max_value=30)), min_size=1, max_size=30),
+       cuts=st.lists(st.integers(min_value=1, max_value=80), min_size=1, max_size=8),
+       window=st.integers(min_value=3, max_value=40))
+def test_a_healthy_batch_taken_at_once_is_one_loss_at_a_time(losses: list[tuple[float, int]], cuts: list[int],
+                                                             window: int) -> None:
+    """Mostly healthy losses in batches of up to 80 (a log step's, taken at once with C builtins when every loss is
+    sure to stay under the climb threshold), against the same losses handed over one at a time: the same machine,
+    level, window, climb and count towards the next re-judged level, whatever the window's length."""
+    sequence = [loss for loss, repeat in losses for _ in range(repeat)]
+    thresholds = Thresholds(loss_window=window)
+    batched, single = AmpStateMachine("fp16", thresholds=thresholds), AmpStateMachine("fp16", thresholds=thresholds)
+    steps = list(enumerate(sequence))
+    i, k = 0, 0
+    while i < len(steps):
+        n = cuts[k % len(cuts)]
+        batched.note_losses(steps[i:i + n])
+        i, k = i + n, k + 1
+    for step, loss in steps:
+        single.note_losses([(step, loss)])  # one at a time: never the batch path
+    assert _taken_in(batched) == _taken_in(single)
+
+
+def test_a_healthy_log_steps_losses_are_taken_at_once_and_trouble_one_by_one() -> None:
+    m = AmpStateMachine("fp16")
+    m.note_losses([(i, 1.0 + 0.01 * (i % 7)) for i in range(60)])
+    assert m.loss_level is not None
+    before = _taken_in(m)
+    for trouble in (math.nan, math.inf, -math.inf):  # a batch holding one is taken one by one, all of it
+        assert m._note_healthy_run([(60 + i, 1.0) for i in range(49)] + [(109, trouble)]) == 0
+        assert _taken_in(m) == before  # and the machine is left as it was
+    # a spike: the losses before its run of four are taken at once, the rest is left to the one-by-one path
+    assert m._note_healthy_run([(60 + i, 1.0) for i in range(21)] + [(81, 1000.0)] + [(82, 1.0)]) == 20
+    assert m.state.loss_steps[-1] == 79 and m.loss_level is not None

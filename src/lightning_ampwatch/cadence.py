@@ -1,9 +1,12 @@
 """How often to take a snapshot: an interval chosen from what a snapshot was measured to cost.
 
 A snapshot's price is one host copy of the weights and optimizer state (and the ring's bookkeeping around it),
-paid once per interval; a healthy step pays its share of it. :class:`SnapshotCadence` times the first few
-snapshots against the steps between them and, once, lengthens the interval so that the copies cost at most
-``fraction`` of the training time they span. It never shortens the interval below the one the user asked for.
+paid once per interval; a healthy step pays its share of it. :class:`SnapshotCadence` takes the first few
+snapshots' costs against the steps between them and, once, lengthens the interval so that the snapshots cost at
+most ``fraction`` of the training time they span. It never shortens the interval below the one the user asked
+for. Its caller (``investigate.TrajectoryControl``) measures a snapshot's cost as what its whole step takes over
+the fastest ordinary step of its span: the copy alone, timed cache-warm, reads several times lower than a snapshot
+step costs in a run, where the copy and its bookkeeping run once in many steps, from a cold cache.
 
 On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and
 the transfers overlap the next steps, so there the interval mostly stays as asked.

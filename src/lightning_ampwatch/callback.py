@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any, ContextManager, Literal, Sequence, Union
@@ -248,9 +249,10 @@ class AmpWatch(Callback):
         self.diagnoses = [Diagnosis.from_dict(d) for d in results["diagnoses"]]
         self.applied = [AppliedRemedy.from_dict(a) for a in results["applied"]]
 
-    @property
-    def state_key(self) -> str:
-        # Not the default (which includes the arguments): a resume with other flags keeps its state.
+    @functools.cached_property
+    def state_key(self) -> str:  # type: ignore[override]
+        # Not the default (which includes the arguments): a resume with other flags keeps its state. Cached: Lightning
+        # reads it for every hook it calls on every callback (its profiler's name), a dozen times a step.
         return self.config.state_key
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Sequence
@@ -51,6 +52,11 @@ def per_optimizer_states(scaler: Any) -> Any:
     """GradScaler's per-optimizer bookkeeping (``{id(optimizer): {"stage": OptState, ...}}``, a defaultdict: read
     it with ``.get``), or None for a scaler that has none."""
     return getattr(scaler, "_per_optimizer_states", None)
+
+
+#: :func:`per_optimizer_states` for a scaler known to have it, as one C call (no Python frame): the recipe guard
+#: reads it at every optimizer step.
+read_per_optimizer_states = operator.attrgetter("_per_optimizer_states")
 
 
 def unscales_in_kernel(optimizer: Any) -> bool:
@@ -123,6 +129,24 @@ def tensor_version(t: Tensor) -> int:
 # --------------------------------------------------------------------------------------------
 # torch.distributed.fsdp
 # --------------------------------------------------------------------------------------------
+
+
+def copy_all(dst: list[Tensor], src: list[Tensor], non_blocking: bool = False) -> None:
+    """``dst[i].copy_(src[i])`` for every pair, in one call (``torch._foreach_copy_``: the loop in C++; on an
+    accelerator, grouped launches). Falls back to the Python loop where a build lacks it."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:  # pragma: no cover - torch < 2.1
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=non_blocking)
+        return
+    foreach(dst, src, non_blocking=non_blocking)
+
+
+#: A module's own parameters, buffers and child modules: its ``_parameters``, ``_buffers`` and ``_modules`` dicts
+#: (None entries included), each read with one C call. The snapshot's fingerprint walks them every snapshot.
+module_parameters = operator.attrgetter("_parameters")
+module_buffers = operator.attrgetter("_buffers")
+module_children = operator.attrgetter("_modules")
 
 
 def fsdp1_flattened(p: Tensor) -> bool:

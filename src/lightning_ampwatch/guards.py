@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat
-from lightning_ampwatch.compat import per_optimizer_states
+from lightning_ampwatch.compat import read_per_optimizer_states
 from lightning_ampwatch.machine import PrecisionMode
 
 try:
@@ -519,8 +519,7 @@ class RecipeGuards:
             return
         # The common case first, in as few operations as possible: scaler.step unscaled this optimizer. (The
         # scaler replaces its per-optimizer table at every update, so it is looked up afresh each time.)
-        states = per_optimizer_states(self._scaler)
-        state = states.get(id(optimizer)) if states is not None else None
+        state = read_per_optimizer_states(self._scaler).get(id(optimizer))  # attach() checked it is there
         if state is not None and state.get("stage") is _UNSCALED:
             return
         self._guard(self._check_step, optimizer, kwargs)

@@ -461,7 +461,10 @@ class TrajectoryControl:
         # ``snapshot_every="auto"``: the interval is lengthened from what the first snapshots cost (one process
         # only: under DDP the ranks must snapshot at the same steps, and the interval asked for stays)
         self.cadence = SnapshotCadence(ring.every) if adaptive and distributed.world_size() == 1 else None
-        self._last_snapshot: tuple[int, float] | None = None  # (step, clock) at the end of the latest snapshot
+        self._last_snapshot: tuple[int, float] | None = None  # (step, clock) at the end of the latest one timed
+        #: while the cadence measures: (step, clock) at the end of every step since the latest snapshot, so that a
+        #: snapshot is timed as what its whole step costs over an ordinary one (cache effects and all)
+        self._step_ends: list[tuple[int, float]] | None = [] if self.cadence is not None else None
         self.start_step = 0  # the first step of this fit (its starting state is snapshotted before it)
         self.keep = ring.keep
 
@@ -512,23 +515,45 @@ class TrajectoryControl:
         if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
             self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
                      "loss trend still separates divergence from overflow.")
+            return
+        ends = self._step_ends
+        if ends is not None:  # the cadence is measuring (the first few snapshots' spans only)
+            ends.append((step, time.perf_counter()))
+            if len(ends) > 4 * ring.every:  # no snapshot for long (a stretch of trouble): the newest suffice
+                del ends[:-ring.every]
 
     def _timed_snapshot(self, step: int) -> None:
-        """A snapshot that is due, timed for the cadence, which sets the interval (once, said once)."""
+        """A snapshot that is due, timed for the cadence, which sets the interval (once, said once).
+
+        What a snapshot costs is what its step takes over an ordinary step of the same span: the step from the end
+        of the one before it to the end of the snapshot, less the fastest of the span's steps (the copy's own time
+        when that is more; load from elsewhere only adds time, so the fastest step is the ordinary one's best
+        estimate, and the cadence keeps the lowest of these costs). Timing the copy alone, cache-warm, reads
+        several times lower than a snapshot step costs in the run: the copy and its bookkeeping run once in many
+        steps, from a cold cache. A snapshot without an ordinary step measured before it (the first of the run)
+        only starts the span."""
         assert self.cadence is not None
-        ring, last = self.ring, self._last_snapshot
+        ring, last, ends = self.ring, self._last_snapshot, self._step_ends or []
         start = time.perf_counter()
         ring.after_step(step, self.state)
         end = time.perf_counter()
         if not ring.enabled:
             return
+        ordinary = [t1 - t0 for (s0, t0), (s1, t1) in zip(ends, ends[1:]) if s1 == s0 + 1]
+        before = ends[-1][1] if ends and ends[-1][0] == step - 1 else None
+        self._step_ends = []  # the next span starts with this step (note_step adds its end)
+        if before is None or not ordinary:
+            self._last_snapshot = None
+            return
+        copy_s = max(end - start, (end - before) - min(ordinary))
         self._last_snapshot = (step, end)
-        span = (start - last[1], step - last[0]) if last is not None else (None, 0)
+        span = (end - last[1], step - last[0]) if last is not None else (None, 0)
         per_step = getattr(ring, "_step_batch_bytes", 0)  # the most one step's batches held: the memory bound
         room = (ring.budget_bytes - ring.bytes_per_snapshot) // per_step if per_step else None
-        said = self.cadence.observe(end - start, *span, room_steps=room)
+        said = self.cadence.observe(copy_s, *span, room_steps=room)
         if self.cadence.decided:
             ring.every = self.cadence.every
+            self._step_ends = None  # measured: no clock on the steps from here on
         if said is not None:
             self.say(said)
 

@@ -457,11 +457,14 @@ class AmpStateMachine:
         # threshold only joins the candidate window, and the level is re-judged every ``_PROMOTE_EVERY`` losses. That
         # state and the threshold are read once, and again after anything that may change them (a re-judged level,
         # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
+        if not isinstance(losses, list):
+            losses = list(losses)
+        taken = self._note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
         s, take, promote = self.state, self._take_loss, self._promote
         ratio = self.thresholds.divergence_ratio
         limit: float | None = None  # the climb threshold while the inline path holds; None: read the state again
         since = self._since_promote
-        for step, loss in losses:
+        for step, loss in (losses[taken:] if taken else losses):
             if limit is None:
                 start = s.start_loss
                 if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
@@ -487,6 +490,45 @@ class AmpStateMachine:
                 since = self._since_promote
                 limit = None
         self._since_promote = since
+
+    def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
+        """The inline path of :meth:`note_losses` over whole runs of losses with C builtins: while nothing is in
+        progress and every loss of the batch is finite, the losses up to the next re-judged level are taken at once
+        when none of them is above the climb threshold in force (one ``max``, two ``extend``), and the level is
+        re-judged exactly where the one-by-one path re-judges it. Returns how many losses it took, from the first:
+        it stops before the first run that holds a loss over the threshold (the rest go one by one)."""
+        s = self.state
+        start = s.start_loss
+        if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
+                or s.streak is not None or s.isolated_since is not None):
+            return 0
+        steps, values = zip(*batch)
+        if not all(map(math.isfinite, values)):
+            return 0
+        ratio, promote = self.thresholds.divergence_ratio, self._promote
+        window, window_steps = s.losses, s.loss_steps
+        n, since = len(values), self._since_promote
+        ref = s.reference
+        limit = ratio * (ref.level if ref is not None else start)
+        taken = 0
+        end = max(1, _PROMOTE_EVERY - since)  # where the level is re-judged first (after this many losses)
+        while taken < n:
+            end = min(end, n)
+            run = values[taken:end]
+            if max(run) > limit:
+                break
+            window.extend(run)
+            window_steps.extend(steps[taken:end])
+            since += end - taken
+            taken = end
+            if since >= _PROMOTE_EVERY:
+                promote()  # as the one-by-one path: the level re-judged, and the threshold with it
+                since = self._since_promote
+                ref = s.reference
+                limit = ratio * (ref.level if ref is not None else start)
+            end = taken + _PROMOTE_EVERY
+        self._since_promote = since
+        return taken
 
     @property
     def has_reference(self) -> bool:

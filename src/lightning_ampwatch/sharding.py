@@ -275,3 +275,53 @@ def replay_scaler(scaler: Any, device_type: str) -> Any:
     if ShardedGradScaler is not None and isinstance(scaler, ShardedGradScaler):
         return ShardedGradScaler(device=device_type)
     return torch.amp.GradScaler(device_type)
+
+
+# --------------------------------------------------------------------------------------------
+# The snapshot's fast path: what live_state resolved, reused while the live objects stay the same
+# --------------------------------------------------------------------------------------------
+
+
+def plain_modules(root: nn.Module) -> list[nn.Module] | None:
+    """``root``'s modules, when the tensors :func:`live_state` returns for it are plain tensors that its
+    parameters and buffers own (a plain module, DDP): then what it resolved can be reused while
+    :func:`state_fingerprint` stays the same. None where they are not (DTensor shards under FSDP2 or tensor
+    parallelism, FSDP1's flat parameters): there every snapshot asks :func:`live_state` again."""
+    modules = list(root.modules())
+    for m in modules:
+        for p in compat.module_parameters(m).values():
+            if p is not None and ((DTensor and isinstance(p, DTensor)) or compat.fsdp1_flattened(p)):
+                return None
+        for b in compat.module_buffers(m).values():
+            if b is not None and DTensor and isinstance(b, DTensor):
+                return None
+    return modules
+
+
+def owned_by(modules: Sequence[nn.Module], tensors: Sequence[Tensor]) -> bool:
+    """Whether every tensor in ``tensors`` views the storage of a parameter or buffer of ``modules`` (what a
+    state dict of them returns, unless a state-dict hook made new tensors)."""
+    owners = {t.data_ptr() for m in modules
+              for t in (*compat.module_parameters(m).values(), *compat.module_buffers(m).values())
+              if t is not None}
+    return all(t.data_ptr() in owners for t in tensors)
+
+
+def state_fingerprint(modules: Sequence[nn.Module], optimizers: Sequence[Any],
+                      extra: Sequence[Tensor | None] = ()) -> list[Any]:
+    """What :func:`live_state`'s answer for plain ``modules`` rests on, read without it: the module tree, every
+    parameter's and buffer's identity, storage and ``requires_grad``, every optimizer's per-parameter state
+    (which parameters have one, its dict, its keys, its tensors and their storage), and the ``extra`` tensors'
+    (the scaler's). Two equal fingerprints: the same entries, backed by the same tensors. One pass of
+    comprehensions, made when a snapshot is taken (every ``snapshot_every`` steps), never on other steps."""
+    params, buffers, children = compat.module_parameters, compat.module_buffers, compat.module_children
+    fp: list[Any] = [id(child) for m in modules for child in children(m).values()]
+    fp += [None if p is None else (id(p), p.requires_grad, p.data_ptr())
+           for m in modules for p in params(m).values()]
+    fp += [None if b is None else (id(b), b.data_ptr()) for m in modules for b in buffers(m).values()]
+    for opt in optimizers:
+        fp.append(id(opt))
+        fp += [(id(p), id(s), *[(k, id(v), v.data_ptr()) if isinstance(v, Tensor) else k for k, v in s.items()])
+               for p, s in opt.state.items()]
+    fp += [None if t is None else (id(t), t.data_ptr()) for t in extra]
+    return fp

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import functools
 import math
+import operator
 import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -169,6 +170,8 @@ class Snapshot:
     cuda_rng: Tensor | None
     pinned: bool
     frozen: tuple[tuple[str, int], ...] = ()  # (name, version counter) of each frozen parameter when taken
+    #: the ``(shape, dtype)`` of every host tensor, as the ring's copy plan made it (None: not through a plan)
+    layout: Any = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -185,14 +188,19 @@ class Snapshot:
 
     @classmethod
     def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
-                slot: list[Tensor] | None) -> "Snapshot":
+                slot: list[Tensor] | None, layout: list[Any] | None = None,
+                slot_layout: list[Any] | None = None) -> "Snapshot":
+        """``layout``: the live tensors' ``(shape, dtype)`` as a copy plan keeps them; a ``slot`` made to the very
+        same layout (``slot_layout``) is reused without comparing it again."""
         pinned = state.device.type == "cuda"
-        if slot is None or [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]:
+        if slot is None or ((layout is None or slot_layout is not layout)
+                            and [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]):
             slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
-        for dst, src in zip(slot, live):
-            dst.copy_(src, non_blocking=pinned)
+        if live:
+            compat.copy_all(slot, live, non_blocking=pinned)  # one call: a copy_ per tensor, in C++
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
-                   cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned)
+                   cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned,
+                   layout=layout)
 
     def stale(self, state: TrainState) -> str | None:
         """Why this snapshot can no longer be put back (a frozen parameter changed in place since), or None."""
@@ -304,6 +312,13 @@ def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[T
     """Every live tensor a snapshot copies, flat (a DTensor's local shard), and where each goes back (the other
     values copied as they are). ``split``: this rank's share only of the state every DDP rank holds alike (the
     scaler, the gradients and the RNG stay whole: they are small, or differ by rank)."""
+    live, parts, _, _ = _resolve(state, grads, split)
+    return live, parts
+
+
+def _resolve(state: TrainState, grads: bool, split: bool = False
+             ) -> tuple[list[Tensor], dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """:func:`_gather`'s answer, and the state dicts it was read from (model, optimizer state by name)."""
     live: list[Tensor] = []
     split = split and distributed.world_size() > 1
     me = distributed.rank()
@@ -350,7 +365,7 @@ def _gather(state: TrainState, grads: bool, split: bool = False) -> tuple[list[T
             scale, tracker = at(compat.scale_tensor(sc)), at(compat.growth_tracker_tensor(sc))  # type: ignore[arg-type]
         parts["scaler"] = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
                                        sc.get_growth_interval())
-    return live, parts
+    return live, parts, model_sd, optim_sd
 
 
 def _enabled(scaler: Any) -> bool:
@@ -360,8 +375,24 @@ def _enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
+_NBYTES = operator.attrgetter("nbytes")
+_TENSOR_ONLY = {Tensor}
+
+
 def _nbytes(micro_batches: Sequence[Any]) -> int:
-    return sum(t.nbytes for mb in micro_batches for t in tensors_in(mb[0]))
+    """The bytes of the micro-batches' tensors (``tensors_in`` each batch), without its walk for the usual batch:
+    a tensor, or a tuple or list of plain tensors."""
+    total = 0
+    for mb in micro_batches:
+        batch = mb[0]
+        kind = type(batch)
+        if kind is Tensor:
+            total += batch.nbytes
+        elif (kind is tuple or kind is list) and set(map(type, batch)) == _TENSOR_ONLY:
+            total += sum(map(_NBYTES, batch))
+        else:
+            total += sum(t.nbytes for t in tensors_in(batch))
+    return total
 
 
 def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
@@ -372,6 +403,106 @@ def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+# --------------------------------------------------------------------------------------------
+# The ring's fast path: what a snapshot copies, resolved once and reused while the live objects stay the same
+# --------------------------------------------------------------------------------------------
+
+#: Values a snapshot keeps as they are: immutable, so the live value is its own copy (as ``copy.deepcopy`` has it).
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+class _Replan(Exception):
+    """The live state holds a tensor where the plan has a plain value: resolve it again."""
+
+
+def _kept(value: Any) -> Any:
+    """A param group's value as :func:`_resolve` keeps it (``copy.deepcopy``), without the call for a tuple of
+    immutable values (Adam's ``betas``), which ``deepcopy`` returns as it is."""
+    if isinstance(value, Tensor):
+        raise _Replan
+    if type(value) is tuple and _IMMUTABLE.issuperset(map(type, value)):
+        return value
+    return copy.deepcopy(value)
+
+
+class _CopyPlan:
+    """What a ring's snapshot of a plain module (or DDP) copies, resolved once through torch's state-dict machinery
+    (:func:`_resolve`) and reused while :func:`sharding.state_fingerprint` of the live objects stays the same: the
+    live tensors in order and where each goes back (DDP's split ownership included), and the frozen parameters.
+    A snapshot through it is the fingerprint, the param groups' and schedulers' values, and one
+    ``torch._foreach_copy_``; anything the fingerprint sees change (optimizer state created, a tensor replaced or
+    its storage swapped, a parameter frozen, the scaler's first step) resolves it afresh. Sharded models (DTensor
+    shards) are resolved at every snapshot, as before."""
+
+    def __init__(self, state: TrainState, modules: list[torch.nn.Module], live: list[Tensor],
+                 parts: dict[str, Any], optim_sd: dict[str, dict[str, Any]]) -> None:
+        self.state = state
+        self.modules = modules
+        self.live = live
+        self.layout = [(t.shape, t.dtype) for t in live]
+        self.nbytes = sum(t.nbytes for t in live)
+        self.model = parts["model"]  # every entry an _At: shared by the snapshots taken through this plan
+        self.optim_state = parts["optim_state"]
+        #: only tensors in the optimizer state: its entries are shared too; else the plain values are copied afresh
+        self.static = all(isinstance(v, _At) for _, per in self.optim_state for v in per.values())
+        self.optim_live = [optim_sd[key] for key, _ in self.optim_state]  # the optimizer's own per-parameter dicts
+        self.scaler = parts["scaler"]
+        self.frozen = [(name, p) for name, p in state.root.named_parameters() if not p.requires_grad]
+        self.fingerprint = self._fingerprint()
+
+    @classmethod
+    def resolve(cls, state: TrainState, split: bool
+                ) -> tuple["_CopyPlan | None", list[Tensor], dict[str, Any]]:
+        """A snapshot's tensors and parts through the state-dict machinery, and the plan that reuses them (None
+        where the live state cannot be followed by a fingerprint: a sharded model, a state dict with values other
+        than the modules' own tensors, a tensor in a param group)."""
+        live, parts, model_sd, optim_sd = _resolve(state, grads=False, split=split)
+        modules = sharding.plain_modules(state.root)
+        if modules is None or not all(isinstance(v, _At) for _, v in parts["model"]):
+            return None, live, parts
+        if any(isinstance(v, Tensor) for opt in state.optimizers for g in opt.param_groups for v in g.values()
+               if v is not g["params"]):
+            return None, live, parts
+        if not sharding.owned_by(modules, list(model_sd.values())):
+            return None, live, parts
+        return cls(state, modules, live, parts, optim_sd), live, parts
+
+    def _fingerprint(self) -> list[Any]:
+        sc = self.state.scaler
+        extra = (compat.scale_tensor(sc), compat.growth_tracker_tensor(sc)) if sc is not None else ()
+        return sharding.state_fingerprint(self.modules, self.state.optimizers, extra)
+
+    def gather(self) -> tuple[list[Tensor], dict[str, Any]] | None:
+        """What :func:`_gather` would answer now, or None when the plan no longer holds (resolve it again)."""
+        if self._fingerprint() != self.fingerprint:
+            return None
+        state = self.state
+        try:
+            groups = [[{k: v if type(v) in _IMMUTABLE else _kept(v) for k, v in g.items() if k != "params"}
+                       for g in opt.param_groups] for opt in state.optimizers]
+        except _Replan:
+            return None
+        optim_state = self.optim_state if self.static else [
+            (key, {name: v if type(v) is _At else copy.deepcopy(per[name]) for name, v in saved.items()})
+            for (key, saved), per in zip(self.optim_state, self.optim_live)]
+        scaler = self.scaler
+        if scaler is not None:
+            sc = state.scaler
+            scale, tracker = (scaler.scale, scaler.tracker) if isinstance(scaler.scale, _At) else \
+                compat.initial_scale(sc)
+            scaler = _ScalerState(scale, tracker, sc.get_growth_factor(), sc.get_backoff_factor(),
+                                  sc.get_growth_interval())
+        return self.live, {
+            "model": self.model,
+            "optim_state": optim_state,
+            "groups": groups,
+            "grads": None,
+            "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
+            "scaler": scaler,
+            "frozen": tuple((name, compat.tensor_version(p)) for name, p in self.frozen),
+        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,9 +536,14 @@ class SnapshotRing:
         self._batch_bytes = 0  # what the held batches take, kept as they come and go (read every step)
         self._step_batch_bytes = 0  # the most one step's batches have held
         self._unheld: Sequence[Any] | None = None  # the latest batches seen before the first snapshot
+        #: the held steps were added in increasing order (as a run adds them): counting and pruning then walk only
+        #: the new and the dropped ends of ``_batches``, not every held step
+        self._in_order = True
+        self._newest_held = -1
         #: the most steps of batches held: the newest ``keep`` snapshots' span and as much again
         self.max_held_steps = every * (keep + 2)
         self.dropped: str | None = None  # why the snapshots were let go mid-run, until the next one is taken
+        self._plan: _CopyPlan | None = None  # what the latest snapshot copied, reused while it holds
 
     @property
     def snapshots(self) -> tuple[Snapshot, ...]:
@@ -434,6 +570,9 @@ class SnapshotRing:
             self.dropped = (f"the snapshots from before step {first} were let go after {self.max_held_steps} "
                             "steps without a new one (a long stretch of trouble)")
         if self._snapshots:
+            if step <= self._newest_held and self._batches:
+                self._in_order = False
+            self._newest_held = step
             self._batches[step] = (micro_batches, -1)
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
             self._unheld = micro_batches
@@ -448,30 +587,49 @@ class SnapshotRing:
             self.turn_off(state.unavailable)
             return
         self._count_batches()
-        live, parts = _gather(state, grads=False, split=state.split)
-        self.bytes_per_snapshot = sum(t.nbytes for t in live)
+        live, parts, layout = self._gather(state)
+        self.bytes_per_snapshot = self._plan.nbytes if layout is not None else sum(t.nbytes for t in live)
         if not self._fits():
             self.turn_off()
             return
-        spare: list[Tensor] | None = None
+        spare: Snapshot | None = None
         while self._snapshots and (len(self._snapshots) >= self.keep
                                    or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
-            spare = self._drop_oldest().host
-        self._snapshots.append(Snapshot._copied(state, step, live, parts, spare))
+            spare = self._drop_oldest()
+        self._snapshots.append(Snapshot._copied(state, step, live, parts, spare.host if spare else None, layout,
+                                                spare.layout if spare else None))
         self.dropped = None
         self._prune()
+
+    def _gather(self, state: TrainState) -> tuple[list[Tensor], dict[str, Any], list[Any] | None]:
+        """What a snapshot copies now: through the copy plan while it holds (its layout is the third value),
+        else resolved afresh through the state-dict machinery (and a new plan kept where one can be)."""
+        plan = self._plan
+        if plan is not None and plan.state is state:
+            gathered = plan.gather()
+            if gathered is not None:
+                return (*gathered, plan.layout)
+        self._plan = plan = None  # a failure below leaves no stale plan behind
+        plan, live, parts = _CopyPlan.resolve(state, state.split)
+        self._plan = plan
+        return live, parts, plan.layout if plan is not None else None
 
     def _count_batches(self) -> None:
         """The bytes of the batches added since the last count (their tensors' ``nbytes``)."""
         if self._unheld is not None:
             self._step_batch_bytes = max(self._step_batch_bytes, _nbytes(self._unheld))
             self._unheld = None
-        for step, (batches, nbytes) in self._batches.items():
-            if nbytes < 0:
-                nbytes = _nbytes(batches)
-                self._batches[step] = (batches, nbytes)
-                self._batch_bytes += nbytes
-                self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
+        held = self._batches
+        for step in (reversed(held) if self._in_order else list(held)):
+            batches, nbytes = held[step]
+            if nbytes >= 0:
+                if self._in_order:
+                    break  # in order, every step before a counted one is counted
+                continue
+            nbytes = _nbytes(batches)
+            held[step] = (batches, nbytes)
+            self._batch_bytes += nbytes
+            self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
 
     def reset(self) -> None:
         """Drop every snapshot and batch (after a rollback they belong to abandoned steps). The snapshots' host
@@ -479,6 +637,7 @@ class SnapshotRing:
         self._snapshots.clear()
         self._batches.clear()
         self._batch_bytes = 0
+        self._in_order, self._newest_held = True, -1
 
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after an optimizer step earlier than ``step``."""
@@ -499,8 +658,19 @@ class SnapshotRing:
     def _prune(self) -> None:
         """Drop the batches no held snapshot can replay: those up to the oldest snapshot's step (all, if none)."""
         keep_after = self._snapshots[0].step if self._snapshots else math.inf
-        for step in [s for s in self._batches if s <= keep_after]:
-            self._batch_bytes -= max(self._batches.pop(step)[1], 0)
+        held = self._batches
+        if self._in_order:  # the oldest first: pop from the front up to the first step kept (and put it back)
+            while held:
+                step, entry = held.popitem(last=False)
+                if step > keep_after:
+                    held[step] = entry
+                    held.move_to_end(step, last=False)
+                    break
+                if entry[1] > 0:
+                    self._batch_bytes -= entry[1]
+            return
+        for step in [s for s in held if s <= keep_after]:
+            self._batch_bytes -= max(held.pop(step)[1], 0)
 
     def turn_off(self, reason: str | None = None) -> None:
         """Off for the rest of the run, everything held dropped; ``reason`` (else the budget's) says why."""
@@ -513,6 +683,7 @@ class SnapshotRing:
         self.enabled = False
         self.reason = reason
         self.reset()
+        self._plan = None
 
 
 # --------------------------------------------------------------------------------------------
