@@ -87,9 +87,42 @@ def test_a_rank_switched_off_before_an_anomaly_under_a_scaler_leaves_no_rank_wai
     assert d["evidence"]["nonfinite_where"] == "rank 0: batch[0] rows [1]"
     assert d["evidence"]["fp32_control_loss"] == "nan"
     assert d["evidence"]["judged_alone"].startswith("AmpWatch switched itself off on 1 other rank")
-    # the trajectory control would restore a snapshot split across the ranks: not run alone, and said why
-    assert d["evidence"].get("trajectory_control", "not run").startswith("not run")
-    assert "AmpWatch switched itself off on 1 other rank" in done.stdout + done.stderr
+    # said once, on rank zero, at the skip where the ranks learnt it
+    assert "AmpWatch switched itself off on 1 other rank: from step 3 each rank judges anomalies alone" in (
+        done.stdout + done.stderr)
+
+
+def _fit_switched_off_then_overflow(out_dir: str) -> None:
+    """As above, with a forward overflow in rank 0's batch at step 5 (an alarm that blames float16, which the
+    trajectory control would judge from a snapshot each DDP rank holds half of) and snapshots every 2 steps."""
+    from test_sharded_ddp import SwitchOffOnRank1
+    from test_sharded_fsdp import Unsharded, one_rank_overflows
+
+    from lightning_ampwatch.scenarios import true_fp16_plugin
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=8, plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        log_every_n_steps=50, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[watch, SwitchOffOnRank1(watch, at=1), Dump(watch, out_dir)])
+    # row 160 is rank 0's batch 5, row 0
+    trainer.fit(Unsharded(), datamodule=RowsByRank(one_rank_overflows(row=160, factor=200.0)))
+
+
+def test_after_a_rank_switched_off_no_rank_restores_a_split_snapshot_alone(tmp_path: Path) -> None:
+    done = _child("_fit_switched_off_then_overflow", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ranks(tmp_path)
+    assert rank0["steps"] == rank1["steps"] == 8
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["step"]) == (Finding.FORWARD_OVERFLOW.value, 5)
+    assert d["evidence"]["replay_loss"] == "inf"  # located on rank 0 alone
+    # each DDP rank holds half of each snapshot: a restore needs rank 1, whose watch is off; not run, and said why
+    assert d["evidence"]["trajectory_control"] == (
+        "not run: the snapshot ring is off: AmpWatch switched itself off on 1 other rank, and a replay from its "
+        "snapshots needs every rank")
 
 
 # ---------------------------------------------------------------------- a finite divergence on rank 1 alone

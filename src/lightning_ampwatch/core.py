@@ -61,7 +61,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import distributed, sharding
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
@@ -674,17 +674,19 @@ class RunWatcher:
         return self.world_size == 1 or (ledger is not None and ledger.scaler_active and ledger.agree)
 
     def _note_agreement(self) -> None:
-        """The ranks stopped agreeing (another rank's watch switched itself off): said once, and the snapshots split
-        across the ranks stop, since no restore of them can be agreed on any more."""
+        """The ranks stopped agreeing (another rank's watch switched itself off): said once, and the snapshots stop
+        where a replay from them needs every rank (split across DDP ranks, or sharded), since none can be agreed on
+        any more."""
         if self.ledger is None or self.ledger.agree or "alone" in self._said:
             return
         ranks = self._ranks
         ranks.stop_agreeing(self.ledger, ranks.off)
         control = self.trajectory
-        if control is not None and control.ring.enabled and control.state.split:
-            control.ring.turn_off(f"the snapshot ring is off: {ranks.why_alone}, and its snapshots are split "
-                                  "across the ranks")
-        self.say_once(f"{ranks.why_alone}: from step {self.ledger.step_index} each rank judges anomalies alone; "
+        if control is not None and control.ring.enabled and (
+                control.state.split or sharding.replay_needs_all_ranks(control.state.root)):
+            control.ring.turn_off(f"the snapshot ring is off: {ranks.why_alone}, and a replay from its snapshots "
+                                  "needs every rank")
+        self.say_once(f"{ranks.why_alone}: from step {self.ledger.step_index - 1} each rank judges anomalies alone; "
                       "replays that need every rank and remedies are off for the rest of the run.", key="alone")
 
     def _publish_relayed(self, diagnosis: Diagnosis) -> None:
