@@ -61,7 +61,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from lightning_ampwatch import distributed, sharding
+from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
@@ -74,19 +74,17 @@ from lightning_ampwatch.remedies import (
     Effect,
     RemedyContext,
     RemedyPolicy,
-    reapply_all,
 )
 from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment, level_at
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
+from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
 from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 from lightning_ampwatch.trajectory import SnapshotRing, retrain
 
-#: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
-STATE_VERSION = 2
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
 
@@ -112,7 +110,7 @@ def _guarded(call: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class RunWatcher:
+class RunWatcher(WatchState):
     """Owns the rooms of one watched run and routes every step through them (see the module docstring)."""
 
     def __init__(self, config: WatchConfig) -> None:
@@ -355,24 +353,17 @@ class RunWatcher:
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
-        bystander = self._ranks.bystander
-        if self.disabled:
-            if bystander is not None:
-                bystander.finish()
-            self.close()
-            return
-        self._finish()
+        if not self.disabled:
+            self._finish()
         # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
-        # end-of-run work just failed (skipping it would leave the others waiting in the collective)
-        if self.disabled and self._ranks.bystander is not None:
-            self._ranks.bystander.finish()
-        else:
-            try:
-                for relayed in self._ranks.exchange_at_end():
-                    self._publish_relayed(relayed)
-            except Exception as err:  # noqa: BLE001
-                self.internal_failure("finish", err)
-        self._summarize()
+        # watch is off or whose end-of-run work just failed (skipping it would leave the others waiting in it)
+        try:
+            for relayed in self._ranks.at_end():
+                self._publish_relayed(relayed)
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("finish", err)
+        if not self.disabled:
+            self._summarize()
         self.close()
 
     @_guarded
@@ -677,17 +668,8 @@ class RunWatcher:
         """The ranks stopped agreeing (another rank's watch switched itself off): said once, and the snapshots stop
         where a replay from them needs every rank (split across DDP ranks, or sharded), since none can be agreed on
         any more."""
-        if self.ledger is None or self.ledger.agree or "alone" in self._said:
-            return
-        ranks = self._ranks
-        ranks.stop_agreeing(self.ledger, ranks.off)
-        control = self.trajectory
-        if control is not None and control.ring.enabled and (
-                control.state.split or sharding.replay_needs_all_ranks(control.state.root)):
-            control.ring.turn_off(f"the snapshot ring is off: {ranks.why_alone}, and a replay from its snapshots "
-                                  "needs every rank")
-        self.say_once(f"{ranks.why_alone}: from step {self.ledger.step_index - 1} each rank judges anomalies alone; "
-                      "replays that need every rank and remedies are off for the rest of the run.", key="alone")
+        if self.ledger is not None and not self.ledger.agree:
+            self._ranks.note_agreement_ended(self.ledger, self.trajectory, self.say_once)
 
     def _publish_relayed(self, diagnosis: Diagnosis) -> None:
         """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
@@ -729,61 +711,6 @@ class RunWatcher:
         mirror = ledger.mirror if ledger is not None else None
         return RunStats(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
                         scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "diagnoses": [d.to_dict() for d in self.diagnoses],
-            "machine": None if self.machine is None else self.machine.state_dict(),
-            "applied": [r.to_dict() for r in self.applied],
-            "policy": self.treatment.policy.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        """Kept until ``start`` builds the rooms; restored there, part by part."""
-        self._loaded_state = state_dict if isinstance(state_dict, dict) else {"invalid": state_dict}
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Put back what a checkpoint holds, part by part: a part that cannot be read is warned about once, by name,
-        and left out; the watch goes on with what could be read."""
-        if "invalid" in state and len(state) == 1:
-            self._warn_state(f"it is a {type(state['invalid']).__name__}, not a dict", None)
-            return
-        version = state.get("version", 1)
-        if version not in (1, STATE_VERSION):
-            self._warn_state(f"it has version {version!r}; this AmpWatch reads versions 1 and {STATE_VERSION}", None)
-            return
-        parts: list[tuple[str, Callable[[], None]]] = [
-            ("diagnoses", lambda: setattr(self, "diagnoses",
-                                          [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())])),
-            ("applied", lambda: setattr(self, "applied",
-                                        [AppliedRemedy.from_dict(a) for a in state.get("applied", ())])),
-            ("policy", lambda: self.treatment.policy.load_state_dict(state.get("policy", {}))),
-            ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
-             if state.get("machine") else None),
-        ]
-        for part, load in parts:
-            try:
-                load()
-            except Exception as err:  # noqa: BLE001 - a bad part must not cost the watch
-                self._warn_state(f"its {part!r} entry cannot be read ({type(err).__name__}: {err})", part)
-        if self.applied:
-            # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
-            try:
-                reapply_all(self.remedy_context(), self.applied)
-            except Exception as err:  # noqa: BLE001
-                self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
-                                 "applied")
-
-    def _warn_state(self, why: str, part: str | None) -> None:
-        if part == "machine" and self.machine is not None:
-            self.machine = AmpStateMachine(self.machine.mode, self.config.thresholds, self.machine.scaler_config,
-                                           early_startup=self.machine.early_startup)
-        warnings.warn(f"AmpWatch could not use the checkpoint's {self.config.state_key!r} state: {why}. "
-                      + ("It keeps watching without it." if part is None else
-                         f"It keeps watching without the {part!r} part."), RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ failure containment
 

@@ -10,7 +10,7 @@ judges alone.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -138,6 +138,7 @@ class CrossRank:
         self.bystander: Bystander | None = None
         self.off = 0.0  # ranks whose watch switched itself off, as agreed (0: every rank watches)
         self._held_sent = self._off_sent = 0.0  # what this rank has added to the cross-rank sums so far
+        self._ended_noted = False
 
     def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
         """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
@@ -170,14 +171,35 @@ class CrossRank:
         if ledger is not None:
             ledger.agree = False
 
+    def note_agreement_ended(self, ledger: Any, control: Any, say: Callable[[str], None]) -> None:
+        """Once, on a watching rank, after the agreement ended: the snapshots stop where a replay from them needs
+        every rank (split across DDP ranks, or sharded), since none can be agreed on any more, and one line says
+        so."""
+        from lightning_ampwatch import sharding  # (sharding reads this module's world size)
+
+        if self._ended_noted:
+            return
+        self._ended_noted = True
+        self.stop_agreeing(ledger, self.off)
+        if control is not None and control.ring.enabled and (
+                control.state.split or sharding.replay_needs_all_ranks(control.state.root)):
+            control.ring.turn_off(f"the snapshot ring is off: {self.why_alone}, and a replay from its snapshots "
+                                  "needs every rank")
+        say(f"{self.why_alone}: from step {ledger.step_index - 1} each rank judges anomalies alone; replays that "
+            "need every rank and remedies are off for the rest of the run.")
+
     @property
     def why_alone(self) -> str:
         """Why the ranks no longer meet anomalies together (for the evidence and the one line said)."""
         n = int(self.off) or 1
         return f"AmpWatch switched itself off on {n} other rank{'s' if n > 1 else ''}"
 
-    def exchange_at_end(self) -> list[Diagnosis]:
-        """The relay's last exchange, at the end of the fit: every rank takes part, whatever happened to its watch."""
+    def at_end(self) -> list[Diagnosis]:
+        """The relay's last exchange, at the end of the fit: every rank takes part, whatever happened to its watch
+        (a bystander's part adds what it still held). Rank zero gets the others' diagnoses."""
+        if self.bystander is not None:
+            self.bystander.finish()
+            return []
         return self.relay.exchange() if self.world_size > 1 else []
 
 
@@ -241,7 +263,7 @@ class Bystander:
 
     def finish(self) -> None:
         try:
-            self.cross.exchange_at_end()
+            self.cross.relay.exchange()
         except Exception:  # noqa: BLE001
             pass
 
