@@ -21,7 +21,6 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
-from torchmetrics import Metric
 
 from lightning_ampwatch import compat, distributed
 from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
@@ -308,11 +307,11 @@ class Reporters:
         self._step_metrics: compat.StepMetrics | None = None
         # The skip rate needs no cross-rank sum (under a scaler every rank skips the same steps) and its window
         # holds a few host integers: a deque does it at no cost, where torchmetrics' RunningMean took ~130 us a
-        # log step. The non-finite count differs by rank: under DDP a torchmetrics sum, synchronised across ranks
-        # (one process needs none, and is spared its ~100 us a log step), which also carries the few counts the
-        # ranks agree on at log steps (distributed.CrossRank.signals): one reduction for them all.
+        # log step. The non-finite count differs by rank: under DDP a sum across ranks (one process needs none, and
+        # is spared it), which also carries the few counts the ranks agree on at log steps
+        # (distributed.CrossRank.signals): one all-reduce for them all.
         self._skip_window: deque[tuple[int, int]] = deque(maxlen=LOG_WINDOWS)  # (steps, skipped) per interval
-        self._nonfinite_sum = RankSums(distributed.SIGNALS).to(device) if world_size > 1 else None
+        self._nonfinite_sum = RankSums(distributed.SIGNALS, device) if world_size > 1 else None
         self._nonfinite_total = 0
         self.writable = is_global_zero and self._check_writable()
         self.timeline: Timeline | None = (
@@ -471,18 +470,26 @@ class Reporters:
         return state
 
 
-class RankSums(Metric):
-    """A vector of counts summed over the ranks (each rank adds its increments): the non-finite count and the
-    counts of :data:`lightning_ampwatch.distributed.SIGNALS`, synchronised in one reduction at ``compute``."""
+class RankSums:
+    """A vector of counts summed over the ranks, each rank adding its increments: the non-finite count and the counts
+    of :data:`lightning_ampwatch.distributed.SIGNALS`. One ``all_reduce`` of a few floats at ``compute`` (no read:
+    the result joins the log step's packed read). A torchmetrics sum would gather the vector's shape first, a
+    second collective at every log step."""
 
-    full_state_update = False
+    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
+        self.sums = torch.zeros(size, device=device)
 
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.add_state("sums", default=torch.zeros(size), dist_reduce_fx="sum")
+    @property
+    def device(self) -> torch.device:
+        return self.sums.device
 
     def update(self, values: torch.Tensor) -> None:
-        self.sums += values.to(self.sums.dtype)
+        self.sums += values
 
     def compute(self) -> torch.Tensor:
-        return self.sums
+        summed = self.sums.clone()
+        if distributed.world_size() > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(summed)
+        return summed
