@@ -223,3 +223,64 @@ def test_a_sharded_replay_that_raises_on_one_rank_is_stopped_on_every_rank_and_t
     assert "replay_loss" not in ev and "fp32_control_loss" not in ev
     # the trajectory control's replays draw from the stream too: stopped on every rank alike, and said
     assert ev["trajectory_control"].startswith("failed: the trajectory replay failed: StopIteration")
+
+
+# ---------------------------------------------------------------------- the lockstep itself, on plain modules
+
+
+def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank 1's part raises at the start of its second micro-batch, before any module forward; rank 0 runs its
+    forward. Each rank writes where it stopped and how many gathers it made (the same on both, or one would wait)."""
+    import os
+
+    from lightning_ampwatch import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    gathers = 0
+    real_gather = distributed.gather
+
+    def counted(obj: Any) -> list[Any]:
+        nonlocal gathers
+        gathers += 1
+        return real_gather(obj)
+
+    distributed.gather = counted  # counts the calls; every one is the real collective
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    seen: list[str] = []
+    try:
+        with distributed.Lockstep(model) as lock:
+            for i in range(3):
+                lock.next()
+                if i == 1 and rank == 1:
+                    raise KeyError("a batch with no 'x'")
+                if i == 0:
+                    continue  # a micro-batch that runs no forward still meets the others once
+                model(torch.ones(2, 4))
+                seen.append(f"forward {i}")
+    except Exception as err:  # noqa: BLE001
+        seen.append(f"{type(err).__name__}: {err}")
+    # afterwards both ranks are free to meet again: one more gather that each enters
+    after = real_gather(rank)
+    Path(out_dir, f"lock{rank}.json").write_text(json.dumps({"seen": seen, "gathers": gathers, "after": after,
+                                                              "hooks": sum(len(m._forward_pre_hooks)
+                                                                           for m in model.modules())}))
+    dist.destroy_process_group()
+
+
+def test_lockstep_stops_every_rank_where_one_raised_before_its_forward(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_lockstep_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    rank0, rank1 = (json.loads((tmp_path / f"lock{r}.json").read_text()) for r in range(2))
+    assert rank1["seen"] == ["KeyError: \"a batch with no 'x'\""]
+    # rank 0 stopped at its second micro-batch's first module forward, before running it, naming rank 1's error
+    assert rank0["seen"] == ["ReplayAborted: rank 1: KeyError: \"a batch with no 'x'\""]
+    assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached, on both ranks
+    assert rank0["after"] == rank1["after"] == [0, 1]
+    assert rank0["hooks"] == rank1["hooks"] == 0  # the hooks are gone

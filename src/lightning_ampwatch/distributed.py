@@ -290,20 +290,21 @@ class Lockstep:
         self.module = module
         self._handles: list[Any] = []
         self._met = True  # this rank met the others for the current micro-batch
+        self._fresh = True  # no micro-batch begun with next() yet (the block's start begins the first)
 
     def __enter__(self) -> "Lockstep":
         if world_size() > 1:
             self._handles = [m.register_forward_pre_hook(self._before_forward, prepend=True)
                              for m in self.module.modules()]
-        self._met = False
+        self._met, self._fresh = False, True
         return self
 
     def next(self) -> None:
         """A new micro-batch: its first module forward meets the others again (a micro-batch that ran no forward
         of any module still meets them once)."""
-        if not self._met:
+        if not self._met and not self._fresh:
             self._meet(None)
-        self._met = False
+        self._met, self._fresh = False, False
 
     def _before_forward(self, module: Any, args: Any) -> None:
         if not self._met:
