@@ -284,3 +284,53 @@ def test_lockstep_stops_every_rank_where_one_raised_before_its_forward(tmp_path:
     assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached, on both ranks
     assert rank0["after"] == rank1["after"] == [0, 1]
     assert rank0["hooks"] == rank1["hooks"] == 0  # the hooks are gone
+
+
+# ---------------------------------------------------------------------- a rank switched off while a remedy is watched
+
+
+class SwitchOffAfterRemedy(pl.Callback):
+    """Rank 1's watch switches itself off (its failure containment, made to meet its limit) ``after`` steps after
+    the remedy was applied, while the ranks still watch it (no skip nor log step in between)."""
+
+    def __init__(self, watch: AmpWatch, after: int) -> None:
+        self.watch, self.after = watch, after
+        self.at: int | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        applied = self.watch.watcher.applied
+        if self.at is None and applied:
+            self.at = trainer.global_step + self.after
+        if trainer.global_rank == 1 and self.at is not None and trainer.global_step == self.at:
+            for i in range(5):
+                self.watch.watcher.internal_failure(f"part {i}", RuntimeError("made to fail"))
+
+
+def _fit_switched_off_while_a_remedy_is_watched(out_dir: str) -> None:
+    """DDP, float16 with a GradScaler: the learning rate jumps 100x at step 20, reduce_lr is applied after a
+    rollback and watched for 8 steps; 2 steps into the watch, rank 1's watch switches itself off. The watching
+    rank judges the remedy 6 steps later, starting with a gather; no log step comes in between."""
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch.scenarios import regression_data, true_fp16_plugin
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=40, plugins=[true_fp16_plugin()],
+        log_every_n_steps=100, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[watch, SwitchOffAfterRemedy(watch, after=2), Dump(watch, out_dir)])
+    trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+
+
+def test_a_rank_switched_off_while_a_remedy_is_watched_meets_the_judgement(tmp_path: Path) -> None:
+    done = _child("_fit_switched_off_while_a_remedy_is_watched", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "switches itself off" in done.stderr
+    rank0, rank1 = _ranks(tmp_path)
+    assert rank0["steps"] == rank1["steps"] == 40
+    [d] = [d for d in rank0["diagnoses"] if d["remedy"] == "reduce_lr"]
+    # rank 0 judged the remedy alone, once it learnt at the judgement's gather that rank 1's watch was off
+    assert d["outcome"] in ("recovered", "not_recovered", "not_verified")
+    assert "AmpWatch switched itself off on 1 other rank" in done.stdout + done.stderr

@@ -529,8 +529,10 @@ class RunWatcher(WatchState):
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
             if self.host is not None:  # when no healthy level exists (every rank here: judged together)
+                # (a rank switched off since the remedy joins this gather to say so: the rest is each rank's own)
                 treatment.fp32_reference(self.trajectory, self.host.global_step,
-                                         gather=distributed.gather if ledger.agree else lambda v: [v])
+                                         gather=self._ranks.gather(ledger) if ledger.agree else lambda v: [v])
+                self._note_agreement()
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             self._ended(treatment.end(recovery))
@@ -726,10 +728,14 @@ class RunWatcher(WatchState):
         if len(self._failures) >= MAX_FAILURES and not self.disabled:
             ledger = self.ledger
             if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
-                # the other ranks still meet this one where they talk across ranks: it keeps its place there
-                self._ranks.bystander = distributed.Bystander(self._ranks, ledger, self.reporters, self.host,
-                                                              ledger.step_index + (1 if stepped else 0),
-                                                              self._log_every)
+                # the other ranks still meet this one where they talk across ranks: it keeps its place there (the
+                # step in flight is closed at its batch's end; a watched remedy is judged after as many steps)
+                watch, machine = self.treatment.watch, self.machine
+                left = None if watch is None or machine is None else \
+                    self.treatment.recovery_steps - (machine.steps_seen - watch.steps_before)
+                self._ranks.bystander = distributed.Bystander(
+                    self._ranks, ledger, self.reporters, self.host, ledger.step_index, self._log_every,
+                    stepped=stepped, judge_at=None if left is None or left < 1 else ledger.step_index + left)
             self.disabled = True
             self.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",

@@ -194,6 +194,19 @@ class CrossRank:
         n = int(self.off) or 1
         return f"AmpWatch switched itself off on {n} other rank{'s' if n > 1 else ''}"
 
+    def gather(self, ledger: Any) -> Callable[[Any], list[Any]]:
+        """:func:`gather` for a judgement every rank makes together: a switched-off rank joins it with :data:`OFF`,
+        which ends the agreement (``ledger.agree``), and the values come back as this rank's alone."""
+
+        def agreed_gather(value: Any) -> list[Any]:
+            held = gather(value)
+            if any(isinstance(h, str) and h == OFF for h in held):
+                self.stop_agreeing(ledger, max(self.off, 1.0))
+                return [value]
+            return held
+
+        return agreed_gather
+
     def at_end(self) -> list[Diagnosis]:
         """The relay's last exchange, at the end of the fit: every rank takes part, whatever happened to its watch
         (a bystander's part adds what it still held). Rank zero gets the others' diagnoses."""
@@ -201,6 +214,10 @@ class CrossRank:
             self.bystander.finish()
             return []
         return self.relay.exchange() if self.world_size > 1 else []
+
+
+#: What a switched-off rank brings to a gather it joins only to keep its place (see :meth:`CrossRank.gather`).
+OFF = "ampwatch: this rank's watch is off"
 
 
 class Bystander:
@@ -213,11 +230,14 @@ class Bystander:
     optimizer's flag is read: one read per step on this rank only), takes part with nothing to add, and reads
     nothing else. Once the agreement has ended, the other ranks enter no collective it would not enter."""
 
-    def __init__(self, cross: CrossRank, ledger: Any, reporters: Any, host: Any, steps: int, log_every: int) -> None:
+    def __init__(self, cross: CrossRank, ledger: Any, reporters: Any, host: Any, steps: int, log_every: int,
+                 stepped: bool = False, judge_at: int | None = None) -> None:
         self.cross, self.ledger, self.reporters, self.host = cross, ledger, reporters, host
         self.steps = steps  # optimizer steps closed so far, as the other ranks' ledgers count them
-        self.stepped = False
+        self.stepped = stepped  # a step began before the watch switched off: closed at this batch's end
         self.log_every = log_every
+        # the step count after which the others judge the remedy they watch (its first collective is a gather)
+        self.judge_at = judge_at
 
     def optimizer_step(self) -> None:
         if self.stepped:  # manual optimization: a second step in the same batch
@@ -229,6 +249,8 @@ class Bystander:
             self._close()
 
     def _close(self) -> None:
+        """One optimizer step over: the collectives the watching ranks make at its end, in their order (a skip's
+        gather as the step is taken in, the log step's sum, the watched remedy's judgement at the step boundary)."""
         self.stepped = False
         self.steps += 1
         try:
@@ -237,6 +259,21 @@ class Bystander:
             pass
         if self.log_every and self.steps % self.log_every == 0:
             self._at_log_step()
+        if self.judge_at is not None and self.steps >= self.judge_at:
+            self.judge_at = None
+            self._meet_the_judgement()
+
+    def _meet_the_judgement(self) -> None:
+        """The remedy the ranks watched when this rank's watch switched off is judged now: while the ranks still
+        agree, the judgement starts with a gather (``Treatment.fp32_reference``), where this rank says it is off;
+        that ends the agreement on every rank, and the rest of the judgement is each rank's own."""
+        if not (self.ledger.agree and self.cross.world_size > 1):
+            return
+        try:
+            gather(OFF)
+        except Exception:  # noqa: BLE001
+            pass
+        self.ledger.agree = False
 
     def _meet_a_skip(self) -> None:
         """Under a scaler, while the ranks still agree, every rank gathers a view of each skipped step: this rank's
