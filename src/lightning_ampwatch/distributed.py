@@ -127,7 +127,7 @@ class CrossRank:
     the bystander a switched-off rank becomes.
 
     Every decision here is made from values every rank reads alike at the same point (the log step's cross-rank
-    sum, a skipped step's gather), so every rank makes it at the same step. The watch stops agreeing, on every
+    sum, a skipped step's gather, a watched remedy's judgement), so every rank makes it at the same step. The watch stops agreeing, on every
     rank at once, when a rank's watch switched itself off: that rank takes no further part in replays, remedies or
     judgements, so from then on each rank judges alone (as without a scaler) and no remedy is applied.
     """
