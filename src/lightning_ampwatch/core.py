@@ -57,13 +57,14 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import replace
-from typing import Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.host import Host
 from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.probes import uses_rng
@@ -73,107 +74,19 @@ from lightning_ampwatch.remedies import (
     Effect,
     RemedyContext,
     RemedyPolicy,
-    reapply_all,
 )
 from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
+from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
 from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState, retrain
+from lightning_ampwatch.trajectory import SnapshotRing, retrain
 
-#: The checkpoint state's layout; a state of another version is set aside with a warning, never half-read.
-STATE_VERSION = 2
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
-
-
-@runtime_checkable
-class Host(Protocol):
-    """What only the training framework knows, as one object the adapter implements.
-
-    Read at ``start`` (and again where noted): nothing here is called on a healthy step except ``global_step``
-    and ``optimizers`` at log steps and when a step is opened.
-    """
-
-    module: torch.nn.Module
-    """The model being trained (Lightning: the LightningModule; Fabric: the user's module, unwrapped)."""
-    device: torch.device
-    automatic: bool
-    """One loss -> backward -> optimizer step per batch, driven by the framework, so a step can be replayed from
-    its batches alone through :meth:`step_loss`. False for Lightning's manual optimization."""
-    is_global_zero: bool
-    world_size: int
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-
-    @property
-    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
-        """The raw torch optimizers (not framework wrappers)."""
-
-    @property
-    def loggers(self) -> Sequence[Any]:
-        """The framework's loggers; diagnoses go to those that take text (TensorBoard, MLflow, W&B)."""
-
-    @property
-    def log_every(self) -> int:
-        """Optimizer steps between log steps (metrics, one packed read, timeline flush); 0: never."""
-
-    @property
-    def log_dir(self) -> str:
-        """Where ``ampwatch/`` goes unless ``log_dir=`` was given."""
-
-    def precision(self) -> PrecisionInfo:
-        """The run's arithmetic and scaler, now (a bf16 fallback changes it mid-run)."""
-
-    def forward_context(self) -> ContextManager[Any]:
-        """The autocast context the run's forward uses now (a replay at the run's own precision enters it)."""
-
-    def step_loss(self, batch: Any, batch_idx: int) -> Any:
-        """One micro-batch's loss, computed as the training step does (Lightning: ``training_step``; Fabric: the
-        user's ``loss_fn(module, batch)``); a dict with ``"loss"`` or None is allowed. Replays call it with autocast
-        on or off around it, and with the weights of the faulty step; it must not step an optimizer."""
-
-    def train_state(self) -> TrainState:
-        """What the FP32 trajectory control drives step by step (optimizers, scaler, step schedulers, clipping,
-        accumulation); ``TrainState.unavailable`` says why it cannot run, if it cannot."""
-
-    def step_schedulers(self) -> list[Any]:
-        """The LR schedulers stepped every optimizer step (an adapter's ``hold_lr_on_skip`` holds them on a skipped
-        step, asking :meth:`RunWatcher.last_step_skipped`)."""
-
-    def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
-        """What a remedy acts on (the module, the scaler, the device, the guards, as given). ``trainer`` is the
-        object whose ``optimizers`` and ``lr_scheduler_configs`` (``.scheduler``) ``reduce_lr`` changes and whose
-        ``strategy.precision_plugin.precision`` names the run's precision; ``switch_precision`` swaps the precision
-        for the bf16 fallback (None: ``trainer`` is a Lightning Trainer, whose plugin is replaced)."""
-
-    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
-        """Load the newest checkpoint file written before step ``before`` ran (weights, scaler, optimizers,
-        schedulers; not the loop): (its path, its step), or (None, None) when there is none."""
-
-    def broadcast(self, value: Any) -> Any:
-        """Rank zero's ``value`` on every rank (only called where every rank is at the same step)."""
-
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        """The ``ampwatch/*`` metrics of the current log step, to the framework's loggers."""
-
-    def stop(self) -> None:
-        """End the run cleanly after this step (``on_unrecoverable="stop"``)."""
-
-    def say(self, message: str) -> None:
-        """One plain line for the user (the framework's rank-zero info log)."""
-
-    # Optional members (read with ``getattr``; a host without them is still a Host):
-    #
-    # ``wrapped_module() -> nn.Module``: the module as the strategy wraps it (DDP, a root FSDP1 wrapper, an
-    #     FSDP2 module): a replay asks it whether its forward talks to every rank and in which dtype FSDP computes.
-    # ``processes_per_node: int``: the processes training on this host, which share the default snapshot budget.
-    # ``rollback_unavailable() -> str | None``: why no checkpoint can be rolled back to in this run, if none can.
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -197,7 +110,7 @@ def _guarded(call: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class RunWatcher:
+class RunWatcher(WatchState):
     """Owns the rooms of one watched run and routes every step through them (see the module docstring)."""
 
     def __init__(self, config: WatchConfig) -> None:
@@ -232,8 +145,9 @@ class RunWatcher:
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
-        self._relay = distributed.Relay()  # diagnoses a rank reached alone, for rank zero (no scaler, several ranks)
-        self._bystander: _Bystander | None = None  # this rank switched off while others watch: it still takes part
+        # what this rank says to the others outside an anomaly's own agreement: the relay to rank zero, whether the
+        # ranks still meet anomalies together, and the bystander this rank becomes if its watch switches off
+        self._ranks = distributed.CrossRank(1)
 
     @property
     def applied(self) -> list[AppliedRemedy]:
@@ -282,6 +196,7 @@ class RunWatcher:
             info = host.precision()  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         self.world_size = host.world_size
+        self._ranks = distributed.CrossRank(self.world_size)
         self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
@@ -370,8 +285,8 @@ class RunWatcher:
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
-            if self._bystander is not None:
-                self._bystander.optimizer_step()
+            if self._ranks.bystander is not None:
+                self._ranks.bystander.optimizer_step()
             return
         try:
             if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
@@ -386,8 +301,8 @@ class RunWatcher:
     def batch_end(self, batch: Any, batch_idx: int) -> None:
         ledger = self.ledger
         if self.disabled or ledger is None:
-            if self._bystander is not None:
-                self._bystander.batch_end()
+            if self._ranks.bystander is not None:
+                self._ranks.bystander.batch_end()
             return
         try:
             investigations = self.investigations
@@ -424,11 +339,14 @@ class RunWatcher:
         assert ledger is not None and reporters is not None and machine is not None and host is not None
         self._take(ledger.drain_at_log_step(host))
         steps, skipped, nonfinite = ledger.take_log_counts()
-        metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)
+        ranks = self._ranks
+        metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite,
+                                           signals=ranks.signals())
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
-        if values and self._relaying:  # a fault another rank judged alone reaches rank zero
-            for relayed in self._relay.at_log_step(values[0]):
+        if values and self.world_size > 1:  # what another rank reached alone reaches rank zero; a rank switched off
+            for relayed in ranks.at_log_step(values, ledger):
                 self._publish_relayed(relayed)
+            self._note_agreement()
         machine.note_losses(ledger.take_unnoted())
         self._take_divergences()  # the losses just read may show a finite divergence
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
@@ -437,23 +355,17 @@ class RunWatcher:
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
-        if self.disabled:
-            if self._bystander is not None:
-                self._bystander.finish()
-            self.close()
-            return
-        self._finish()
+        if not self.disabled:
+            self._finish()
         # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
-        # end-of-run work just failed (skipping it would leave the others waiting in the collective)
-        if self.disabled and self._bystander is not None:
-            self._bystander.finish()
-        elif self._relaying:
-            try:
-                for relayed in self._relay.exchange():
-                    self._publish_relayed(relayed)
-            except Exception as err:  # noqa: BLE001
-                self.internal_failure("finish", err)
-        self._summarize()
+        # watch is off or whose end-of-run work just failed (skipping it would leave the others waiting in it)
+        try:
+            for relayed in self._ranks.at_end():
+                self._publish_relayed(relayed)
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("finish", err)
+        if not self.disabled:
+            self._summarize()
         self.close()
 
     @_guarded
@@ -548,12 +460,15 @@ class RunWatcher:
             if timeline is not None:
                 timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
                                      loss_finite=obs.loss_finite, lrs=obs.lrs)
+            agreed = self._agreed  # read after the step was resolved: a skip's gather may have ended the agreement
+            if not ledger.agree:
+                self._note_agreement()
             if investigations is not None:
-                investigations.before_observe(step, ledger.scaler_active)
+                investigations.before_observe(step, agreed)
             for diagnosis in machine.observe(obs):
                 if diagnosis.is_alarm and investigations is not None:
                     refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
-                                                                  self.trajectory)
+                                                                  self.trajectory, agree=agreed)
                     self._sync_investigations()  # a live probe may be armed for the next step
                     if renamed is not None:
                         machine.revise(renamed)  # the FP32 control renamed the open episode's finding
@@ -576,6 +491,11 @@ class RunWatcher:
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
         divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
         since a treatment is a decision every rank must take together."""
+        ledger = self.ledger
+        if self.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
+            diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
+                f"{self._ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
+                "remedy")})
         if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
             self._publish(diagnosis)
         elif self.treatment.folds(diagnosis) or self.treatment.wants(diagnosis):
@@ -592,7 +512,7 @@ class RunWatcher:
         returns records; the changes to the run, the machine and the ledger are made here."""
         treatment, machine, ledger = self.treatment, self.machine, self.ledger
         assert machine is not None and ledger is not None
-        agreed = self.world_size == 1 or ledger.scaler_active
+        agreed = self._agreed
         for diagnosis in treatment.take_due():
             if treatment.folds(diagnosis):
                 self._fold(diagnosis)
@@ -600,18 +520,23 @@ class RunWatcher:
             ended = treatment.interrupted(diagnosis)
             if ended is not None:
                 self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
-            if not agreed and not diagnosis.finding.is_recipe:
+            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
                 # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
-                # see anomalies at different steps and no single decision can be agreed on.
-                self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does not "
-                              "remedy them under DDP; it reports them.")
+                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
+                # every rank's at once, until a rank's watch switched itself off).
+                if ledger.agree:
+                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
+                                  "not remedy them under DDP; it reports them.")
                 self._publish(diagnosis)
                 continue
             self._publish(self._treat(diagnosis))
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
             if self.host is not None:  # when no healthy level exists (every rank here: judged together)
-                treatment.fp32_reference(self.trajectory, self.host.global_step, gather=distributed.gather)
+                # (a rank switched off since the remedy joins this gather to say so: the rest is each rank's own)
+                treatment.fp32_reference(self.trajectory, self.host.global_step,
+                                         gather=self._ranks.gather(ledger) if ledger.agree else lambda v: [v])
+                self._note_agreement()
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
             self._ended(treatment.end(recovery))
@@ -657,6 +582,8 @@ class RunWatcher:
         comes back with the remedy (and its rollback), or unchanged without one."""
         treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
         assert machine is not None and ledger is not None and host is not None
+        if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
+            return diagnosis
         choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
         if choice is None:
             return diagnosis
@@ -691,8 +618,10 @@ class RunWatcher:
         return treated
 
     def _decide(self, value: Any) -> Any:
-        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler)."""
-        return self.host.broadcast(value) if self.world_size > 1 and self.host is not None else value
+        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler); this rank's own
+        once the ranks stopped agreeing."""
+        agree = self.ledger is None or self.ledger.agree
+        return self.host.broadcast(value) if self.world_size > 1 and self.host is not None and agree else value
 
     def remedy_context(self) -> RemedyContext:
         assert self.host is not None
@@ -727,8 +656,7 @@ class RunWatcher:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
-        if self._relaying:  # rank zero hears of it at the next agreement point (distributed.Relay)
-            self._relay.hold(diagnosis)
+        self._ranks.hold(diagnosis, self._agreed)  # rank zero hears of it at the next agreement point, if it must
         if diagnosis.remedy is not None and self.reporters is not None and self.treatment.applied:
             self.reporters.record_remedy(self.treatment.applied[-1].step, diagnosis.remedy)
         if self.reporters is not None:
@@ -737,9 +665,18 @@ class RunWatcher:
             self._unrecoverable(diagnosis)
 
     @property
-    def _relaying(self) -> bool:
-        """Whether the ranks judge anomalies alone (several ranks, no scaler), so that rank zero must be told."""
-        return self.world_size > 1 and not (self.ledger is not None and self.ledger.scaler_active)
+    def _agreed(self) -> bool:
+        """Whether the ranks meet anomalies together (one process; or a scaler, every rank skipping the same steps,
+        and every rank's watch still on), so that a collective on an anomalous step is entered by every rank."""
+        ledger = self.ledger
+        return self.world_size == 1 or (ledger is not None and ledger.scaler_active and ledger.agree)
+
+    def _note_agreement(self) -> None:
+        """The ranks stopped agreeing (another rank's watch switched itself off): said once, and the snapshots stop
+        where a replay from them needs every rank (split across DDP ranks, or sharded), since none can be agreed on
+        any more."""
+        if self.ledger is not None and not self.ledger.agree:
+            self._ranks.note_agreement_ended(self.ledger, self.trajectory, self.say_once)
 
     def _publish_relayed(self, diagnosis: Diagnosis) -> None:
         """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
@@ -782,61 +719,6 @@ class RunWatcher:
         return RunStats(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
                         scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "diagnoses": [d.to_dict() for d in self.diagnoses],
-            "machine": None if self.machine is None else self.machine.state_dict(),
-            "applied": [r.to_dict() for r in self.applied],
-            "policy": self.treatment.policy.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        """Kept until ``start`` builds the rooms; restored there, part by part."""
-        self._loaded_state = state_dict if isinstance(state_dict, dict) else {"invalid": state_dict}
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Put back what a checkpoint holds, part by part: a part that cannot be read is warned about once, by name,
-        and left out; the watch goes on with what could be read."""
-        if "invalid" in state and len(state) == 1:
-            self._warn_state(f"it is a {type(state['invalid']).__name__}, not a dict", None)
-            return
-        version = state.get("version", 1)
-        if version not in (1, STATE_VERSION):
-            self._warn_state(f"it has version {version!r}; this AmpWatch reads versions 1 and {STATE_VERSION}", None)
-            return
-        parts: list[tuple[str, Callable[[], None]]] = [
-            ("diagnoses", lambda: setattr(self, "diagnoses",
-                                          [Diagnosis.from_dict(d) for d in state.get("diagnoses", ())])),
-            ("applied", lambda: setattr(self, "applied",
-                                        [AppliedRemedy.from_dict(a) for a in state.get("applied", ())])),
-            ("policy", lambda: self.treatment.policy.load_state_dict(state.get("policy", {}))),
-            ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
-             if state.get("machine") else None),
-        ]
-        for part, load in parts:
-            try:
-                load()
-            except Exception as err:  # noqa: BLE001 - a bad part must not cost the watch
-                self._warn_state(f"its {part!r} entry cannot be read ({type(err).__name__}: {err})", part)
-        if self.applied:
-            # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
-            try:
-                reapply_all(self.remedy_context(), self.applied)
-            except Exception as err:  # noqa: BLE001
-                self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
-                                 "applied")
-
-    def _warn_state(self, why: str, part: str | None) -> None:
-        if part == "machine" and self.machine is not None:
-            self.machine = AmpStateMachine(self.machine.mode, self.config.thresholds, self.machine.scaler_config,
-                                           early_startup=self.machine.early_startup)
-        warnings.warn(f"AmpWatch could not use the checkpoint's {self.config.state_key!r} state: {why}. "
-                      + ("It keeps watching without it." if part is None else
-                         f"It keeps watching without the {part!r} part."), RuntimeWarning, stacklevel=4)
-
     # ------------------------------------------------------------------ failure containment
 
     def internal_failure(self, where: str, err: Exception) -> None:
@@ -851,8 +733,14 @@ class RunWatcher:
         if len(self._failures) >= MAX_FAILURES and not self.disabled:
             ledger = self.ledger
             if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
-                # the other ranks still meet this one at every log step and at the end: it keeps its place there
-                self._bystander = _Bystander(self, ledger.step_index + (1 if stepped else 0))
+                # the other ranks still meet this one where they talk across ranks: it keeps its place there (the
+                # step in flight is closed at its batch's end; a watched remedy is judged after as many steps)
+                watch, machine = self.treatment.watch, self.machine
+                left = None if watch is None or machine is None else \
+                    self.treatment.recovery_steps - (machine.steps_seen - watch.steps_before)
+                self._ranks.bystander = distributed.Bystander(
+                    self._ranks, ledger, self.reporters, self.host, ledger.step_index, self._log_every,
+                    stepped=stepped, judge_at=None if left is None or left < 1 else ledger.step_index + left)
             self.disabled = True
             self.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
@@ -869,50 +757,3 @@ class RunWatcher:
             self._said.add(key)
             self.reporters.say(message)
 
-
-class _Bystander:
-    """A rank whose watch switched itself off while the other ranks go on watching. They still meet it where the
-    watch talks across ranks on every rank's schedule: the log step's non-finite sum (and, when that moved, the
-    relay's exchange) and the relay's last exchange at the end. Were it to stay away, they would wait for it for
-    ever (NCCL) or abort on a collective mismatch (gloo). It counts optimizer steps the way the ledger does, takes
-    part with nothing to add, and reads nothing else. Anomaly-time collectives under a scaler are not covered."""
-
-    def __init__(self, watcher: RunWatcher, steps: int) -> None:
-        self.watcher = watcher
-        self.steps = steps  # optimizer steps closed so far, as the other ranks' ledgers count them
-        self.stepped = False
-        self.log_every = watcher._log_every
-
-    def optimizer_step(self) -> None:
-        if self.stepped:  # manual optimization: a second step in the same batch
-            self._close()
-        self.stepped = True
-
-    def batch_end(self) -> None:
-        if self.stepped:
-            self._close()
-
-    def _close(self) -> None:
-        self.stepped = False
-        self.steps += 1
-        if self.log_every and self.steps % self.log_every == 0:
-            self._at_log_step()
-
-    def _at_log_step(self) -> None:
-        watcher = self.watcher
-        reporters, host = watcher.reporters, watcher.host
-        if reporters is None or host is None:
-            return
-        try:
-            metrics = reporters.metric_tensors(host, steps=0, skipped=0, nonfinite=0)  # the others' cross-rank sum
-            if metrics and watcher._relaying:
-                watcher._relay.at_log_step(float(metrics[0]))  # what it held goes to rank zero; it publishes nothing
-        except Exception:  # noqa: BLE001 - switched off: it has nothing more to say, and never stops the run
-            pass
-
-    def finish(self) -> None:
-        try:
-            if self.watcher._relaying:
-                self.watcher._relay.exchange()
-        except Exception:  # noqa: BLE001
-            pass

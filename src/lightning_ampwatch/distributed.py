@@ -10,12 +10,12 @@ judges alone.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from lightning_ampwatch.machine import BatchStats
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern
 
 #: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
 RELAY_MAX = 32
@@ -42,7 +42,7 @@ def merge_step(records: list[dict[str, Any]]) -> tuple[float | None, bool | None
     """One view of an anomalous step from every rank's record: (loss, loss_finite, batch, ranks at fault).
 
     The loss is non-finite if any rank's was; the batch holds non-finite values if any rank's did (named with
-    the rank); the ranks at fault are those whose loss or data was bad, or every rank when none was.
+    the rank); the ranks at fault are those whose loss or data was bad, or every watching rank when none was.
     """
     bad_ranks = [r for r, rec in enumerate(records)
                  if rec["loss_finite"] is False or (rec["batch"] is not None and rec["batch"].nonfinite)]
@@ -67,31 +67,36 @@ def merge_step(records: list[dict[str, Any]]) -> tuple[float | None, bool | None
             absmax_where=((f"rank {biggest_rank}: " if prefix else "") + str(biggest.absmax_where))
             if biggest.absmax_where else None,
         )
-    return loss, loss_finite, batch, bad_ranks or list(range(len(records)))
+    watching = [r for r, rec in enumerate(records) if not rec.get("off")]  # a switched-off rank holds no view
+    return loss, loss_finite, batch, bad_ranks or watching
 
 
 class Relay:
     """Diagnoses a rank other than zero reached alone, carried to rank zero, which alone prints and logs.
 
     Without a GradScaler the ranks meet anomalies at different steps (a NaN in one rank's data), so each judges
-    alone and a fault on rank 1 would reach no console and no event log. No collective is added to any step for
-    it: the log step already sums the non-finite count across ranks (one value every rank reads alike); only when
-    that count has moved do the ranks exchange what they hold, in one ``all_gather_object``. At the end of the fit
-    (every rank is there) they exchange once more."""
+    alone; under one, a finite divergence is still each rank's own (judged from its own losses). Either would reach
+    no console and no event log from rank 1. No collective is added to any step for it: the log step already sums
+    a few counts across ranks in one reduction (one vector every rank reads alike), among them the diagnoses held
+    here; only when that count has moved do the ranks exchange what they hold, in one ``all_gather_object``. At the
+    end of the fit (every rank is there) they exchange once more."""
 
     def __init__(self) -> None:
         self.held: list[Diagnosis] = []
+        self.count = 0  # diagnoses held on this rank so far (the log step's cross-rank sum adds them up)
         self._agreed_total = 0.0
 
     def hold(self, diagnosis: Diagnosis) -> None:
         if rank() != 0:
             self.held = [*self.held[-(RELAY_MAX - 1):], diagnosis]
+            self.count += 1
 
-    def at_log_step(self, agreed_nonfinite_total: float) -> list[Diagnosis]:
-        """Call on every rank with the cross-rank non-finite total just read; rank zero gets the others' diagnoses."""
-        if agreed_nonfinite_total <= self._agreed_total:
+    def at_log_step(self, agreed_held_total: float) -> list[Diagnosis]:
+        """Call on every rank with the cross-rank count of held diagnoses just read; rank zero gets the others'
+        diagnoses when it moved."""
+        if agreed_held_total <= self._agreed_total:
             return []
-        self._agreed_total = agreed_nonfinite_total
+        self._agreed_total = agreed_held_total
         return self.exchange()
 
     def exchange(self) -> list[Diagnosis]:
@@ -109,3 +114,252 @@ class Relay:
                 diagnosis = Diagnosis.from_dict(d)
                 out.append(replace(diagnosis, evidence={**diagnosis.evidence, "reported_from_rank": r}))
         return out
+
+
+#: The log step's cross-rank sum, in this order: non-finite losses, diagnoses held for rank zero (Relay.count),
+#: ranks whose watch switched itself off. One reduction carries them all.
+SIGNALS = 3
+
+
+class CrossRank:
+    """What one rank's watch says to the others outside an anomaly's own agreement (several ranks only): the relay
+    to rank zero, the agreement itself (``ledger.agree``: whether the ranks still meet anomalies together), and
+    the bystander a switched-off rank becomes.
+
+    Every decision here is made from values every rank reads alike at the same point (the log step's cross-rank
+    sum, a skipped step's gather, a watched remedy's judgement), so every rank makes it at the same step. The watch stops agreeing, on every
+    rank at once, when a rank's watch switched itself off: that rank takes no further part in replays, remedies or
+    judgements, so from then on each rank judges alone (as without a scaler) and no remedy is applied.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.relay = Relay()
+        self.bystander: Bystander | None = None
+        self.off = 0.0  # ranks whose watch switched itself off, as agreed (0: every rank watches)
+        self._held_sent = self._off_sent = 0.0  # what this rank has added to the cross-rank sums so far
+        self._ended_noted = False
+
+    def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
+        """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
+        judge alone (``agreed`` False), and a rank's own finite divergence where they agree."""
+        if self.world_size > 1 and not diagnosis.withdrawn and (
+                not agreed or diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value):
+            self.relay.hold(diagnosis)
+
+    def signals(self) -> tuple[float, float]:
+        """This rank's share of the log step's cross-rank sum past the non-finite count: (diagnoses held so far,
+        1 once this rank's watch switched itself off). Increments: the sum accumulates them."""
+        held, off = float(self.relay.count), 1.0 if self.bystander is not None else 0.0
+        increments = (held - self._held_sent, off - self._off_sent)
+        self._held_sent, self._off_sent = held, off
+        return increments
+
+    def at_log_step(self, values: Sequence[float], ledger: Any) -> list[Diagnosis]:
+        """Every rank, with the log step's cross-rank sums just read (:data:`SIGNALS` values): a switched-off rank
+        ends the agreement here on every rank, and what the ranks hold for rank zero is exchanged when it moved.
+        Rank zero gets the others' diagnoses."""
+        if len(values) < SIGNALS:
+            return []
+        _, held, off = values[:SIGNALS]
+        if off > 0:
+            self.stop_agreeing(ledger, off)
+        return self.relay.at_log_step(held)
+
+    def stop_agreeing(self, ledger: Any, off: float) -> None:
+        self.off = max(self.off, off)
+        if ledger is not None:
+            ledger.agree = False
+
+    def note_agreement_ended(self, ledger: Any, control: Any, say: Callable[[str], None]) -> None:
+        """Once, on a watching rank, after the agreement ended: the snapshots stop where a replay from them needs
+        every rank (split across DDP ranks, or sharded), since none can be agreed on any more, and one line says
+        so."""
+        from lightning_ampwatch import sharding  # (sharding reads this module's world size)
+
+        if self._ended_noted:
+            return
+        self._ended_noted = True
+        self.stop_agreeing(ledger, self.off)
+        if control is not None and control.ring.enabled and (
+                control.state.split or sharding.replay_needs_all_ranks(control.state.root)):
+            control.ring.turn_off(f"the snapshot ring is off: {self.why_alone}, and a replay from its snapshots "
+                                  "needs every rank")
+        say(f"{self.why_alone}: from step {ledger.step_index - 1} each rank judges anomalies alone; replays that "
+            "need every rank and remedies are off for the rest of the run.")
+
+    @property
+    def why_alone(self) -> str:
+        """Why the ranks no longer meet anomalies together (for the evidence and the one line said)."""
+        n = int(self.off) or 1
+        return f"AmpWatch switched itself off on {n} other rank{'s' if n > 1 else ''}"
+
+    def gather(self, ledger: Any) -> Callable[[Any], list[Any]]:
+        """:func:`gather` for a judgement every rank makes together: a switched-off rank joins it with :data:`OFF`,
+        which ends the agreement (``ledger.agree``), and the values come back as this rank's alone."""
+
+        def agreed_gather(value: Any) -> list[Any]:
+            held = gather(value)
+            if any(isinstance(h, str) and h == OFF for h in held):
+                self.stop_agreeing(ledger, max(self.off, 1.0))
+                return [value]
+            return held
+
+        return agreed_gather
+
+    def at_end(self) -> list[Diagnosis]:
+        """The relay's last exchange, at the end of the fit: every rank takes part, whatever happened to its watch
+        (a bystander's part adds what it still held). Rank zero gets the others' diagnoses."""
+        if self.bystander is not None:
+            self.bystander.finish()
+            return []
+        return self.relay.exchange() if self.world_size > 1 else []
+
+
+#: What a switched-off rank brings to a gather it joins only to keep its place (see :meth:`CrossRank.gather`).
+OFF = "ampwatch: this rank's watch is off"
+
+
+class Bystander:
+    """A rank whose watch switched itself off while the other ranks go on watching. They still meet it where the
+    watch talks across ranks on every rank's schedule: the log step's cross-rank sum (and, when what is held for
+    rank zero moved, the relay's exchange), a skipped step's gather under a GradScaler (every rank skips it; the
+    first one it meets ends the agreement on every rank), and the relay's last exchange at the end. Were it to stay
+    away, they would wait for it for ever (NCCL) or abort on a collective mismatch (gloo). It counts optimizer steps
+    the way the ledger does, tells a skipped step from the optimizer's step hook the ledger left attached (a fused
+    optimizer's flag is read: one read per step on this rank only), takes part with nothing to add, and reads
+    nothing else. Once the agreement has ended, the other ranks enter no collective it would not enter."""
+
+    def __init__(self, cross: CrossRank, ledger: Any, reporters: Any, host: Any, steps: int, log_every: int,
+                 stepped: bool = False, judge_at: int | None = None) -> None:
+        self.cross, self.ledger, self.reporters, self.host = cross, ledger, reporters, host
+        self.steps = steps  # optimizer steps closed so far, as the other ranks' ledgers count them
+        self.stepped = stepped  # a step began before the watch switched off: closed at this batch's end
+        self.log_every = log_every
+        # the step count after which the others judge the remedy they watch (its first collective is a gather)
+        self.judge_at = judge_at
+
+    def optimizer_step(self) -> None:
+        if self.stepped:  # manual optimization: a second step in the same batch
+            self._close()
+        self.stepped = True
+
+    def batch_end(self) -> None:
+        if self.stepped:
+            self._close()
+
+    def _close(self) -> None:
+        """One optimizer step over: the collectives the watching ranks make at its end, in their order (a skip's
+        gather as the step is taken in, the log step's sum, the watched remedy's judgement at the step boundary)."""
+        self.stepped = False
+        self.steps += 1
+        try:
+            self._meet_a_skip()
+        except Exception:  # noqa: BLE001 - switched off: it has nothing more to say, and never stops the run
+            pass
+        if self.log_every and self.steps % self.log_every == 0:
+            self._at_log_step()
+        if self.judge_at is not None and self.steps >= self.judge_at:
+            self.judge_at = None
+            self._meet_the_judgement()
+
+    def _meet_the_judgement(self) -> None:
+        """The remedy the ranks watched when this rank's watch switched off is judged now: while the ranks still
+        agree, the judgement starts with a gather (``Treatment.fp32_reference``), where this rank says it is off;
+        that ends the agreement on every rank, and the rest of the judgement is each rank's own."""
+        if not (self.ledger.agree and self.cross.world_size > 1):
+            return
+        try:
+            gather(OFF)
+        except Exception:  # noqa: BLE001
+            pass
+        self.ledger.agree = False
+
+    def _meet_a_skip(self) -> None:
+        """Under a scaler, while the ranks still agree, every rank gathers a view of each skipped step: this rank's
+        view says that its watch is off, which ends the agreement on every rank at once."""
+        ledger = self.ledger
+        taken = ledger.taken
+        was_taken, found_inf = taken.taken, taken.found_inf
+        taken.taken, taken.found_inf = False, None
+        if not (ledger.scaler_active and ledger.agree and self.cross.world_size > 1):
+            return
+        skipped = bool(found_inf.item()) if found_inf is not None else not was_taken
+        if skipped:
+            gather({"loss": None, "loss_finite": None, "batch": None, "off": True})
+            ledger.agree = False
+
+    def _at_log_step(self) -> None:
+        reporters, host = self.reporters, self.host
+        try:
+            metrics = reporters.metric_tensors(host, steps=0, skipped=0, nonfinite=0, signals=self.cross.signals())
+            if metrics:  # the others' cross-rank sum: what it held goes to rank zero; it publishes nothing
+                self.cross.at_log_step(metrics[0].float().cpu().tolist(), self.ledger)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def finish(self) -> None:
+        try:
+            self.cross.relay.exchange()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class ReplayAborted(RuntimeError):
+    """Another rank's part of a replay failed before it first talked to the others: this rank stops at the same
+    point, so that no rank waits in a collective another rank never enters."""
+
+
+class Lockstep:
+    """A replay that talks to every rank (the forward of a sharded model: FSDP's all-gathers), run so that a rank
+    whose part raises before that talk does not leave the others waiting in it.
+
+    Inside ``with Lockstep(module) as lock:``, before each micro-batch's first module forward (a forward pre-hook on
+    every module, ahead of FSDP's own), the ranks meet in one small gather; call :meth:`next` before each
+    micro-batch. A rank that raised before its meeting brings its error there instead, and every other rank raises
+    :class:`ReplayAborted` at that point, before entering any collective of its own forward. Every rank leaves the
+    block at the same micro-batch, with an exception. What it cannot cover: a rank that raises after the meeting,
+    inside the sharded forward or backward (between FSDP's own collectives), leaves the others waiting in FSDP's
+    next collective; nothing outside FSDP can make those safe. Anomalous steps only: it costs one gather per
+    micro-batch of a replay, and nothing on a healthy step."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._handles: list[Any] = []
+        self._met = True  # this rank met the others for the current micro-batch
+        self._fresh = True  # no micro-batch begun with next() yet (the block's start begins the first)
+
+    def __enter__(self) -> "Lockstep":
+        if world_size() > 1:
+            self._handles = [m.register_forward_pre_hook(self._before_forward, prepend=True)
+                             for m in self.module.modules()]
+        self._met, self._fresh = False, True
+        return self
+
+    def next(self) -> None:
+        """A new micro-batch: its first module forward meets the others again (a micro-batch that ran no forward
+        of any module still meets them once)."""
+        if not self._met and not self._fresh:
+            self._meet(None)
+        self._met, self._fresh = False, False
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        if not self._met:
+            self._meet(None)
+
+    def _meet(self, error: str | None) -> None:
+        self._met = True
+        if world_size() == 1:
+            return
+        failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
+        if failed and error is None:
+            raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if not self._met:
+            # raised before this micro-batch's meeting (the others wait there for it), or ran no forward at all
+            self._meet(None if exc is None else f"{type(exc).__name__}: {exc}")
+        return False

@@ -9,6 +9,7 @@ finding to rename); the core tells the machine.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,9 @@ from lightning_ampwatch.verdicts import (
 _FORWARD = {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE}
 _BACKWARD = {Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW}
 _INVESTIGATED = _FORWARD | _BACKWARD | {Finding.LR_SCHEDULE}
+#: Why a rank may not replay with the others (said in the evidence where it would have had to).
+_APART = ("the ranks do not meet this anomaly together (no scaler, or another rank's AmpWatch switched itself "
+          "off)")
 #: Alarms a live probe of the next step can locate when the faulty step cannot be replayed.
 LIVE_PROBED = _BACKWARD | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
 
@@ -103,8 +107,8 @@ class Investigator:
         everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
         if everyone and not agree:
             return ReplayRecord(evidence={"replay": (
-                "not run: the model is sharded, so a replay's forward talks to every rank, and without a scaler the "
-                "ranks meet anomalies at different steps: a replay on this rank alone would wait for the others")})
+                f"not run: the model is sharded, so a replay's forward talks to every rank, and {_APART}: a replay on "
+                "this rank alone would wait for the others")})
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
                 local = self._local(batches, scale, weights_stepped)
@@ -179,6 +183,11 @@ class Investigator:
         if self.localize:
             use_autocast = self.mode is not PrecisionMode.FP32
             amp = self.replayer.run(batches, use_autocast=use_autocast, grad_scale=probe_scale, probe=True)
+            if amp.error is not None:  # a sharded replay failed on some rank: every rank says so, and goes no further
+                ev["replay"] = f"failed: {amp.error}"
+                if self.control:
+                    ev["fp32_control"] = f"not run: {amp.error}"
+                return out
             ev.update(_replay_evidence(amp, "replay"))
             out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
@@ -193,6 +202,9 @@ class Investigator:
                                   "compute, so a replay without autocast would not be FP32")
         elif self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
+            if ctl.error is not None:
+                ev["fp32_control"] = f"not run: {ctl.error}"
+                return out
             ev.update(_replay_evidence(ctl, "fp32_control"))
             out.control_loss = ctl.loss
             out.control_grads_finite = ctl.grads_finite
@@ -312,23 +324,27 @@ class Investigations:
         rng = self.batch_rng
         return (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)
 
-    def before_observe(self, step: Any, scaler_active: bool) -> None:
-        """Before the machine sees ``step``: drop stale evidence, and replay now if this skip makes an alarm due."""
+    def before_observe(self, step: Any, agree: bool) -> None:
+        """Before the machine sees ``step``: drop stale evidence, and replay now if this skip makes an alarm due.
+        ``agree``: the ranks meet this step together (see :meth:`Investigator.collect`)."""
         opened = step.opened
         if self._evidence is not None and self._evidence[0] < opened.step - self.window:
             self._evidence = None  # a suspicion that never became an alarm
         machine = self.machine
         if self.investigator is not None and step.obs.skipped and self._evidence is None \
                 and machine.alarm_imminent:
-            self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=scaler_active))
+            self._evidence = (opened.step, self._collect(step, weights_stepped=False, agree=agree))
 
     def investigate(self, diagnosis: Diagnosis, step: Any, scaler_active: bool,
-                    trajectory: "TrajectoryControl | None" = None) -> tuple[Diagnosis | None, Finding | None]:
+                    trajectory: "TrajectoryControl | None" = None,
+                    agree: bool | None = None) -> tuple[Diagnosis | None, Finding | None]:
         """Localise and run the FP32 control for a new alarm (at most once per episode), then the FP32 trajectory
         control (``trajectory``, the core's) for an alarm that blames AMP; either may rename the finding. Returns
         the diagnosis to publish (``None``: it waits for the next step's live probe, see :meth:`optimizer_step`)
         and the finding the open episode is renamed to, if it is (the caller tells the machine). A finite
-        divergence is named by its losses: it gets the trajectory replays as evidence only."""
+        divergence is named by its losses: it gets the trajectory replays as evidence only. ``agree``: the ranks
+        meet this alarm together (default: under a scaler; not once a rank's watch switched itself off)."""
+        agree = scaler_active if agree is None else agree
         if diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
             return self.investigate_divergence(diagnosis, step.opened.step, trajectory), None
         if self.investigator is None:
@@ -337,7 +353,7 @@ class Investigations:
         if self._evidence is not None:
             record = self._evidence[1]
         elif skipped or not scaler_active:
-            record = self._collect(step, weights_stepped=not skipped, agree=scaler_active)
+            record = self._collect(step, weights_stepped=not skipped, agree=agree)
         else:
             record = None  # decided on a clean step with nothing replayed while the fault was fresh
         self._evidence = None
@@ -352,12 +368,13 @@ class Investigations:
                 reference = self.machine.reference_for(diagnosis.step)
                 refined, renamed_again = trajectory.judge(refined, step.opened.step,
                                                           None if reference is None else reference.level,
-                                                          agree=scaler_active, fault_ranks=step.fault_ranks)
+                                                          agree=agree, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
                 trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
                 self.on_failure("the FP32 trajectory control", err)
+                refined = replace(refined, evidence={**refined.evidence, "trajectory_control": f"failed: {err}"})
         if (not self.investigator.automatic and self.investigator.localize and refined.location is None
                 and refined.finding in LIVE_PROBED and self.world_size == 1):
             self._awaiting_probe.append(refined)  # published after the next step, with its location
@@ -577,12 +594,16 @@ class TrajectoryControl:
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
             snapshot = None
-        if snapshot is not None and not agree and distributed.world_size() > 1 \
-                and sharding.replay_needs_all_ranks(self.state.root):
-            ev["trajectory_control"] = ("not run: the model is sharded, so a replay talks to every rank, and without "
-                                        "a scaler the ranks meet anomalies at different steps: a replay on this "
-                                        "rank alone would wait for the others")
-            return replace(diagnosis, evidence=ev), None
+        if snapshot is not None and not agree and distributed.world_size() > 1:
+            if sharding.replay_needs_all_ranks(self.state.root):
+                ev["trajectory_control"] = (f"not run: the model is sharded, so a replay talks to every rank, and "
+                                            f"{_APART}: a replay on this rank alone would wait for the others")
+                return replace(diagnosis, evidence=ev), None
+            if self.state.split:
+                ev["trajectory_control"] = (f"not run: each rank holds part of the snapshot, so a restore talks to "
+                                            f"every rank, and {_APART}: a restore on this rank alone would wait for "
+                                            "the others")
+                return replace(diagnosis, evidence=ev), None
         disagreed = None
         if agree and distributed.world_size() > 1:
             # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
@@ -599,11 +620,22 @@ class TrajectoryControl:
                 f"held; one is taken every {self.ring.every} steps")
             ev["trajectory_control"] = f"not run: {reason}"
         else:
+            # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
+            # rank there (distributed.Lockstep), so that every rank reaches the gather below
+            sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
+
+            def lockstep() -> Any:
+                return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
+
             try:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
-                fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
-                amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
-                lower = replay_trajectory(self.state, snapshot, steps, precision="amp", lr_factor=LOWER_LR_FACTOR)
+                with lockstep():
+                    fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
+                with lockstep():
+                    amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
+                with lockstep():
+                    lower = replay_trajectory(self.state, snapshot, steps, precision="amp",
+                                              lr_factor=LOWER_LR_FACTOR)
                 verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
                 # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
                 # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
@@ -616,7 +648,8 @@ class TrajectoryControl:
                 local = f"{type(err).__name__}: {err}"
         gathered = distributed.gather(local) if agree else [local]
         ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
-        failed = [r for _, r in ranked if isinstance(r, str)]
+        # the rank whose replay raised first, before those that stopped with it (distributed.Lockstep)
+        failed = sorted((r for _, r in ranked if isinstance(r, str)), key=lambda e: e.startswith("ReplayAborted"))
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
         verdicts = [(rank, r) for rank, r in ranked if isinstance(r, tuple)]

@@ -294,11 +294,15 @@ class Replayer:
         return result
 
 
-    def _losses(self, micro_batches: Sequence[MicroBatch], use_autocast: bool) -> Iterator[Tensor]:
+    def _losses(self, micro_batches: Sequence[MicroBatch], use_autocast: bool,
+                lockstep: distributed.Lockstep | None = None) -> Iterator[Tensor]:
         """Each micro-batch's loss as the training step computes it, with the step's own random numbers, under the
         run's autocast or none (the FP32 control), in float32 and divided by the number of micro-batches (as
-        accumulation sums them). A step that returned no loss yields nothing."""
+        accumulation sums them). A step that returned no loss yields nothing. ``lockstep``: told of each new
+        micro-batch (a sharded replay)."""
         for mb in micro_batches:
+            if lockstep is not None:
+                lockstep.next()
             if mb.rng is not None:
                 torch.set_rng_state(mb.rng)
             if mb.cuda_rng is not None:
@@ -314,59 +318,81 @@ class Replayer:
         reaches no sharded parameter (the forward computes with gathered copies), so gradients come from real
         backward passes, which FSDP reduce-scatters into each rank's shard of ``.grad``: one at ``grad_scale``,
         one at scale 1 (a second forward; a retained graph would outlive FSDP's freed gathers). Each parameter's
-        flags (non-finite at the scale, non-finite at 1, largest finite magnitude at 1) are reduced across ranks in
-        one all-reduce, so every rank reads the same answer. The live ``.grad`` is put back afterwards."""
-        import torch.distributed as dist
+        flags (non-finite at the scale, non-finite at 1, largest finite magnitude at 1) are reduced across ranks,
+        so every rank reads the same answer. The live ``.grad`` is put back afterwards.
 
+        The ranks agree on the outcome whatever happens on one of them. Each rank's part runs in a
+        :class:`~lightning_ampwatch.distributed.Lockstep` (a rank that raises before a micro-batch's forward stops
+        every rank there), its own work after the passes is caught, and one gather that every rank enters, raised
+        or not, brings every rank's flags or error together: a failure anywhere gives every rank the same
+        ``error`` (the rank and its exception), and nothing measured. Not covered, and not coverable from here: a
+        rank that raises inside the sharded forward or backward, between FSDP's own collectives, leaves the others
+        waiting in FSDP's next one (NCCL waits for its timeout; gloo may abort on the mismatch)."""
         result = ReplayResult(autocast=use_autocast)
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         live_grads = [p.grad for _, p in params]
         scales = [grad_scale] + ([1.0] if grad_scale != 1.0 else [])
         probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
         total: Tensor | None = None
-        rows: list[Tensor] = []
+        passes: list[list[Tensor | None]] = []  # each pass's gradient shards, read once every pass is over
+        values: list[list[list[float]]] | None = None
+        first: str | None = None
+        error: str | None = None
         try:
-            with no_trace(self.module):
+            with no_trace(self.module), distributed.Lockstep(self.root_module()) as lockstep:
                 for i, scale in enumerate(scales):
                     for _, p in params:
                         p.grad = None
                     with (probe_ctx if probe_ctx is not None and i == 0 else contextlib.nullcontext()):
-                        for loss in self._losses(micro_batches, use_autocast):
+                        for loss in self._losses(micro_batches, use_autocast, lockstep):
                             if i == 0:
                                 total = loss.detach() if total is None else total + loss.detach()
                             if loss.requires_grad:
                                 (loss * scale).backward()
-                    rows.append(torch.stack([_grad_flags(p.grad) for _, p in params]) if params
-                                else torch.zeros((0, 3), device=self.device))
+                    passes.append([p.grad for _, p in params])
+            # this rank's own work, after every collective of the passes: caught, and agreed on below
+            rows = [torch.stack([_grad_flags(g, self.device) for g in grads]) if grads else torch.zeros((0, 3))
+                    for grads in passes]
+            values = [row.cpu().tolist() for row in rows]
+            if total is not None:
+                result.loss = float(total.cpu())
+            if probe_ctx is not None:
+                first, result.headroom = probe_ctx.read()
+        except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
+            error = (f"{err}" if isinstance(err, distributed.ReplayAborted)
+                     else f"rank {distributed.rank()}: {type(err).__name__}: {err}")
         finally:
             for (_, p), grad in zip(params, live_grads):
                 p.grad = grad
-        flags = torch.stack(rows)  # (passes, params, [present, non-finite, finite absmax])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if total is not None:
-            result.loss = float(total.cpu())
+        gathered = distributed.gather((error, values))  # (passes, params, [present, non-finite, finite absmax])
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            result.loss, result.headroom = None, []
+            result.error = (f"the replay raised on {errors[0]}; every rank stopped it together, so nothing was "
+                            "measured")
+            return result
         if probe_ctx is not None:
-            first, result.headroom = probe_ctx.read()
             result.first_nonfinite_module = first
             result.nonfinite_outside_modules = first is None and result.loss_finite is False
-        values = flags.cpu().tolist()
-        present = [i for i, row in enumerate(values[0]) if row[0]]
+        merged = [[[max(col) for col in zip(*cells)] for cells in zip(*rows)]
+                  for rows in zip(*[v for _, v in gathered])]
         result.grad_scale = grad_scale
+        present = [i for i, row in enumerate(merged[0]) if row[0]]
         if not present:
             result.grads_unavailable = "no gradient reached the parameters on any rank in the replay"
             return result
-        bad = [params[i][0] for i in present if values[0][i][1]]
+        bad = [params[i][0] for i in present if merged[0][i][1]]
         result.grads_finite = not bad
-        result.unscaled_grads_finite = not any(values[-1][i][1] for i in present)
-        result.grad_absmax = max(values[-1][i][2] for i in present)
+        result.unscaled_grads_finite = not any(merged[-1][i][1] for i in present)
+        result.grad_absmax = max(merged[-1][i][2] for i in present)
         result.first_nonfinite_param = _first_in_backward(bad, [n for n, _ in params], probe_ctx)
         return result
 
 
-def _grad_flags(grad: Tensor | None) -> Tensor:
+def _grad_flags(grad: Tensor | None, device: torch.device) -> Tensor:
     """[present, non-finite, largest finite magnitude] of this rank's shard of a gradient (zeros when absent)."""
     if grad is None:
-        return torch.zeros(3)
+        return torch.zeros(3, device=device)
     g = sharding.local(grad).detach()
     if g.numel() == 0:  # this rank holds no part of it
         return torch.tensor([1.0, 0.0, 0.0], device=g.device)

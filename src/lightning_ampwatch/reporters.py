@@ -21,9 +21,8 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
-from torchmetrics.aggregation import SumMetric
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, distributed
 from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
@@ -308,10 +307,11 @@ class Reporters:
         self._step_metrics: compat.StepMetrics | None = None
         # The skip rate needs no cross-rank sum (under a scaler every rank skips the same steps) and its window
         # holds a few host integers: a deque does it at no cost, where torchmetrics' RunningMean took ~130 us a
-        # log step. The non-finite count differs by rank: under DDP a torchmetrics sum, synchronised across ranks
-        # (one process needs none, and is spared its ~100 us a log step).
+        # log step. The non-finite count differs by rank: under DDP a sum across ranks (one process needs none, and
+        # is spared it), which also carries the few counts the ranks agree on at log steps
+        # (distributed.CrossRank.signals): one all-reduce for them all.
         self._skip_window: deque[tuple[int, int]] = deque(maxlen=LOG_WINDOWS)  # (steps, skipped) per interval
-        self._nonfinite_sum = SumMetric(nan_strategy="disable").to(device) if world_size > 1 else None
+        self._nonfinite_sum = RankSums(distributed.SIGNALS, device) if world_size > 1 else None
         self._nonfinite_total = 0
         self.writable = is_global_zero and self._check_writable()
         self.timeline: Timeline | None = (
@@ -382,9 +382,12 @@ class Reporters:
         if self.is_global_zero:
             self._say(message if message.startswith("AmpWatch") else f"AmpWatch: {message}")
 
-    def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int) -> list[torch.Tensor]:
-        """Under DDP, the cross-rank non-finite count as a device scalar, not read: it joins the log step's one
-        packed read. Empty with one process, or when there is no logger. Also takes the interval's counts."""
+    def metric_tensors(self, trainer: Any, *, steps: int, skipped: int, nonfinite: int,
+                       signals: Sequence[float] = (0.0, 0.0)) -> list[torch.Tensor]:
+        """Under DDP, the cross-rank sums as one device vector, not read: it joins the log step's one packed read
+        (its first value is the non-finite count, then ``signals``, each rank's increments of what the ranks agree
+        on: see :class:`~lightning_ampwatch.distributed.CrossRank`). Empty with one process, or when there is no
+        logger. Also takes the interval's counts."""
         if not trainer.loggers and self._nonfinite_sum is None:
             return []
         # Under DDP the cross-rank sum is taken with or without a logger: it is the agreement point at
@@ -393,7 +396,7 @@ class Reporters:
         self._nonfinite_total += nonfinite
         if self._nonfinite_sum is None:
             return []  # one process: the host count is the total
-        self._nonfinite_sum.update(torch.tensor(float(nonfinite), device=self._nonfinite_sum.device))
+        self._nonfinite_sum.update(torch.tensor([float(nonfinite), *signals], device=self._nonfinite_sum.device))
         return [self._nonfinite_sum.compute()]
 
     def log_metrics(self, trainer: Any, values: Sequence[float], *, skipped_total: int, scale: float | None,
@@ -465,3 +468,28 @@ class Reporters:
         state["_console"] = None
         state["_step_metrics"] = None  # bound to one trainer's connector, which a spawned process does not share
         return state
+
+
+class RankSums:
+    """A vector of counts summed over the ranks, each rank adding its increments: the non-finite count and the counts
+    of :data:`lightning_ampwatch.distributed.SIGNALS`. One ``all_reduce`` of a few floats at ``compute`` (no read:
+    the result joins the log step's packed read). A torchmetrics sum would gather the vector's shape first, a
+    second collective at every log step."""
+
+    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
+        self.sums = torch.zeros(size, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.sums.device
+
+    def update(self, values: torch.Tensor) -> None:
+        self.sums += values
+
+    def compute(self) -> torch.Tensor:
+        summed = self.sums.clone()
+        if distributed.world_size() > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(summed)
+        return summed

@@ -142,6 +142,9 @@ class StepLedger:
         self.precision = precision
         self.device_type = device_type
         self.world_size = world_size
+        #: several ranks meet anomalies together under a scaler (and gather a view of each skip) until a rank's watch
+        #: switches itself off (distributed.CrossRank)
+        self.agree = True
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
         self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
@@ -382,9 +385,11 @@ class StepLedger:
             self.read_losses()  # the level before the fault, current to the step before it
             batch_stats = inspect_batch([mb[0] for mb in opened.batches])
             self.log_nonfinite += int(loss_finite is False)
-            if skipped and self.world_size > 1:
-                # every rank skipped this step together: agree on one view of it (the only collective we make)
+            if skipped and self.world_size > 1 and self.agree:
+                # every rank skipped this step together: agree on one view of it (the only collective we make); a
+                # rank whose watch switched itself off says so here, and the ranks stop agreeing (CrossRank)
                 records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
+                self.agree = not any(rec.get("off") for rec in records)
                 loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
         elif loss is None:  # read later with the others (a read Observation loss feeds the machine's level)
             self.losses.append(opened.step, opened.tape)
@@ -409,29 +414,30 @@ class StepLedger:
             self._latest_loss = pair
 
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
-        """Read every held step loss, and ``extra`` scalars, in ONE device-to-host copy; returns ``extra``'s values.
-        The values are packed with as few ops as possible (one ``cat`` promotes their dtypes): each op is paid at
-        every log step."""
+        """Read every held step loss, and ``extra`` tensors (scalars, or the cross-rank sums' vector), in ONE
+        device-to-host copy; returns ``extra``'s values, flattened. The values are packed with as few ops as
+        possible (one ``cat`` promotes their dtypes): each op is paid at every log step."""
         losses = self.losses.stacked()
         if extra:
             device = extra[0].device
             parts = [t.data if t.dim() == 1 else t.data.reshape(-1) for t in extra]  # the scaler's are 1-d
+            n_extra = sum([t.numel() for t in parts])
             if losses is not None:
                 parts.append(losses if losses.device == device else losses.to(device))
             packed = torch.cat(parts)
             values = (packed if packed.dtype == torch.float32 else packed.float()).cpu().tolist()
         elif losses is not None:
-            values = losses.cpu().tolist()
+            values, n_extra = losses.cpu().tolist(), 0
         else:
             return []
-        losses = self.losses.settle(values[len(extra):])
+        losses = self.losses.settle(values[n_extra:])
         if losses:
             self.unnoted.extend(losses)
             self.recent_losses.extend(losses)
             latest = self._latest_loss
             if latest is None or losses[-1][0] >= latest[0]:
                 self._latest_loss = losses[-1]
-        return values[:len(extra)]
+        return values[:n_extra]
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
         """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight."""

@@ -240,6 +240,8 @@ class Snapshot:
                 current.update(restored)
             if self.grads is not None:
                 for p, saved in zip(_trainable(state), self.grads):
+                    if saved is not None and p.grad is None:  # (a replay that stopped before its backward)
+                        p.grad = torch.zeros_like(p)  # laid out as the parameter is (a DTensor's local shard filled)
                     p.grad = None if saved is None else self._value(saved, p.grad)
             for opt, groups in zip(state.optimizers, self.groups):
                 for group, saved_group in zip(opt.param_groups, groups):
