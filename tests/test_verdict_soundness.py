@@ -197,3 +197,25 @@ def test_the_advice_names_the_level_by_its_typed_origin(first: bool, words: str)
     ev = {"loss_level": 0.5, "fp32_control_loss": 2000.0}  # no loss_level_from sentence to read
     advice = advise(Finding.FP32_UNSTABLE, ev, control_diverging=True, against_first_loss=first)
     assert words in advice
+
+
+def test_a_rollback_to_the_start_is_held_to_what_the_run_first_reached_on_the_same_steps() -> None:
+    """One loss before the resume point is not a stretch (it shows no climb): the remedied run is held instead to
+    the losses the run first had on the steps it runs again, which came before the episode."""
+    losses = HEALTHY[:20] + [math.inf] * 4
+    machine, recent = _machine(losses, {20, 21, 22, 23})
+    assert machine.state.episode is not None and machine.state.episode.onset >= 9
+    at = machine.level_before(recent, 1)
+    assert at.ahead and (at.first_step, at.last_step, at.count) == (1, 8, 8)
+    assert at.level == pytest.approx(statistics.median(HEALTHY[1:9]))
+    assert _reference(Diagnosis(Finding.LR_SCHEDULE, 21, evidence={}), HEALTHY[19], at) == (
+        at.level, "what the run first reached from the same state, on steps 1..8 before the episode")
+
+
+def test_steps_run_again_that_reach_into_the_episode_are_no_reference() -> None:
+    losses = HEALTHY[:6] + [math.inf] * 4
+    machine, recent = _machine(losses, {6, 7, 8, 9})
+    assert machine.state.episode is not None and machine.state.episode.onset < 9
+    at = machine.level_before(recent, 1)
+    # the one loss before shows no climb, so it is no level either (it was taken as one before)
+    assert not at.ahead and at.level is None and "only 1 loss was read" in (at.why or "")

@@ -231,6 +231,7 @@ class LevelAt:
     last_step: int
     why: str | None = None
     count: int = 0  # the losses the level is the median of
+    ahead: bool = False  # the losses are those the run first had on the steps it runs again (too few before them)
 
 
 @dataclass
@@ -646,8 +647,18 @@ class AmpStateMachine:
         and not a slow build above the healthy level before it. Otherwise there is no level, and
         ``why`` says why."""
         t, s = self.thresholds, self.state
+        recent = list(recent)
         then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
         where = f"the run went back to step {resumed_at}"
+        if len(then) < _LEVEL_MIN_LOSSES:  # a point is not a stretch (a rollback to the fit's start holds one loss)
+            ahead = self._level_ahead(recent, resumed_at)
+            if ahead is not None:
+                return ahead
+            if then:
+                n = len(then)
+                return LevelAt(resumed_at, None, then[0][0], then[-1][0], (
+                    f"{where}, and only {n} loss{'' if n == 1 else 'es'} {'was' if n == 1 else 'were'} read in the "
+                    f"{t.loss_window} steps before it: too few to tell a healthy stretch"))
         if not then:
             return LevelAt(resumed_at, None, resumed_at, resumed_at, (
                 f"{where}, and no loss was read in the {t.loss_window} steps before it"))
@@ -676,6 +687,27 @@ class AmpStateMachine:
             return unhealthy(f"stand at {level:.4g}, {level / before.level:.3g}x the healthy level {before.level:.4g} "
                              "before them (a slow build)")
         return LevelAt(resumed_at, level, first, last, count=len(losses))
+
+    def _level_ahead(self, recent: list[tuple[int, float]], resumed_at: int) -> LevelAt | None:
+        """Too few losses before ``resumed_at`` to judge a stretch (a rollback to the fit's start has one): the
+        losses the run first had on the ``recovery_steps`` steps it now runs again, from the same state, when every
+        one of them was read, finite, not skipped in a row, and before the open episode's onset. Their median is
+        what a healthy run reached from that state, so the remedied run is held to it. None when they do not
+        qualify (the caller then judges the few losses before, and a single loss shows no climb)."""
+        t, s = self.thresholds, self.state
+        end = resumed_at + t.recovery_steps
+        if s.episode is None or s.episode.onset < end:
+            return None
+        ahead = sorted((step, loss) for step, loss in recent if resumed_at <= step < end)
+        if [step for step, _ in ahead] != list(range(resumed_at, end)):
+            return None
+        if not all(math.isfinite(loss) for _, loss in ahead):
+            return None
+        skips = sorted(step for step in s.skip_log if resumed_at <= step < end)
+        if any(b == a + 1 for a, b in zip(skips, skips[1:])):
+            return None
+        losses = [loss for _, loss in ahead]
+        return LevelAt(resumed_at, statistics.median(losses), resumed_at, end - 1, count=len(losses), ahead=True)
 
     def rebase(self, at: LevelAt) -> None:
         """The run went back to an earlier state (a rollback): its healthy level is the one it had there, if that

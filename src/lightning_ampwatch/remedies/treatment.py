@@ -332,6 +332,9 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) 
         else None
     if level is not None:
         if then is not None and then.level is not None and then.level > level:
+            if then.ahead:
+                return then.level, (f"what the run first reached from the same state, on steps {then.first_step}.."
+                                    f"{then.last_step} before the episode")
             return then.level, f"the healthy loss level where the run went back to (step {then.resumed_at})"
         if fp32 is not None and fp32.level is not None and fp32.level > level:
             return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
