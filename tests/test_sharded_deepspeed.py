@@ -1,5 +1,6 @@
-"""DeepSpeed (ZeRO stage 2, bf16) in two CPU processes: AmpWatch starts, and a NaN in rank 1's data reaches rank
-zero's report. Skipped, with the reason, where DeepSpeed is not installed (see ``_sharded.py``)."""
+"""DeepSpeed (ZeRO stage 2) in two CPU processes: in bf16 AmpWatch starts, and a NaN in rank 1's data reaches rank
+zero's report; in real fp16 (``_sharded.deepspeed_fp16_on_cpu``) AmpWatch reads DeepSpeed's own loss scaler. Skipped,
+with the reason, where DeepSpeed is not installed (see ``_sharded.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 from _sharded import DEEPSPEED, NO_DEEPSPEED
 
@@ -50,3 +53,98 @@ def test_deepspeed_starts_and_a_nan_on_rank_one_reaches_rank_zero(tmp_path: Path
     lines = [json.loads(line) for line in (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
     assert any(line["finding"] == Finding.DATA_NONFINITE.value and line["step"] == 2 for line in lines)
     assert "DATA_NONFINITE" in done.stdout + done.stderr  # on rank zero's console
+
+
+# ------------------------------------------------------------------ fp16: DeepSpeed's own loss scaler
+
+
+class ScaleLog(pl.Callback):
+    """Each rank writes what its AmpWatch concluded and what DeepSpeed itself recorded: the loss scale each step ran
+    with and set after it (its ZeRO optimizer's ``cur_scale``), its overflow flag and ``engine.skipped_steps``."""
+
+    def __init__(self, watch: Any, out_dir: str) -> None:
+        self.watch, self.out_dir = watch, out_dir
+        self.steps: list[dict[str, Any]] = []
+        self.before = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.before = float(trainer.optimizers[0].cur_scale)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        engine, opt = trainer.strategy.model, trainer.optimizers[0]
+        self.steps.append({"ran_with": self.before, "after": float(opt.cur_scale), "overflow": bool(opt.overflow),
+                           "skipped_steps": int(engine.skipped_steps)})
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = self.watch.watcher._run_stats()
+        out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
+               "skipped": stats.skipped, "scale": stats.scale, "deepspeed": self.steps,
+               "loss_scaler": type(trainer.optimizers[0].loss_scaler).__name__,
+               "dtype": str(next(trainer.strategy.model.module.parameters()).dtype)}
+        (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+
+
+def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int) -> None:
+    """Run in a child process: DeepSpeed ZeRO-2 in real fp16 (its own dynamic loss scaler, hysteresis 1), 2 ranks."""
+    from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
+
+    from lightning_ampwatch import AmpWatch
+    from lightning_ampwatch.scenarios import Regressor, regression_data
+
+    deepspeed_fp16_on_cpu()
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps,
+        strategy=cpu_deepspeed(stage=2, initial_scale_power=initial_scale_power, hysteresis=1),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out_dir, callbacks=[watch, ScaleLog(watch, out_dir)], use_distributed_sampler=False)
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=512)))
+
+
+def _run_fp16(tmp_path: Path, initial_scale_power: int, max_steps: int) -> tuple[list[dict[str, Any]], str]:
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
+            f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:  # DeepSpeed's real fp16 path ran: its module in float16, its dynamic loss scaler
+        assert rank["dtype"] == "torch.float16" and rank["loss_scaler"] == "DynamicLossScaler"
+    return ranks, done.stdout + done.stderr
+
+
+def test_deepspeed_fp16_a_start_up_overflow_is_read_from_its_own_loss_scaler(tmp_path: Path) -> None:
+    """The Regressor's gradients overflow float16 at loss scales above 2**15: from 2**20 DeepSpeed skips five steps
+    in a row, halving its scale each time. AmpWatch reads that from DeepSpeed's scaler (no GradScaler exists)."""
+    (rank0, rank1), console = _run_fp16(tmp_path, initial_scale_power=20, max_steps=8)
+    ds = rank0["deepspeed"]
+    skipped = [i for i, s in enumerate(ds) if s["overflow"]]
+    assert skipped == [0, 1, 2, 3, 4] and ds[-1]["skipped_steps"] == 5  # the real overflows, as DeepSpeed saw them
+    assert rank0["diagnoses"] == rank1["diagnoses"]  # DeepSpeed agrees the overflow across the ranks: so do we
+    alarm = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (alarm["finding"], alarm["step"]) == (Finding.GRADIENT_OVERFLOW.value, 0)
+    ev = alarm["evidence"]
+    assert ev["pattern"] == "startup" and ev["skipped_in_row"] == 5
+    # the scale readings are DeepSpeed's: the scales the skipped steps ran with, and the one that held
+    assert ev["scale_history"] == [s["ran_with"] for s in ds[:5]] == [2.0**20, 2.0**19, 2.0**18, 2.0**17, 2.0**16]
+    assert ev["init_scale"] == 2.0**20 and ev["safe_scale"] == ds[5]["ran_with"] == 2.0**15
+    # the advice speaks of DeepSpeed's setting, not of a GradScaler the run does not have
+    assert ev["loss_scaler"] == "deepspeed" and '"initial_scale_power": 15' in alarm["advice"]
+    assert "GradScaler" not in alarm["advice"]
+    # DeepSpeed casts the module to float16 (its float32 masters are its optimizer's): no FP32 control pretends
+    assert ev["fp32_control"].startswith("not run: DeepSpeed keeps the module's parameters in float16")
+    # no false recipe alarms: DeepSpeed fp16 has neither autocast nor a GradScaler to misuse
+    assert [d["finding"] for d in rank0["diagnoses"]] == [Finding.GRADIENT_OVERFLOW.value]
+    for rank in (rank0, rank1):  # every step and every skip counted as DeepSpeed made them
+        assert rank["steps"] == 8 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 5
+        assert rank["scale"] == rank["deepspeed"][-1]["after"]
+    assert "GRADIENT_OVERFLOW" in console
+
+
+def test_deepspeed_fp16_a_healthy_run_reports_nothing(tmp_path: Path) -> None:
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=12, max_steps=8)
+    for rank in (rank0, rank1):
+        assert not any(s["overflow"] for s in rank["deepspeed"])
+        assert rank["diagnoses"] == [] and rank["steps"] == 8 and rank["skipped"] == 0
+        assert rank["scale"] == 2.0**12

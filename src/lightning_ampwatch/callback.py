@@ -62,7 +62,7 @@ class LightningHost:
         return self.trainer.log_dir or self.trainer.default_root_dir
 
     def precision(self) -> PrecisionInfo:
-        return resolve_precision(self.trainer.precision_plugin)
+        return resolve_precision(self.trainer.precision_plugin, getattr(self.trainer.strategy, "model", None))
 
     def forward_context(self) -> ContextManager[Any]:
         # looked up at each replay: a bf16 fallback swaps the plugin mid-run

@@ -142,6 +142,43 @@ def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 # --------------------------------------------------------------------------------------------
+# DeepSpeed (its engine's attributes: public names, but no documented API; read, never written)
+# --------------------------------------------------------------------------------------------
+
+
+def deepspeed_fp16(engine: Any) -> bool:
+    """Whether the DeepSpeed engine trains in fp16 (with a loss scaler of its own)."""
+    enabled = getattr(engine, "fp16_enabled", None)
+    return bool(enabled()) if callable(enabled) else False
+
+
+def deepspeed_loss_scaler(engine: Any) -> Any:
+    """The engine's loss scaler (``DynamicLossScaler`` or a static ``LossScaler``), kept by its ZeRO or fp16
+    optimizer; None where it keeps none."""
+    return getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+
+
+def deepspeed_loss_scale(engine: Any) -> float:
+    """The engine's current loss scale, a host-side float (its optimizer's ``cur_scale``, which also answers for a
+    custom loss scaler)."""
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(deepspeed_loss_scaler(engine), "cur_scale", 1.0)
+    return float(scale)
+
+
+def deepspeed_overflow(engine: Any) -> bool:
+    """Whether the engine's latest optimizer step overflowed (its optimizer's host-side flag)."""
+    return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+
+
+def deepspeed_skipped_steps(engine: Any) -> int:
+    """How many optimizer steps the engine has skipped on an overflow (its own counter)."""
+    return int(getattr(engine, "skipped_steps", 0))
+
+
+# --------------------------------------------------------------------------------------------
 # Lightning (imported lazily: only the Lightning adapter calls these)
 # --------------------------------------------------------------------------------------------
 

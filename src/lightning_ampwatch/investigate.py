@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import distributed, sharding
+from lightning_ampwatch import deepspeed_state, distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
@@ -185,9 +185,14 @@ class Investigator:
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
         half = sharding.half_param_dtype(self.replayer.root_module()) if self.control else None
+        ds_half = deepspeed_state.half_module_dtype(self.replayer.root_module()) if self.control else None
         if half is not None:  # FSDP computes in its param dtype whatever autocast says
             ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
                                   "compute, so a replay without autocast would not be FP32")
+        elif ds_half is not None:  # DeepSpeed casts the module itself; its float32 weights are its optimizer's
+            ev["fp32_control"] = (f"not run: DeepSpeed keeps the module's parameters in "
+                                  f"{str(ds_half).replace('torch.', '')} (its float32 master weights live in its "
+                                  "optimizer), so a replay without autocast would not be FP32")
         elif self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
             ev.update(_replay_evidence(ctl, "fp32_control"))

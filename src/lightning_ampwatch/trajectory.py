@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat, distributed, sharding
+from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -81,6 +81,8 @@ class TrainState:
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
+        elif deepspeed_state.is_engine(root):  # its module is half precision by design (float32 masters elsewhere)
+            unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
         elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
             # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
