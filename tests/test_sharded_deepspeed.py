@@ -148,3 +148,142 @@ def test_deepspeed_fp16_a_healthy_run_reports_nothing(tmp_path: Path) -> None:
         assert not any(s["overflow"] for s in rank["deepspeed"])
         assert rank["diagnoses"] == [] and rank["steps"] == 8 and rank["skipped"] == 0
         assert rank["scale"] == 2.0**12
+
+
+# ------------------------------------------------------------------ snapshots of ZeRO-2's partitioned state
+
+
+def _fit_lr_jump(out_dir: str) -> None:
+    """Run in a child process: an LR jump (100x at step 20) under DeepSpeed ZeRO-2 in real fp16, 2 ranks, with
+    snapshots every 5 steps and ``reduce_lr``."""
+    import torch
+    from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
+    from test_trajectory_e2e import LrJump
+
+    from lightning_ampwatch import AmpWatch
+    from lightning_ampwatch.scenarios import regression_data
+
+    class Weights(ScaleLog):
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            super().on_fit_end(trainer, pl_module)
+            engine = trainer.strategy.model
+            torch.save({"module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+                        "fp32": [p.detach().clone() for p in engine.optimizer.single_partition_of_fp32_groups],
+                        "bit16": [p.detach().clone() for p in engine.optimizer.parallel_partitioned_bit16_groups[0]],
+                        "lr": [g["lr"] for g in trainer.optimizers[0].param_groups]},
+                       Path(self.out_dir) / f"weights{trainer.global_rank}.pt")
+
+    deepspeed_fp16_on_cpu()
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"], snapshot_every=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, precision="16-mixed", max_steps=40,
+        strategy=cpu_deepspeed(stage=2, initial_scale_power=8, hysteresis=1),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out_dir, callbacks=[watch, Weights(watch, out_dir)], use_distributed_sampler=False)
+    trainer.fit(LrJump(), datamodule=RowsByRank(regression_data(n=1024)))
+
+
+def test_deepspeed_an_lr_jump_rolls_back_each_rank_s_partition_and_reduce_lr_recovers(tmp_path: Path) -> None:
+    import torch
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
+            f"t._fit_lr_jump({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    assert d["finding"] == Finding.LR_SCHEDULE.value and d["outcome"] == "recovered", d
+    assert "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == 40 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"]
+    weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
+    for name, value in weights[0]["module"].items():  # the module's float16 weights: equal on both ranks
+        assert torch.equal(value, weights[1]["module"][name]) and torch.isfinite(value).all(), name
+    for w in weights:
+        # each rank's float16 partition is its float32 master partition, rounded: made from it after the restore
+        assert torch.equal(w["bit16"][0 if w is weights[0] else 1], w["fp32"][0].half())
+        assert w["lr"][0] < 3.0  # the jumped LR, reduced
+
+
+def _fit_snapshot_bf16(out_dir: str) -> None:
+    """Run in a child process: DeepSpeed ZeRO-2 in bf16, 2 ranks, Adam. After step 2 each rank snapshots its
+    partitioned state; after step 5 it puts the snapshot back. Each rank saves its state at both points, and just
+    before the restore."""
+    import torch
+    from _sharded import RowsByRank, cpu_deepspeed
+
+    from lightning_ampwatch.scenarios import Regressor, regression_data
+    from lightning_ampwatch.trajectory import Snapshot, TrainState
+
+    def state_of(trainer: pl.Trainer) -> dict[str, Any]:
+        engine = trainer.strategy.model
+        partitions = engine.optimizer.single_partition_of_fp32_groups
+        inner = engine.optimizer.optimizer
+        return {"module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+                "fp32": [p.detach().clone() for p in partitions],
+                "adam": [{k: v.clone() for k, v in inner.state[p].items()} for p in partitions]}
+
+    class SnapshotAndRestore(pl.Callback):
+        def __init__(self) -> None:
+            self.saved: dict[str, Any] = {}
+            self.snapshot: Any = None
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 3:
+                self.snapshot = Snapshot.take(TrainState.from_trainer(trainer, pl_module), 2)
+                self.saved["taken"] = state_of(trainer)
+            elif trainer.global_step == 6:
+                self.saved["before_restore"] = state_of(trainer)
+                state = TrainState.from_trainer(trainer, pl_module)
+                assert state.unavailable is None, state.unavailable
+                self.snapshot.restore(state)
+                self.saved["restored"] = state_of(trainer)
+                self.saved["snapshot_bytes"] = self.snapshot.nbytes
+
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.saved["end"] = state_of(trainer)
+            torch.save(self.saved, Path(out_dir) / f"state{trainer.global_rank}.pt")
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=cpu_deepspeed(stage=2), precision="bf16-mixed", max_steps=8,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out_dir, callbacks=[SnapshotAndRestore()], use_distributed_sampler=False)
+    trainer.fit(Regressor(optimizer="adam", lr=1e-2), datamodule=RowsByRank(regression_data(n=256)))
+
+
+def test_deepspeed_bf16_a_snapshot_of_zero2_s_partitions_is_put_back_whole_on_both_ranks(tmp_path: Path) -> None:
+    import torch
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
+            f"t._fit_snapshot_bf16({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"state{r}.pt") for r in range(2)]
+    for saved in ranks:
+        taken, before, restored = saved["taken"], saved["before_restore"], saved["restored"]
+        # three steps moved every part of the state ...
+        assert not torch.equal(taken["fp32"][0], before["fp32"][0])
+        assert not torch.equal(taken["adam"][0]["exp_avg"], before["adam"][0]["exp_avg"])
+        assert any(not torch.equal(v, before["module"][k]) for k, v in taken["module"].items())
+        # ... and the restore put it all back: this rank's float32 partition and Adam's state over it, and the
+        # module's bf16 weights, whole (the other rank's partition gathered back too)
+        assert torch.equal(restored["fp32"][0], taken["fp32"][0])
+        for key, value in taken["adam"][0].items():
+            assert torch.equal(restored["adam"][0][key], value), key
+        for name, value in taken["module"].items():
+            assert restored["module"][name].dtype == torch.bfloat16
+            assert torch.equal(restored["module"][name], value), name
+        # each rank copied its own half: the float32 partition and Adam's two moments over it (and the step)
+        n = taken["fp32"][0].numel()
+        assert 3 * 4 * n <= saved["snapshot_bytes"] <= 3 * 4 * n + 64
+        assert all(torch.isfinite(v).all() for v in saved["end"]["module"].values())
+    # both ranks hold the same weights after the restore and at the end
+    for point in ("restored", "end"):
+        for name, value in ranks[0][point]["module"].items():
+            assert torch.equal(value, ranks[1][point]["module"][name]), (point, name)
+    # the partitions are halves of one state: rank 0's and rank 1's differ
+    assert not torch.equal(ranks[0]["taken"]["fp32"][0][:8], ranks[1]["taken"]["fp32"][0][:8])

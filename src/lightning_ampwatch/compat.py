@@ -178,6 +178,22 @@ def deepspeed_skipped_steps(engine: Any) -> int:
     return int(getattr(engine, "skipped_steps", 0))
 
 
+def deepspeed_fp32_partitions(optimizer: Any) -> list[Tensor] | None:
+    """A ZeRO-1/2 optimizer's float32 master weights on this rank: one flat partition per parameter group."""
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    return list(partitions) if partitions is not None else None
+
+
+def deepspeed_inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a ZeRO optimizer steps its float32 partitions with."""
+    return optimizer.optimizer
+
+
+def deepspeed_cpu_offload(optimizer: Any) -> bool:
+    """Whether a ZeRO optimizer offloads its optimizer state to the host."""
+    return bool(getattr(optimizer, "cpu_offload", False))
+
+
 # --------------------------------------------------------------------------------------------
 # Lightning (imported lazily: only the Lightning adapter calls these)
 # --------------------------------------------------------------------------------------------

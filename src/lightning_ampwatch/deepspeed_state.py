@@ -1,4 +1,5 @@
-"""DeepSpeed's own state, as AmpWatch reads it: its fp16 loss scaler.
+"""DeepSpeed's own state, as AmpWatch reads it: its fp16 loss scaler, and a ZeRO-1/2 engine's partitioned state for
+the snapshots.
 
 Under DeepSpeed the loss scale is not a ``torch.amp.GradScaler``: the engine's ZeRO (or fp16) optimizer keeps a
 ``DynamicLossScaler`` (or a static ``LossScaler``) of its own, scales the loss inside ``engine.backward``, decides in
@@ -12,7 +13,8 @@ Nothing here imports DeepSpeed or Lightning: the objects are handed in.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import MutableMapping
+from typing import Any, Iterator
 
 from lightning_ampwatch import compat
 
@@ -87,3 +89,109 @@ def half_module_dtype(root: Any) -> Any:
         if p.requires_grad:
             return p.dtype if p.dtype in (torch.float16, torch.bfloat16) else None
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshots of a ZeRO stage 1/2 engine's partitioned state
+# --------------------------------------------------------------------------------------------
+#
+# A ZeRO-1/2 engine (``DeepSpeedZeroOptimizer``) keeps, on each rank, this rank's partition of the float32 master
+# weights as one flat tensor per parameter group (``single_partition_of_fp32_groups``), and its inner (torch)
+# optimizer's state keyed by those flat tensors. The module's half-precision weights are derived from them: after
+# each step the engine copies its fp32 partition into its bit16 partition and all-gathers the bit16 partitions
+# (``update_lp_params`` does exactly that, as DeepSpeed's own checkpoint loading uses it). So a snapshot is the
+# fp32 partitions, the inner optimizer's state over them and the module's buffers: each rank copies its 1/N share;
+# a restore copies them back in place (the same tensors: the inner optimizer keys its state by them) and then runs
+# ``update_lp_params`` on every rank together, which makes the module's weights whole and equal on every rank.
+# Under fp16 the engine's loss scaler (plain numbers) is part of it.
+
+#: Why the trajectory replays do not run under DeepSpeed, while its snapshots and rollbacks do.
+REPLAY_UNAVAILABLE = ("the trajectory replay is not available under DeepSpeed: a replayed step would have to run "
+                      "through its engine's backward and step (gradient partitioning, its loss scaler), which AmpWatch "
+                      "does not drive, and its module computes in half precision, so no replay would be FP32; its "
+                      "snapshots are taken and rolled back to")
+#: The loss scaler's fields a snapshot keeps (host numbers; DynamicLossScaler's, and a static LossScaler's scale).
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+#: Names of the entries in the state a snapshot reads (see :func:`live_state`).
+FP32_PARTITION = "deepspeed.fp32_partition.{}"
+LOSS_SCALER_ENTRY = "deepspeed.loss_scaler"
+
+
+def zero_optimizer(engine: Any) -> Any:
+    """The engine's ZeRO stage 1/2 optimizer, or None."""
+    optimizer = getattr(engine, "optimizer", None)
+    return optimizer if type(optimizer).__name__ == "DeepSpeedZeroOptimizer" else None
+
+
+def unsupported_reason(engine: Any) -> str | None:
+    """Why the snapshots cannot be taken and restored in place for this DeepSpeed engine, or None."""
+    optimizer = getattr(engine, "optimizer", None)
+    kind = type(optimizer).__name__
+    if zero_optimizer(engine) is None:
+        return (f"the trajectory control is not available under this DeepSpeed engine: its optimizer "
+                f"({kind}) is not ZeRO stage 1 or 2's DeepSpeedZeroOptimizer, whose partitioned state AmpWatch "
+                "snapshots (ZeRO stage 3, bf16 with ZeRO stage 1, and engines without ZeRO are not covered)")
+    if compat.deepspeed_cpu_offload(optimizer):
+        return ("the trajectory control is not available under DeepSpeed with optimizer offload: the offloaded "
+                "optimizer keeps its own host buffers, which AmpWatch does not snapshot")
+    if compat.deepspeed_fp32_partitions(optimizer) is None or not callable(getattr(optimizer, "update_lp_params",
+                                                                                   None)):
+        return ("the trajectory control is not available under this DeepSpeed version: its ZeRO optimizer has no "
+                "float32 partitions or no update_lp_params to snapshot and restore them with")
+    return None
+
+
+class _ScalerFields(MutableMapping):  # type: ignore[type-arg]
+    """The loss scaler's fields, as a mapping whose writes go to the live scaler (a snapshot's restore clears an
+    entry and updates it: clearing leaves the fields, which the update then sets)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in SCALER_FIELDS or not hasattr(self.scaler, key):
+            raise KeyError(key)
+        return getattr(self.scaler, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.scaler, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        raise KeyError(key)  # a scaler's fields are never removed
+
+    def clear(self) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k in SCALER_FIELDS if hasattr(self.scaler, k)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def live_state(engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model state, optimizer state) of a ZeRO-1/2 engine, in the form of torch's distributed state dicts that
+    :class:`~lightning_ampwatch.trajectory.Snapshot` copies and puts back in place: this rank's float32 master
+    partitions and the module's buffers; per partition, the inner optimizer's own state dict (the live one); and
+    the loss scaler's fields (fp16)."""
+    optimizer = zero_optimizer(engine)
+    partitions = compat.deepspeed_fp32_partitions(optimizer)
+    model_sd: dict[str, Any] = {FP32_PARTITION.format(i): p for i, p in enumerate(partitions)}
+    model_sd.update({f"buffer.{name}": b for name, b in engine.module.named_buffers()})
+    inner = compat.deepspeed_inner_optimizer(optimizer)
+    optim_sd: dict[str, Any] = {FP32_PARTITION.format(i): inner.state[p] for i, p in enumerate(partitions)
+                                if p in inner.state}
+    scaler = compat.deepspeed_loss_scaler(engine)
+    if scaler is not None and hasattr(scaler, "cur_scale"):
+        optim_sd[LOSS_SCALER_ENTRY] = _ScalerFields(scaler)
+    return model_sd, optim_sd
+
+
+def after_restore(engine: Any) -> None:
+    """The float32 partitions were put back: the module's half-precision weights made from them again, as the
+    engine does after a step (every rank at once: an all-gather)."""
+    import torch
+
+    optimizer = zero_optimizer(engine)
+    with torch.no_grad():
+        optimizer.update_lp_params()

@@ -547,6 +547,9 @@ class TrajectoryControl:
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
             snapshot = None
+        if self.state.replay_unavailable is not None:  # (alike on every rank: no rank waits in a gather below)
+            ev["trajectory_control"] = f"not run: {self.state.replay_unavailable}"
+            return replace(diagnosis, evidence=ev), None
         if snapshot is not None and not agree and distributed.world_size() > 1 \
                 and sharding.replay_needs_all_ranks(self.state.root):
             ev["trajectory_control"] = ("not run: the model is sharded, so a replay talks to every rank, and without "

@@ -66,6 +66,9 @@ class TrainState:
     #: back together on restore (a collective; restores then happen on every rank at once: the ranks meet
     #: anomalies together under a scaler). Off without a scaler, where a rank may replay alone.
     split: bool = False
+    #: Why the steps cannot be replayed (re-run) in this fit although snapshots can be taken and put back (a rollback
+    #: needs only those); None when they can.
+    replay_unavailable: str | None = None
 
     def __post_init__(self) -> None:
         if self.root is None:
@@ -77,12 +80,13 @@ class TrainState:
         plugin = trainer.precision_plugin
         root = getattr(trainer.strategy, "model", None)
         root = root if isinstance(root, torch.nn.Module) else pl_module
-        unavailable = None
+        unavailable = replay_unavailable = None
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
         elif deepspeed_state.is_engine(root):  # its module is half precision by design (float32 masters elsewhere)
             unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
+            replay_unavailable = deepspeed_state.REPLAY_UNAVAILABLE
         elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
             # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
@@ -113,6 +117,7 @@ class TrainState:
             unavailable=unavailable,
             root=root,
             split=split,
+            replay_unavailable=replay_unavailable,
         )
 
 
@@ -238,6 +243,7 @@ class Snapshot:
                         group[key] = self._value(value, group.get(key))
             if self.scaler is not None and state.scaler is not None:
                 self._restore_scaler(state.scaler)
+        sharding.after_restore(state.root)
         for (scheduler, _), saved_sched in zip(state.schedulers, self.schedulers):
             scheduler.load_state_dict(copy.deepcopy(saved_sched))
         torch.set_rng_state(self.rng)
@@ -527,6 +533,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
         raise ValueError(state.unavailable)
+    if state.replay_unavailable is not None:
+        raise ValueError(state.replay_unavailable)
     indices = [s for s, _ in steps]
     expected = list(range(snapshot.step + 1, snapshot.step + 1 + len(steps)))
     if not steps or indices != expected:

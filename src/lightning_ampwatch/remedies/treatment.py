@@ -138,7 +138,9 @@ class Treatment:
             snapshot = control.ring.newest_before(max(before, 0))  # the fit's starting state is before step 0
         target = decide(None if snapshot is None else snapshot.step)  # every rank goes back to the same step
         if target is not None and snapshot is not None and snapshot.step == target:
-            episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
+            # (the episode is re-run only where steps can be replayed: not under DeepSpeed's engine)
+            episode = control.ring.batches(target + 1, now - 1) \
+                if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
             snapshot.restore(control.state)
