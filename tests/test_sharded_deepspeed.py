@@ -198,7 +198,11 @@ def test_deepspeed_an_lr_jump_rolls_back_each_rank_s_partition_and_reduce_lr_rec
     assert d["finding"] == Finding.LR_SCHEDULE.value and d["outcome"] == "recovered", d
     assert "the in-memory snapshot taken after step" in d["evidence"]["rollback"]
     for rank in (rank0, rank1):
-        assert rank["steps"] == 40 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"]
+        assert rank["steps"] == 40 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] > 0
+        # DeepSpeed's loss scaler went back with the snapshot: it had halved on the episode's overflows, and it grows
+        # only after 1000 clean steps, so only the restore brings it back to where it was after step 15
+        ds = rank["deepspeed"]
+        assert min(s["after"] for s in ds) < ds[15]["after"] == ds[-1]["after"] == 2.0**8
     weights = [torch.load(tmp_path / f"weights{r}.pt") for r in range(2)]
     for name, value in weights[0]["module"].items():  # the module's float16 weights: equal on both ranks
         assert torch.equal(value, weights[1]["module"][name]) and torch.isfinite(value).all(), name
