@@ -146,6 +146,7 @@ class StepLedger:
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
         self._tape_mirror: ScaleMirror | None = None  # the mirror whose scale the losses handed to backward carry
         self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
+        self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
         self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
         self.taken = StepTaken()
@@ -215,6 +216,7 @@ class StepLedger:
             self.scaler_config = {}
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
         self._tape_mirror = self.mirror if scaler is not None else None
+        self._loss_scale = loss_scale if self.mirror is not None else None
         self._update_fast_path()
 
     def switch_precision(self, precision: PrecisionInfo) -> None:
@@ -320,16 +322,16 @@ class StepLedger:
             return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
         scale = mirror.scale if mirror is not None else None
-        loss_scale = self.precision.loss_scale
-        if loss_scale is not None and mirror is not None:
+        loss_scale = self._loss_scale
+        if loss_scale is not None:
             # DeepSpeed: its engine counted the step as skipped or not, and set its scale, on the host already
             skipped_total = loss_scale.skipped_steps()
             taken = skipped_total == self._skipped_seen
             self._skipped_seen = skipped_total
             scale_after = loss_scale.scale()
             if taken and quiet and not self._pending:
-                grew = scale_after > mirror.scale
-                mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)
+                grew = scale_after > mirror.scale  # type: ignore[union-attr]
+                mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)  # type: ignore[union-attr]
                 self.log_steps += 1
                 losses = self.losses
                 losses.entries.append((step, tape))
