@@ -15,6 +15,7 @@ import pytest
 from _sharded import DEEPSPEED, NO_DEEPSPEED
 
 from lightning_ampwatch import Finding
+from lightning_ampwatch.deepspeed_state import NOT_UNDER_DEEPSPEED
 
 pytestmark = pytest.mark.skipif(not DEEPSPEED, reason=NO_DEEPSPEED)
 
@@ -84,7 +85,8 @@ class ScaleLog(pl.Callback):
         (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int) -> None:
+def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: int | None = None,
+              **watch_kw: Any) -> None:
     """Run in a child process: DeepSpeed ZeRO-2 in real fp16 (its own dynamic loss scaler, hysteresis 1), 2 ranks."""
     from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
 
@@ -93,18 +95,22 @@ def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int) -> None:
 
     deepspeed_fp16_on_cpu()
     pl.seed_everything(0, verbose=False)
-    watch = AmpWatch(verbose=True)
+    watch = AmpWatch(verbose=True, **watch_kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps,
         strategy=cpu_deepspeed(stage=2, initial_scale_power=initial_scale_power, hysteresis=1),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=out_dir, callbacks=[watch, ScaleLog(watch, out_dir)], use_distributed_sampler=False)
-    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=512)))
+    data = regression_data(n=512)
+    if big_row is not None:  # one row whose activations overflow float16 (its batch's loss is inf)
+        data.tensors[0][big_row] *= 3e4
+    trainer.fit(Regressor(), datamodule=RowsByRank(data))
 
 
-def _run_fp16(tmp_path: Path, initial_scale_power: int, max_steps: int) -> tuple[list[dict[str, Any]], str]:
+def _run_fp16(tmp_path: Path, initial_scale_power: int, max_steps: int,
+              **watch_kw: Any) -> tuple[list[dict[str, Any]], str]:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
-            f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps})")
+            f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps}, **{watch_kw!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
@@ -140,6 +146,44 @@ def test_deepspeed_fp16_a_start_up_overflow_is_read_from_its_own_loss_scaler(tmp
         assert rank["steps"] == 8 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 5
         assert rank["scale"] == rank["deepspeed"][-1]["after"]
     assert "GRADIENT_OVERFLOW" in console
+
+
+def test_deepspeed_fp16_lower_init_scale_sets_deepspeed_s_own_scale(tmp_path: Path) -> None:
+    """With ``lower_init_scale`` allowed the start-up streak is judged at its fourth skip, and the remedy sets
+    DeepSpeed's scale at once to the scale measured safe from the replay's gradients, instead of letting the
+    scaler halve its way down."""
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=20, max_steps=14, remediate=["lower_init_scale"])
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d["remedy"] == "lower_init_scale")
+    assert d["finding"] == Finding.GRADIENT_OVERFLOW.value
+    # 8 clean steps after it; the outcome stays unverified (not claimed): there was no healthy loss level before
+    # the episode, and the FP32 replay that could give one does not run under DeepSpeed
+    assert d["evidence"]["recovery"]["skipped"] == 0 and d["evidence"]["recovery"]["steps"] == 8
+    assert d["outcome"] is None
+    details = d["evidence"]["remedy_details"]
+    ds = rank0["deepspeed"]
+    assert [i for i, s in enumerate(ds) if s["overflow"]] == [0, 1, 2, 3]  # the fifth skip is saved
+    assert details["scale_before"] == 2.0**16  # where DeepSpeed's scaler had halved to after the fourth skip
+    # DeepSpeed's own scaler now runs at the measured scale, and waits 4x longer before it grows
+    assert details["scale_after"] == ds[4]["ran_with"] == ds[-1]["after"] <= 2.0**15
+    assert (details["growth_interval_before"], details["growth_interval_after"]) == (1000, 4000)
+    for rank in (rank0, rank1):
+        assert rank["steps"] == 14 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 4
+
+
+def test_deepspeed_fp16_a_remedy_that_cannot_act_under_deepspeed_says_why(tmp_path: Path) -> None:
+    """A row of rank 1's batch 5 overflows float16 in the forward: both ranks name it INPUT_RANGE (DeepSpeed agrees
+    the overflow across the ranks). Its remedy, a switch to bf16, cannot be made to a DeepSpeed engine mid-run:
+    the diagnosis says so rather than swap Lightning's precision plugin under an engine still in fp16."""
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=12, max_steps=10, big_row=16 * 2 * 5 + 1,
+                                  remediate=["bf16_fallback"])
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["step"], d["remedy"]) == (Finding.INPUT_RANGE.value, 5, None)
+    assert d["evidence"]["fault_ranks"] == [1]
+    assert d["evidence"]["remedies_failed"] == ["bf16_fallback: " + NOT_UNDER_DEEPSPEED["bf16_fallback"]]
+    for rank in (rank0, rank1):
+        assert rank["steps"] == 10 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 1
 
 
 def test_deepspeed_fp16_a_healthy_run_reports_nothing(tmp_path: Path) -> None:

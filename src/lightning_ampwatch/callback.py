@@ -85,6 +85,8 @@ class LightningHost:
         return [c.scheduler for c in self.trainer.lr_scheduler_configs if c.interval == "step"]
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        if scaler is None:  # DeepSpeed fp16: the scaler remedies act on its own loss scaler, through its view
+            scaler = self.precision().loss_scale
         return RemedyContext(trainer=self.trainer, module=self.module, scaler=scaler, device=self.module.device,
                              safe_scale=safe_scale, guards=guards)
 

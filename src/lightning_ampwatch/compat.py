@@ -178,6 +178,25 @@ def deepspeed_skipped_steps(engine: Any) -> int:
     return int(getattr(engine, "skipped_steps", 0))
 
 
+def deepspeed_set_loss_scale(engine: Any, scale: float) -> None:
+    """Set the engine's loss scale, and restart the count of clean steps towards its next growth (DynamicLossScaler
+    grows when ``cur_iter - last_overflow_iter - 1`` reaches a multiple of ``scale_window``)."""
+    scaler = deepspeed_loss_scaler(engine)
+    scaler.cur_scale = float(scale)
+    if hasattr(scaler, "last_overflow_iter") and hasattr(scaler, "cur_iter"):
+        scaler.last_overflow_iter = scaler.cur_iter - 1
+
+
+def deepspeed_set_scale_window(engine: Any, window: int) -> None:
+    """Set how many clean steps DeepSpeed's dynamic loss scaler waits before it grows the scale."""
+    deepspeed_loss_scaler(engine).scale_window = int(window)
+
+
+def deepspeed_set_scale_factor(engine: Any, factor: float) -> None:
+    """Set DeepSpeed's scale factor: it grows the scale by it, and divides the scale by it on an overflow."""
+    deepspeed_loss_scaler(engine).scale_factor = float(factor)
+
+
 def deepspeed_fp32_partitions(optimizer: Any) -> list[Tensor] | None:
     """A ZeRO-1/2 optimizer's float32 master weights on this rank: one flat partition per parameter group."""
     partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)

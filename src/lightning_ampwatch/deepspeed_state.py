@@ -48,6 +48,44 @@ class DeepSpeedLossScale:
         """The current loss scale (after the latest step's update)."""
         return float(compat.deepspeed_loss_scale(self.engine))
 
+    # GradScaler's names for what the scaler remedies (``lower_init_scale``, ``slow_growth``) read and set: they
+    # act on DeepSpeed's scaler through these. A static loss scale is not changed (it is the user's choice).
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return self.scale()
+
+    def get_growth_factor(self) -> float:
+        return float(self.config()["growth_factor"])
+
+    def get_backoff_factor(self) -> float:
+        return float(self.config()["backoff_factor"])
+
+    def get_growth_interval(self) -> int:
+        return int(self.config()["growth_interval"])
+
+    def _dynamic_only(self) -> None:
+        if not self.dynamic:
+            from lightning_ampwatch.remedies.base import RemedyError
+
+            raise RemedyError("DeepSpeed's loss scale is static in this run (\"loss_scale\" > 0 in its config)")
+
+    def update(self, new_scale: float) -> None:
+        """Set the scale (GradScaler's ``update(new_scale=...)``); the clean-step count towards growth restarts."""
+        self._dynamic_only()
+        compat.deepspeed_set_loss_scale(self.engine, new_scale)
+
+    def set_growth_interval(self, interval: int) -> None:
+        self._dynamic_only()
+        compat.deepspeed_set_scale_window(self.engine, interval)
+
+    def set_growth_factor(self, factor: float) -> None:
+        """DeepSpeed has one factor for growth and backoff: a smaller one also backs off by less."""
+        self._dynamic_only()
+        compat.deepspeed_set_scale_factor(self.engine, factor)
+
     def skipped_steps(self) -> int:
         """The steps the engine has skipped on an overflow since it began (its own count, checkpointed with it)."""
         return int(compat.deepspeed_skipped_steps(self.engine))
@@ -75,6 +113,30 @@ class DeepSpeedLossScale:
 def is_engine(module: Any) -> bool:
     """Whether ``module`` is a DeepSpeed engine (or a subclass: the pipeline engine)."""
     return any(c.__name__ == "DeepSpeedEngine" for c in type(module).__mro__)
+
+
+def under_deepspeed(trainer: Any) -> bool:
+    """Whether ``trainer`` (a Lightning Trainer, or a Fabric) trains through a DeepSpeed engine."""
+    return is_engine(getattr(getattr(trainer, "strategy", None), "model", None))
+
+
+#: Why each remedy that works through autocast or Lightning's precision plugin does not apply under DeepSpeed.
+NOT_UNDER_DEEPSPEED = {
+    "bf16_fallback": ("under DeepSpeed the precision is its engine's (the \"fp16\" or \"bf16\" section of its "
+                      "config, the module cast to it at start), so it cannot be switched mid-run"),
+    "fp32_island": ("under DeepSpeed the module's weights are themselves half precision and there is no autocast "
+                    "to turn off, so a float32 island would not compute in float32"),
+    "unscale_before_clip": ("DeepSpeed unscales the gradients before it clips them (its \"gradient_clipping\"), so "
+                            "there is nothing to switch"),
+}
+
+
+def refuse(trainer: Any, remedy: str) -> None:
+    """Raise the remedy's ``RemedyError`` when ``trainer`` runs under DeepSpeed, where it cannot act."""
+    if under_deepspeed(trainer):
+        from lightning_ampwatch.remedies.base import RemedyError
+
+        raise RemedyError(NOT_UNDER_DEEPSPEED[remedy])
 
 
 def half_module_dtype(root: Any) -> Any:
