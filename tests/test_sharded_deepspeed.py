@@ -85,7 +85,7 @@ class ScaleLog(pl.Callback):
         (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
-def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: int | None = None,
+def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: int | None = None, stage: int = 2,
               **watch_kw: Any) -> None:
     """Run in a child process: DeepSpeed ZeRO-2 in real fp16 (its own dynamic loss scaler, hysteresis 1), 2 ranks."""
     from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
@@ -98,7 +98,7 @@ def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: i
     watch = AmpWatch(verbose=True, **watch_kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps,
-        strategy=cpu_deepspeed(stage=2, initial_scale_power=initial_scale_power, hysteresis=1),
+        strategy=cpu_deepspeed(stage=stage, initial_scale_power=initial_scale_power, hysteresis=1),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=out_dir, callbacks=[watch, ScaleLog(watch, out_dir)], use_distributed_sampler=False)
     data = regression_data(n=512)
@@ -108,9 +108,9 @@ def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: i
 
 
 def _run_fp16(tmp_path: Path, initial_scale_power: int, max_steps: int,
-              **watch_kw: Any) -> tuple[list[dict[str, Any]], str]:
+              **kwargs: Any) -> tuple[list[dict[str, Any]], str]:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
-            f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps}, **{watch_kw!r})")
+            f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps}, **{kwargs!r})")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
@@ -146,6 +146,22 @@ def test_deepspeed_fp16_a_start_up_overflow_is_read_from_its_own_loss_scaler(tmp
         assert rank["steps"] == 8 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 5
         assert rank["scale"] == rank["deepspeed"][-1]["after"]
     assert "GRADIENT_OVERFLOW" in console
+
+
+def test_deepspeed_zero3_fp16_a_start_up_overflow_is_named_and_no_replay_breaks_the_engine(tmp_path: Path) -> None:
+    """Under ZeRO stage 3 a replay's backward would run the engine's gradient partitioning hooks into the live
+    step's buckets (DeepSpeed then fails its next backward): the batch is not replayed, the evidence says why, and
+    the run goes on."""
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=20, max_steps=6, stage=3)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["step"], d["evidence"]["pattern"]) == (Finding.GRADIENT_OVERFLOW.value, 0, "startup")
+    assert d["evidence"]["scale_history"] == [s["ran_with"] for s in rank0["deepspeed"][:5]]
+    assert d["evidence"]["replay"].startswith("not run: under DeepSpeed ZeRO stage 3")
+    assert d["evidence"]["trajectory_control"].startswith("not run: the trajectory control is not available under "
+                                                          "this DeepSpeed engine")
+    for rank in (rank0, rank1):
+        assert rank["steps"] == 6 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 5
 
 
 def test_deepspeed_fp16_lower_init_scale_sets_deepspeed_s_own_scale(tmp_path: Path) -> None:

@@ -139,6 +139,17 @@ def refuse(trainer: Any, remedy: str) -> None:
         raise RemedyError(NOT_UNDER_DEEPSPEED[remedy])
 
 
+def batch_replay_unavailable(root: Any) -> str | None:
+    """Why the faulty batch cannot be replayed (forward and a gradient probe) under this DeepSpeed engine, or None.
+    ZeRO stage 3 partitions the parameters themselves: its forward gathers them and its tensor hooks partition each
+    gradient as it is computed, also in a replay's backward, into the buckets of the live step, which then fails.
+    (ZeRO 1 and 2 reduce a gradient once it is accumulated, which a replay's ``torch.autograd.grad`` never does.)"""
+    if is_engine(root) and any(hasattr(p, "ds_id") for p in root.parameters()):
+        return ("not run: under DeepSpeed ZeRO stage 3 a replay's backward would run the engine's gradient "
+                "partitioning hooks into the live step's buckets")
+    return None
+
+
 def half_module_dtype(root: Any) -> Any:
     """The half-precision dtype a DeepSpeed engine keeps its module's trainable parameters in (fp16 and bf16
     engines cast the module; the float32 master weights live in the engine's optimizer), or None. Under it a

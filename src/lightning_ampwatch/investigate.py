@@ -96,6 +96,9 @@ class Investigator:
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
+        refused = deepspeed_state.batch_replay_unavailable(self.replayer.root_module())  # alike on every rank
+        if refused is not None:
+            return ReplayRecord(evidence={"replay": refused})
         # A sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
         # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
         everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1

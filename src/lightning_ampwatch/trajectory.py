@@ -86,7 +86,8 @@ class TrainState:
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
         elif deepspeed_state.is_engine(root):  # its module is half precision by design (float32 masters elsewhere)
             unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
-            replay_unavailable = deepspeed_state.REPLAY_UNAVAILABLE
+            # snapshots (and rollbacks) where they are available; the replays never
+            replay_unavailable = deepspeed_state.REPLAY_UNAVAILABLE if unavailable is None else None
         elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
             # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
