@@ -142,7 +142,7 @@ def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 # --------------------------------------------------------------------------------------------
-# DeepSpeed (its engine's attributes: public names, but no documented API; read, never written)
+# DeepSpeed (its engine's attributes: public names, but no documented API; written only by the scaler remedies)
 # --------------------------------------------------------------------------------------------
 
 

@@ -23,8 +23,9 @@ LOSS_SCALER = "deepspeed"
 
 
 class DeepSpeedLossScale:
-    """A read-only view of a DeepSpeed engine's fp16 loss scaler: the scale, whether the latest step overflowed and
-    how many steps the engine skipped, as the engine itself keeps them on the host.
+    """A view of a DeepSpeed engine's fp16 loss scaler: the scale, whether the latest step overflowed and how many
+    steps the engine skipped, as the engine itself keeps them on the host (and, for the scaler remedies, the
+    setters GradScaler has).
 
     It maps onto what AmpWatch reads from a GradScaler: a skipped step is one the engine counted in
     ``skipped_steps``; the scale is the scaler's ``cur_scale``; the growth settings are its ``scale_factor``
