@@ -81,12 +81,14 @@ class ScaleLog(pl.Callback):
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
                "skipped": stats.skipped, "scale": stats.scale, "deepspeed": self.steps,
                "loss_scaler": type(trainer.optimizers[0].loss_scaler).__name__,
+               "scale_window": trainer.optimizers[0].loss_scaler.scale_window,
+               "scale_factor": trainer.optimizers[0].loss_scaler.scale_factor,
                "dtype": str(next(trainer.strategy.model.module.parameters()).dtype)}
         (Path(self.out_dir) / f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
 def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: int | None = None, stage: int = 2,
-              **watch_kw: Any) -> None:
+              loss_scale_window: int = 1000, **watch_kw: Any) -> None:
     """Run in a child process: DeepSpeed ZeRO-2 in real fp16 (its own dynamic loss scaler, hysteresis 1), 2 ranks."""
     from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
 
@@ -98,7 +100,8 @@ def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: i
     watch = AmpWatch(verbose=True, **watch_kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps,
-        strategy=cpu_deepspeed(stage=stage, initial_scale_power=initial_scale_power, hysteresis=1),
+        strategy=cpu_deepspeed(stage=stage, initial_scale_power=initial_scale_power, hysteresis=1,
+                               loss_scale_window=loss_scale_window),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=out_dir, callbacks=[watch, ScaleLog(watch, out_dir)], use_distributed_sampler=False)
     data = regression_data(n=512)
@@ -200,6 +203,29 @@ def test_deepspeed_fp16_a_remedy_that_cannot_act_under_deepspeed_says_why(tmp_pa
     assert d["evidence"]["remedies_failed"] == ["bf16_fallback: " + NOT_UNDER_DEEPSPEED["bf16_fallback"]]
     for rank in (rank0, rank1):
         assert rank["steps"] == 10 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == 1
+
+
+def test_deepspeed_fp16_slow_growth_acts_on_deepspeed_s_window_and_factor(tmp_path: Path) -> None:
+    """Gradients that overflow float16 above 2**15, and a loss scale window of 2: DeepSpeed's scaler keeps growing to
+    2**16 and backing off. AmpWatch names the growth overflow from DeepSpeed's scale readings, and ``slow_growth``
+    acts on DeepSpeed's own settings: the window 10x (at least 100), the factor 2 -> 1.5."""
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=15, max_steps=24, loss_scale_window=2,
+                                  remediate=["slow_growth"])
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    ds = rank0["deepspeed"]
+    grown = [i for i, s in enumerate(ds) if s["ran_with"] > 2.0**15]
+    assert grown[:3] == [3, 7, 11] and all(ds[i]["overflow"] for i in grown)  # each growth overflowed
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["remedy"], d["outcome"]) == (Finding.GROWTH_OVERFLOW.value, "slow_growth", "recovered")
+    ev = d["evidence"]
+    assert ev["loss_scaler"] == "deepspeed" and '"loss_scale_window"' in d["advice"]
+    # the replay overflowed at 2**16 too: nothing above the scale that held is called safe
+    assert ev["replay_grads_finite"] is False and ev["safe_scale"] <= 2.0**15
+    assert ev["remedy_details"] == {"growth_interval_before": 2, "growth_interval_after": 100,
+                                    "growth_factor_before": 2.0, "growth_factor_after": 1.5}
+    for rank in (rank0, rank1):  # DeepSpeed's own scaler has the new settings
+        assert (rank["scale_window"], rank["scale_factor"]) == (100, 1.5)
+        assert rank["steps"] == 24 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == len(grown)
 
 
 def test_deepspeed_fp16_a_healthy_run_reports_nothing(tmp_path: Path) -> None:

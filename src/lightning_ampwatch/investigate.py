@@ -22,7 +22,7 @@ from lightning_ampwatch.machine import BatchStats, PrecisionMode
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.records import ControlVerdict, facts_of
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise, format_pow2
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
@@ -228,6 +228,14 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     if wanted and not settled and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
         ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
         ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
+        replayed_at = ev.get("scale")
+        if ev.get("replay_grads_finite") is False and isinstance(replayed_at, (int, float)) \
+                and 0 < replayed_at <= ev["safe_scale"]:
+            # the replay overflowed at this very scale: an intermediate gradient (in a model computing wholly in
+            # float16, DeepSpeed's) was larger than any parameter's, so the parameters' say nothing safe above it
+            ev["safe_scale"] = 2.0 ** math.floor(math.log2(replayed_at)) / 2
+            ev["safe_scale_from"] = (f"half the scale the replay's gradients overflowed at ({format_pow2(replayed_at)}"
+                                     f"; its largest parameter gradient, {absmax:.4g}, would have allowed more)")
     return finding
 
 
