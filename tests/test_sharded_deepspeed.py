@@ -67,6 +67,10 @@ class ScaleLog(pl.Callback):
         self.watch, self.out_dir = watch, out_dir
         self.steps: list[dict[str, Any]] = []
         self.before = 0.0
+        self.losses: list[float] = []  # every micro-batch's loss as handed to backward
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.losses.append(float(loss))
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.before = float(trainer.optimizers[0].cur_scale)
@@ -80,6 +84,8 @@ class ScaleLog(pl.Callback):
         stats = self.watch.watcher._run_stats()
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
                "skipped": stats.skipped, "scale": stats.scale, "deepspeed": self.steps,
+               "losses": self.losses, "run_steps": trainer.global_step,
+               "step_losses": [loss for _, loss in sorted(self.watch.watcher.ledger.recent_losses)],
                "loss_scaler": type(trainer.optimizers[0].loss_scaler).__name__,
                "scale_window": trainer.optimizers[0].loss_scaler.scale_window,
                "scale_factor": trainer.optimizers[0].loss_scaler.scale_factor,
@@ -88,7 +94,7 @@ class ScaleLog(pl.Callback):
 
 
 def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: int | None = None, stage: int = 2,
-              loss_scale_window: int = 1000, **watch_kw: Any) -> None:
+              loss_scale_window: int = 1000, accumulate: int = 1, **watch_kw: Any) -> None:
     """Run in a child process: DeepSpeed ZeRO-2 in real fp16 (its own dynamic loss scaler, hysteresis 1), 2 ranks."""
     from _sharded import RowsByRank, cpu_deepspeed, deepspeed_fp16_on_cpu
 
@@ -99,7 +105,7 @@ def _fit_fp16(out_dir: str, initial_scale_power: int, max_steps: int, big_row: i
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=True, **watch_kw)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps,
+        accelerator="cpu", devices=2, precision="16-mixed", max_steps=max_steps, accumulate_grad_batches=accumulate,
         strategy=cpu_deepspeed(stage=stage, initial_scale_power=initial_scale_power, hysteresis=1,
                                loss_scale_window=loss_scale_window),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -226,6 +232,24 @@ def test_deepspeed_fp16_slow_growth_acts_on_deepspeed_s_window_and_factor(tmp_pa
     for rank in (rank0, rank1):  # DeepSpeed's own scaler has the new settings
         assert (rank["scale_window"], rank["scale_factor"]) == (100, 1.5)
         assert rank["steps"] == 24 and rank["skipped"] == rank["deepspeed"][-1]["skipped_steps"] == len(grown)
+
+
+def test_deepspeed_fp16_under_gradient_accumulation_counts_deepspeed_s_steps(tmp_path: Path) -> None:
+    """With ``accumulate_grad_batches=2`` Lightning hands DeepSpeed's engine every micro-batch, and the engine steps
+    at every second one: AmpWatch counts those steps (asking the engine whether the coming step is a boundary), and a
+    step's loss is its micro-batches' together."""
+    (rank0, rank1), _ = _run_fp16(tmp_path, initial_scale_power=20, max_steps=6, accumulate=2)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    ds = rank0["deepspeed"]  # one record per micro-batch
+    assert len(ds) == 12 and [s["skipped_steps"] for s in ds[1::2]] == [1, 2, 3, 4, 5, 5]
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["step"], d["evidence"]["pattern"]) == (Finding.GRADIENT_OVERFLOW.value, 0, "startup")
+    assert d["evidence"]["scale_history"] == [s["ran_with"] for s in ds[1:10:2]]
+    # a step's loss is the sum of what its micro-batches handed to backward (Lightning divided each by 2)
+    micro = rank0["losses"]
+    assert rank0["step_losses"] == pytest.approx([micro[i] + micro[i + 1] for i in range(0, 12, 2)], rel=1e-3)
+    for rank in (rank0, rank1):
+        assert rank["steps"] == rank["run_steps"] == 6 and rank["skipped"] == 5
 
 
 def test_deepspeed_fp16_a_healthy_run_reports_nothing(tmp_path: Path) -> None:

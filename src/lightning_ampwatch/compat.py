@@ -178,6 +178,17 @@ def deepspeed_skipped_steps(engine: Any) -> int:
     return int(getattr(engine, "skipped_steps", 0))
 
 
+def deepspeed_at_boundary(engine: Any) -> bool:
+    """Whether the engine's next ``step()`` is a gradient-accumulation boundary (an optimizer step, taken or
+    skipped); asked before it runs. Where the caller owns accumulation (``managed_gradient_accumulation`` off),
+    every ``step()`` is one."""
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and not managed():
+        return True
+    at_boundary = getattr(engine, "is_gradient_accumulation_boundary", None)
+    return bool(at_boundary()) if callable(at_boundary) else True
+
+
 def deepspeed_set_loss_scale(engine: Any, scale: float) -> None:
     """Set the engine's loss scale, and restart the count of clean steps towards its next growth (DynamicLossScaler
     grows when ``cur_iter - last_overflow_iter - 1`` reaches a multiple of ``scale_window``)."""

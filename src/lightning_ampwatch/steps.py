@@ -217,6 +217,7 @@ class StepLedger:
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
         self._tape_mirror = self.mirror if scaler is not None else None
         self._loss_scale = loss_scale if self.mirror is not None else None
+
         self._update_fast_path()
 
     def switch_precision(self, precision: PrecisionInfo) -> None:
@@ -277,6 +278,9 @@ class StepLedger:
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
+        loss_scale = self._loss_scale
+        if loss_scale is not None and not loss_scale.at_boundary():
+            return  # DeepSpeed mid-accumulation: its engine will take no step; the losses stay for the one that does
         self.stepped = True
         self._mark = len(self._tape)
 
