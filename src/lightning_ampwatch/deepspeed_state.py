@@ -36,11 +36,6 @@ class DeepSpeedLossScale:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def at_boundary(self) -> bool:
-        """Whether the engine's coming ``step()`` is an optimizer step: under gradient accumulation it steps only at
-        the boundary, though Lightning hands it every micro-batch (asked before it steps)."""
-        return compat.deepspeed_at_boundary(self.engine)
-
     @classmethod
     def of(cls, engine: Any) -> "DeepSpeedLossScale | None":
         """The view for ``engine`` when it trains in fp16 with a loss scaler AmpWatch can read, else None."""

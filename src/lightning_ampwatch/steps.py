@@ -147,6 +147,7 @@ class StepLedger:
         self._tape_mirror: ScaleMirror | None = None  # the mirror whose scale the losses handed to backward carry
         self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
+        self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
         self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
         self.taken = StepTaken()
@@ -217,6 +218,7 @@ class StepLedger:
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
         self._tape_mirror = self.mirror if scaler is not None else None
         self._loss_scale = loss_scale if self.mirror is not None else None
+        self._engine = self.precision.engine
 
         self._update_fast_path()
 
@@ -278,8 +280,8 @@ class StepLedger:
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
-        loss_scale = self._loss_scale
-        if loss_scale is not None and not loss_scale.at_boundary():
+        engine = self._engine
+        if engine is not None and not compat.deepspeed_at_boundary(engine):
             return  # DeepSpeed mid-accumulation: its engine will take no step; the losses stay for the one that does
         self.stepped = True
         self._mark = len(self._tape)
