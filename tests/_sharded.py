@@ -7,8 +7,9 @@ strategy computes.
   have no index) (2), and hands ``deepspeed.initialize`` ``device_rank=root_device.index``, ``None`` on the CPU,
   which DeepSpeed compares with 0 (3); the process group is gloo, and the processes are forked (Lightning would
   re-run the test script as a subprocess, which under pytest means re-running pytest). DeepSpeed then runs on its
-  own CPU accelerator, in bf16 only: this CPU's DeepSpeed refuses fp16. The first run builds DeepSpeed's shared
-  memory op (about two minutes here; cached under ``~/.cache/torch_extensions`` afterwards).
+  own CPU accelerator, in bf16; in fp16 after ``deepspeed_fp16_on_cpu`` (a capability check, see there). The first
+  run builds DeepSpeed's shared memory op (about two minutes here; cached under ``~/.cache/torch_extensions``
+  afterwards).
 - FSDP2 (``cpu_fsdp2``): Lightning's ``ModelParallelStrategy`` runs on the CPU as it is (gloo, a CPU device
   mesh); the real-fp16 plugin with a plain ``torch.amp.GradScaler("cpu")`` works on its DTensor gradients and
   agrees ``found_inf`` across ranks. Two overrides: the processes are forked (as above), and the forked
@@ -160,3 +161,20 @@ class RowsByRank(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size, sampler=DistributedSampler(self.data, shuffle=False))
+
+
+def deepspeed_fp16_on_cpu() -> None:
+    """Let DeepSpeed train in fp16 on this CPU (call it in the training process, before ``Trainer.fit``).
+
+    DeepSpeed refuses fp16 in ``DeepSpeedEngine._do_sanity_check`` ("Type fp16 is not supported on your device.")
+    because its CPU accelerator's ``is_fp16_supported()`` asks oneDNN whether the CPU has native float16 kernels
+    (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: AVX512-FP16 or AMX-FP16, which this CPU lacks). That is a
+    speed question, not a correctness one: torch computes float16 on any CPU (upcasting inside its kernels), so
+    with the check answered "yes" DeepSpeed's real fp16 path runs: the module cast to float16, its ZeRO optimizer's
+    ``DynamicLossScaler`` scaling the loss in ``engine.backward``, the overflow check (all-reduced over the ranks)
+    and the skipped steps, exactly as on a GPU. The override is on this process's accelerator class only."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True  # type: ignore[method-assign]

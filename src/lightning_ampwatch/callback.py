@@ -63,7 +63,7 @@ class LightningHost:
         return self.trainer.log_dir or self.trainer.default_root_dir
 
     def precision(self) -> PrecisionInfo:
-        return resolve_precision(self.trainer.precision_plugin)
+        return resolve_precision(self.trainer.precision_plugin, getattr(self.trainer.strategy, "model", None))
 
     def forward_context(self) -> ContextManager[Any]:
         # looked up at each replay: a bf16 fallback swaps the plugin mid-run
@@ -86,6 +86,8 @@ class LightningHost:
         return [c.scheduler for c in self.trainer.lr_scheduler_configs if c.interval == "step"]
 
     def remedy_context(self, scaler: Any, safe_scale: float | None, guards: RecipeGuards) -> RemedyContext:
+        if scaler is None:  # DeepSpeed fp16: the scaler remedies act on its own loss scaler, through its view
+            scaler = self.precision().loss_scale
         return RemedyContext(trainer=self.trainer, module=self.module, scaler=scaler, device=self.module.device,
                              safe_scale=safe_scale, guards=guards)
 

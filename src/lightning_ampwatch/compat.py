@@ -179,6 +179,89 @@ def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
 
 
 # --------------------------------------------------------------------------------------------
+# DeepSpeed (its engine's attributes: public names, but no documented API; written only by the scaler remedies)
+# --------------------------------------------------------------------------------------------
+
+
+def deepspeed_fp16(engine: Any) -> bool:
+    """Whether the DeepSpeed engine trains in fp16 (with a loss scaler of its own)."""
+    enabled = getattr(engine, "fp16_enabled", None)
+    return bool(enabled()) if callable(enabled) else False
+
+
+def deepspeed_loss_scaler(engine: Any) -> Any:
+    """The engine's loss scaler (``DynamicLossScaler`` or a static ``LossScaler``), kept by its ZeRO or fp16
+    optimizer; None where it keeps none."""
+    return getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+
+
+def deepspeed_loss_scale(engine: Any) -> float:
+    """The engine's current loss scale, a host-side float (its optimizer's ``cur_scale``, which also answers for a
+    custom loss scaler)."""
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(deepspeed_loss_scaler(engine), "cur_scale", 1.0)
+    return float(scale)
+
+
+def deepspeed_overflow(engine: Any) -> bool:
+    """Whether the engine's latest optimizer step overflowed (its optimizer's host-side flag)."""
+    return bool(getattr(getattr(engine, "optimizer", None), "overflow", False))
+
+
+def deepspeed_skipped_steps(engine: Any) -> int:
+    """How many optimizer steps the engine has skipped on an overflow (its own counter)."""
+    return int(getattr(engine, "skipped_steps", 0))
+
+
+def deepspeed_at_boundary(engine: Any) -> bool:
+    """Whether the engine's next ``step()`` is a gradient-accumulation boundary (an optimizer step, taken or
+    skipped); asked before it runs. Where the caller owns accumulation (``managed_gradient_accumulation`` off),
+    every ``step()`` is one."""
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and not managed():
+        return True
+    at_boundary = getattr(engine, "is_gradient_accumulation_boundary", None)
+    return bool(at_boundary()) if callable(at_boundary) else True
+
+
+def deepspeed_set_loss_scale(engine: Any, scale: float) -> None:
+    """Set the engine's loss scale, and restart the count of clean steps towards its next growth (DynamicLossScaler
+    grows when ``cur_iter - last_overflow_iter - 1`` reaches a multiple of ``scale_window``)."""
+    scaler = deepspeed_loss_scaler(engine)
+    scaler.cur_scale = float(scale)
+    if hasattr(scaler, "last_overflow_iter") and hasattr(scaler, "cur_iter"):
+        scaler.last_overflow_iter = scaler.cur_iter - 1
+
+
+def deepspeed_set_scale_window(engine: Any, window: int) -> None:
+    """Set how many clean steps DeepSpeed's dynamic loss scaler waits before it grows the scale."""
+    deepspeed_loss_scaler(engine).scale_window = int(window)
+
+
+def deepspeed_set_scale_factor(engine: Any, factor: float) -> None:
+    """Set DeepSpeed's scale factor: it grows the scale by it, and divides the scale by it on an overflow."""
+    deepspeed_loss_scaler(engine).scale_factor = float(factor)
+
+
+def deepspeed_fp32_partitions(optimizer: Any) -> list[Tensor] | None:
+    """A ZeRO-1/2 optimizer's float32 master weights on this rank: one flat partition per parameter group."""
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    return list(partitions) if partitions is not None else None
+
+
+def deepspeed_inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a ZeRO optimizer steps its float32 partitions with."""
+    return optimizer.optimizer
+
+
+def deepspeed_cpu_offload(optimizer: Any) -> bool:
+    """Whether a ZeRO optimizer offloads its optimizer state to the host."""
+    return bool(getattr(optimizer, "cpu_offload", False))
+
+
+# --------------------------------------------------------------------------------------------
 # Lightning (imported lazily: only the Lightning adapter calls these)
 # --------------------------------------------------------------------------------------------
 

@@ -402,6 +402,11 @@ class RecipeGuards:
         self._checked_sites.clear()
         self._active = True
         mode = precision_info.mode
+        if precision_info.loss_scale is not None:
+            # DeepSpeed fp16 is a recipe of its own: no autocast (the engine casts the whole module to float16 and
+            # keeps float32 master weights in its optimizer) and no GradScaler (its engine scales and steps): the
+            # mistakes checked here are those of autocast with a GradScaler and cannot be made under it
+            mode = PrecisionMode.FP32
         self._scaler = precision_info.scaler if mode is PrecisionMode.FP16 else None
         self._scale_reader = scale_reader
         self._check_loss = mode is PrecisionMode.FP16

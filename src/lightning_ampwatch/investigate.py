@@ -17,13 +17,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import distributed, sharding
+from lightning_ampwatch import deepspeed_state, distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.records import ControlVerdict, facts_of
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise, format_pow2
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
@@ -102,6 +102,9 @@ class Investigator:
             return None
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
+        refused = deepspeed_state.batch_replay_unavailable(self.replayer.root_module())  # alike on every rank
+        if refused is not None:
+            return ReplayRecord(evidence={"replay": refused})
         # A sharded model's forward is collective (FSDP's all-gathers): every rank replays together on
         # this agreed step, or, where the ranks do not meet anomalies together (no scaler), none does
         everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
@@ -197,9 +200,14 @@ class Investigator:
             if amp.headroom:
                 ev["fp16_headroom_log2"] = dict(amp.headroom)
         half = sharding.half_param_dtype(self.replayer.root_module()) if self.control else None
+        ds_half = deepspeed_state.half_module_dtype(self.replayer.root_module()) if self.control else None
         if half is not None:  # FSDP computes in its param dtype whatever autocast says
             ev["fp32_control"] = (f"not run: FSDP gathers the parameters in {str(half).replace('torch.', '')} for "
                                   "compute, so a replay without autocast would not be FP32")
+        elif ds_half is not None:  # DeepSpeed casts the module itself; its float32 weights are its optimizer's
+            ev["fp32_control"] = (f"not run: DeepSpeed keeps the module's parameters in "
+                                  f"{str(ds_half).replace('torch.', '')} (its float32 master weights live in its "
+                                  "optimizer), so a replay without autocast would not be FP32")
         elif self.control:
             ctl = self.replayer.run(batches, use_autocast=False, grad_scale=1.0, probe=False)
             if ctl.error is not None:
@@ -235,6 +243,14 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     if wanted and not settled and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
         ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
         ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
+        replayed_at = ev.get("scale")
+        if ev.get("replay_grads_finite") is False and isinstance(replayed_at, (int, float)) \
+                and 0 < replayed_at <= ev["safe_scale"]:
+            # the replay overflowed at this very scale: an intermediate gradient (in a model computing wholly in
+            # float16, DeepSpeed's) was larger than any parameter's, so the parameters' say nothing safe above it
+            ev["safe_scale"] = 2.0 ** math.floor(math.log2(replayed_at)) / 2
+            ev["safe_scale_from"] = (f"half the scale the replay's gradients overflowed at ({format_pow2(replayed_at)}"
+                                     f"; its largest parameter gradient, {absmax:.4g}, would have allowed more)")
     return finding
 
 
@@ -585,8 +601,9 @@ class TrajectoryControl:
         equally grave ones, a rank at fault's (its batches are the ones that went wrong), and the evidence names
         the rank."""
         ev = dict(diagnosis.evidence)
-        if self.state.replay_unavailable is not None:  # the same on every rank: none of them gathers below
-            ev["trajectory_control"] = f"not run: {self.state.replay_unavailable}"
+        unavailable = self.state.replay_unavailable or self.state.fp32_unavailable
+        if unavailable is not None:  # the same on every rank: none of them gathers below
+            ev["trajectory_control"] = f"not run: {unavailable}"
             return replace(diagnosis, evidence=ev), None
         before = max(diagnosis.step - 1, 0)
         snapshot = self.ring.newest_before(before) if self.ring.enabled else None

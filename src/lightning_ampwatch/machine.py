@@ -1114,4 +1114,7 @@ class AmpStateMachine:
         return out
 
     def _make(self, finding: Finding, step: int, evidence: dict[str, Any]) -> Diagnosis:
+        kind = self.scaler_config.get("loss_scaler")
+        if kind is not None and finding in (Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW):
+            evidence.setdefault("loss_scaler", kind)  # not a GradScaler (DeepSpeed's): the advice says its settings
         return Diagnosis(finding=finding, step=int(step), evidence=evidence, advice=advise(finding, evidence))

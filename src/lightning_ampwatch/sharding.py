@@ -25,7 +25,7 @@ from typing import Any, Collection, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, deepspeed_state
 from lightning_ampwatch.distributed import world_size
 
 try:  # torch >= 2.4 has both; kept optional so that a build without torch.distributed still imports
@@ -46,10 +46,11 @@ def local(t: Tensor) -> Tensor:
 
 def unsupported_reason(root: nn.Module, optimizers: Sequence[Any] = ()) -> str | None:
     """Why snapshots cannot be restored in place for ``root``, or None when they can."""
-    if type(root).__name__ == "DeepSpeedEngine" or any(
-            not isinstance(opt, torch.optim.Optimizer) for opt in optimizers):
-        return ("the trajectory control is not available under DeepSpeed: its engine keeps the optimizer state "
-                "partitioned in its own form, which AmpWatch does not snapshot")
+    if deepspeed_state.is_engine(root):  # ZeRO-1/2's partitioned state has a snapshot of its own
+        return deepspeed_state.unsupported_reason(root)
+    if any(not isinstance(opt, torch.optim.Optimizer) for opt in optimizers):
+        return ("the trajectory control is not available: an optimizer is not a torch optimizer, so its state "
+                "cannot be read through torch's state-dict machinery")
     if get_state_dict is None:  # pragma: no cover
         return "the trajectory control needs torch.distributed.checkpoint, which this torch build lacks"
     return None
@@ -74,7 +75,10 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer], cre
     That step is not harmless (Adam's step count and bias correction move, so the run is no longer the one it would
     have been): an optimizer with no state yet (before the first step, or a stateless SGD) is left out, its state
     is empty. The optimizers' step hooks are hidden all the same so that AmpWatch's own hook never counts a step.
-    Under FSDP1 the live tensors are read directly (:func:`fsdp1_live_state`; ``create`` is for it)."""
+    Under FSDP1 the live tensors are read directly (:func:`fsdp1_live_state`; ``create`` is for it); under DeepSpeed,
+    this rank's float32 partitions and its optimizer state over them (:mod:`lightning_ampwatch.deepspeed_state`)."""
+    if deepspeed_state.is_engine(root):
+        return deepspeed_state.live_state(root)
     if uses_fsdp1(root):
         return fsdp1_live_state(root, optimizers, create)
     options = StateDictOptions(ignore_frozen_params=True)
@@ -86,6 +90,13 @@ def live_state(root: nn.Module, optimizers: Sequence[torch.optim.Optimizer], cre
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
             model_sd, optim_sd = get_model_state_dict(root, options=options), {"state": {}}
     return model_sd, optim_sd.get("state", {})
+
+
+def after_restore(root: nn.Module) -> None:
+    """A snapshot was put back into ``root``'s live state: whatever is derived from it made again (a DeepSpeed
+    engine's half-precision weights, from its float32 partitions: an all-gather, on every rank at once)."""
+    if deepspeed_state.is_engine(root):
+        deepspeed_state.after_restore(root)
 
 
 def frozen_versions(root: nn.Module) -> tuple[tuple[str, int], ...]:

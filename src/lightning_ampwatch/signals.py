@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat
+from lightning_ampwatch.deepspeed_state import DeepSpeedLossScale, is_engine
 from lightning_ampwatch.machine import BatchStats, PrecisionMode
 
 
@@ -26,18 +27,32 @@ class PrecisionInfo:
     mode: PrecisionMode
     scaler: Any = None  # torch.amp.GradScaler (or ShardedGradScaler) when one is active
     note: str | None = None  # said once to the user when there is something we cannot watch
+    #: DeepSpeed fp16: the engine's own loss scaler, read on the host (a DeepSpeedLossScale); ``scaler`` is None
+    loss_scale: Any = None
+    #: DeepSpeed: its engine, whose ``step()`` takes an optimizer step only at a gradient-accumulation boundary
+    engine: Any = None
 
 
-def resolve_precision(plugin: Any) -> PrecisionInfo:
-    """Map a Lightning precision plugin to a :class:`PrecisionMode` and its scaler, if any."""
+def resolve_precision(plugin: Any, engine: Any = None) -> PrecisionInfo:
+    """Map a Lightning precision plugin to a :class:`PrecisionMode` and its scaler, if any. ``engine``: the
+    strategy's model (a DeepSpeed engine keeps its fp16 loss scaler there)."""
     name = type(plugin).__name__
     precision = str(getattr(plugin, "precision", "32-true"))
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and hasattr(scaler, "is_enabled") and not scaler.is_enabled():
         scaler = None
     if "deepspeed" in name.lower():
-        return PrecisionInfo(PrecisionMode.FP16 if precision.startswith("16") else PrecisionMode.BF16, None,
-                             "DeepSpeed keeps its loss scale inside its engine; only loss finiteness is watched.")
+        engine = engine if is_engine(engine) else None
+        if not precision.startswith("16"):
+            return PrecisionInfo(PrecisionMode.BF16 if precision.startswith("bf16") else PrecisionMode.FP32, None,
+                                 "DeepSpeed in bf16 or full precision keeps no loss scale: loss finiteness is "
+                                 "watched.", engine=engine)
+        loss_scale = DeepSpeedLossScale.of(engine)
+        if loss_scale is None:
+            return PrecisionInfo(PrecisionMode.FP16, None,
+                                 "DeepSpeed's fp16 loss scaler could not be found on its engine; only loss "
+                                 "finiteness is watched.", engine=engine)
+        return PrecisionInfo(PrecisionMode.FP16, None, None, loss_scale, engine)
     if precision.startswith("16-mixed") or precision == "16":
         if scaler is None:
             return PrecisionInfo(PrecisionMode.FP16, None,

@@ -52,7 +52,7 @@ class OpenStep:
     """An optimizer step whose outcome needs more than the fast path: a skip, a flag or a loss still in flight,
     or an episode in progress. Queued until it can be resolved in order."""
 
-    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss")
+    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss", "scale_after")
 
     def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
                  batches: list[MicroBatch]) -> None:
@@ -60,6 +60,7 @@ class OpenStep:
         self.skipped = False
         self.found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read once landed
         self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
+        self.scale_after: float | None = None  # DeepSpeed: its scaler's scale after this step, as it set it
 
 
 @dataclass
@@ -146,6 +147,10 @@ class StepLedger:
         #: switches itself off (distributed.CrossRank)
         self.agree = True
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
+        self._tape_mirror: ScaleMirror | None = None  # the mirror whose scale the losses handed to backward carry
+        self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
+        self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
+        self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
         self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
         self.taken = StepTaken()
@@ -193,20 +198,31 @@ class StepLedger:
 
     @property
     def scaler_active(self) -> bool:
-        return self.precision.scaler is not None
+        """A loss scaler skips the steps it finds an overflow in: a GradScaler, or DeepSpeed's own."""
+        return self.precision.scaler is not None or self.precision.loss_scale is not None
 
     def mirror_scaler(self) -> None:
         """Read the scaler once (scale, tracker, growth settings) into the host mirror (``scaler_config``: the
         growth settings, for the machine)."""
-        scaler = self.precision.scaler
+        scaler, loss_scale = self.precision.scaler, self.precision.loss_scale
         if scaler is not None:
             config = scaler_config(scaler)
             scale, tracker = read_scale(scaler)
             self.mirror = ScaleMirror(scale, tracker=tracker, **config)
             self.scaler_config = config
+        elif loss_scale is not None:  # DeepSpeed: host values, read again after every step (see close)
+            config = loss_scale.config()
+            self.mirror = ScaleMirror(loss_scale.scale(), **{k: v for k, v in config.items() if k != "loss_scaler"})
+            self.scaler_config = config
+            self._skipped_seen = loss_scale.skipped_steps()
         else:
             self.mirror = None
             self.scaler_config = {}
+        # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
+        self._tape_mirror = self.mirror if scaler is not None else None
+        self._loss_scale = loss_scale if self.mirror is not None else None
+        self._engine = self.precision.engine
+
         self._update_fast_path()
 
     def switch_precision(self, precision: PrecisionInfo) -> None:
@@ -243,7 +259,7 @@ class StepLedger:
         """The loss is kept unread, without its graph. ``.data`` rather than ``.detach()``: the same values and no
         graph, without an aten op through the dispatcher on every step (half the time on the CPU); the tape only
         reads it."""
-        mirror = self.mirror
+        mirror = self._tape_mirror
         self._tape.append((loss.data, mirror.scale if mirror is not None else 1.0))  # no read
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
@@ -257,6 +273,8 @@ class StepLedger:
         """Whether the optimizer step that just ran was skipped by the scaler (for ``hold_lr_on_skip``)."""
         if not self.scaler_active:
             return False
+        if self.precision.loss_scale is not None:  # DeepSpeed's flag for its latest step (a host value)
+            return self.precision.loss_scale.overflow()
         if self.taken.found_inf is not None:
             return bool(self.taken.found_inf.item())  # fused optimizer: the user asked for this read
         return not self.taken.taken
@@ -265,6 +283,9 @@ class StepLedger:
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
+        engine = self._engine
+        if engine is not None and not compat.deepspeed_at_boundary(engine):
+            return  # DeepSpeed mid-accumulation: its engine will take no step; the losses stay for the one that does
         self.stepped = True
         self._mark = len(self._tape)
 
@@ -310,6 +331,30 @@ class StepLedger:
             return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
         scale = mirror.scale if mirror is not None else None
+        loss_scale = self._loss_scale
+        if loss_scale is not None:
+            # DeepSpeed: its engine counted the step as skipped or not, and set its scale, on the host already
+            skipped_total = loss_scale.skipped_steps()
+            taken = skipped_total == self._skipped_seen
+            self._skipped_seen = skipped_total
+            scale_after = loss_scale.scale()
+            if taken and quiet and not self._pending:
+                grew = scale_after > mirror.scale  # type: ignore[union-attr]
+                mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)  # type: ignore[union-attr]
+                self.log_steps += 1
+                losses = self.losses
+                losses.entries.append((step, tape))
+                if len(losses.entries) >= losses.capacity:
+                    self.read_losses()
+                clean = self._clean
+                clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, \
+                    grew, lrs, None
+                return clean
+            opened = OpenStep(step, scale, lrs, tape, batches)
+            opened.skipped = not taken
+            opened.scale_after = scale_after
+            self._pending.append(opened)
+            return ClosedStep(step, batches, False, scale, False, lrs, None, self.drain(force=self.world_size > 1))
         if self._fast_path and taken and quiet and not self._pending:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read, no object but the ring's entry.
@@ -369,7 +414,12 @@ class StepLedger:
 
     def _resolve(self, opened: OpenStep) -> ResolvedStep:
         skipped = bool(opened.found_inf.value()) if opened.found_inf is not None else opened.skipped
-        grew = self.mirror.update(skipped) if self.mirror is not None else False
+        if opened.scale_after is not None and self.mirror is not None:  # DeepSpeed's scale, as its scaler set it
+            mirror = self.mirror
+            grew = opened.scale_after > (opened.scale or 0.0)
+            mirror.reconcile(opened.scale_after, 0 if skipped or grew else mirror.tracker + 1)
+        else:
+            grew = self.mirror.update(skipped) if self.mirror is not None else False
         loss: float | None = opened.loss.value() if opened.loss is not None else None
         if skipped and loss is None:
             # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.

@@ -241,6 +241,15 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
         )
     safe = advised_init_scale(ev)
     init = _number(ev.get("init_scale"))
+    if safe is not None and ev.get("loss_scaler") == "deepspeed":
+        power_text = str(math.floor(math.log2(safe)))  # DeepSpeed takes the scale as a power of two
+        instead = f" instead of {format_pow2(init)}" if init is not None else ""
+        return (
+            f"Start DeepSpeed's loss scaler where it proved safe, {format_pow2(safe)}{instead}: "
+            f'"initial_scale_power": {power_text} in the "fp16" section of the DeepSpeed config (in Lightning, '
+            f"DeepSpeedStrategy(initial_scale_power={power_text})). If skips continue, clip gradients "
+            '("gradient_clipping" in the config; Lightning\'s gradient_clip_val).'
+        )
     if safe is not None:
         instead = f" instead of {format_pow2(init)}" if init is not None else ""
         return (
@@ -276,6 +285,13 @@ def _advice_growth(ev: Mapping[str, Any]) -> str:
         start = f"; the scale it started at ({format_pow2(ev['safe_scale'])}) holds, so slower growth is the fix."
     else:
         start = "; or start at a lower init_scale."
+    if ev.get("loss_scaler") == "deepspeed":
+        return (
+            f'The scale keeps doubling into overflow. Let DeepSpeed\'s loss scaler grow less often: '
+            f'"loss_scale_window": {bigger} in the "fp16" section of the DeepSpeed config (in Lightning, '
+            f"DeepSpeedStrategy(loss_scale_window={bigger})), or let it survive an overflow before halving "
+            f'("hysteresis")' + start.replace("init_scale=", "a starting scale of ")
+        )
     return (
         f"The scale keeps doubling into overflow. Let it grow less often or by less: "
         f"GradScaler(growth_interval={bigger}"

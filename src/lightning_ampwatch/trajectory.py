@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat, distributed, sharding
+from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.verdicts import TrajectoryResult
 
@@ -62,7 +62,7 @@ class TrainState:
     unavailable: str | None = None  # why the trajectory control cannot run in this fit; None when it can
     #: why the FP32 replay cannot run though snapshots can (FSDP gathers half-precision parameters for compute): the
     #: snapshots still serve rollback; None when it can
-    replay_unavailable: str | None = None
+    fp32_unavailable: str | None = None
     step_loss: Callable[[Any, int], Any] | None = None  # one micro-batch's loss; None: module.training_step
 
     root: Any = None  # the module as the strategy wraps it (DDP, FSDP1, FSDP2): state is read from it; else module
@@ -70,6 +70,9 @@ class TrainState:
     #: back together on restore (a collective; restores then happen on every rank at once: the ranks meet
     #: anomalies together under a scaler). Off without a scaler, where a rank may replay alone.
     split: bool = False
+    #: Why the steps cannot be replayed (re-run) in this fit although snapshots can be taken and put back (a rollback
+    #: needs only those); None when they can.
+    replay_unavailable: str | None = None
 
     def __post_init__(self) -> None:
         if self.root is None:
@@ -81,10 +84,14 @@ class TrainState:
         plugin = trainer.precision_plugin
         root = getattr(trainer.strategy, "model", None)
         root = root if isinstance(root, torch.nn.Module) else pl_module
-        unavailable = replay_unavailable = None
+        unavailable = replay_unavailable = fp32_unavailable = None
         if not pl_module.automatic_optimization:
             unavailable = ("the trajectory control is not available under manual optimization: training_step "
                            "steps the optimizers itself, so its steps cannot be re-run one by one")
+        elif deepspeed_state.is_engine(root):  # its module is half precision by design (float32 masters elsewhere)
+            unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
+            # snapshots (and rollbacks) where they are available; the replays never
+            replay_unavailable = deepspeed_state.REPLAY_UNAVAILABLE if unavailable is None else None
         elif any(p.dtype in sharding.HALF for p in pl_module.parameters() if p.requires_grad):
             # frozen half-precision weights (a bf16 base under a LoRA or a head) are fine: they are not trained,
             # and the FP32 replay computes them in float32 (sharding.fp32_frozen)
@@ -93,7 +100,7 @@ class TrainState:
         else:
             unavailable = sharding.unsupported_reason(root, list(trainer.optimizers))
         if unavailable is None:  # the snapshots are taken in any case below: a rollback needs no FP32 replay
-            replay_unavailable = sharding.fp32_replay_unavailable(root)
+            fp32_unavailable = sharding.fp32_replay_unavailable(root)
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None and not _enabled(scaler):
             scaler = None  # a disabled GradScaler scales nothing: the run has no scaler to replay with
@@ -111,11 +118,12 @@ class TrainState:
             device=pl_module.device,
             forward_context=plugin.forward_context,
             unavailable=unavailable,
-            replay_unavailable=replay_unavailable,
+            fp32_unavailable=fp32_unavailable,
             # through a root FSDP1 wrapper's forward, which gathers the parameters (a plain call everywhere else)
             step_loss=functools.partial(sharding.training_step, root, pl_module) if sharding.redirects(root) else None,
             root=root,
             split=split,
+            replay_unavailable=replay_unavailable,
         )
 
 
@@ -251,6 +259,7 @@ class Snapshot:
                         group[key] = self._value(value, group.get(key))
             if self.scaler is not None and state.scaler is not None:
                 self._restore_scaler(state.scaler)
+        sharding.after_restore(state.root)
         for (scheduler, _), saved_sched in zip(state.schedulers, self.schedulers):
             scheduler.load_state_dict(copy.deepcopy(saved_sched))
         torch.set_rng_state(self.rng)
@@ -705,8 +714,10 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
         raise ValueError(state.unavailable)
-    if precision == "fp32" and state.replay_unavailable is not None:
+    if state.replay_unavailable is not None:
         raise ValueError(state.replay_unavailable)
+    if precision == "fp32" and state.fp32_unavailable is not None:
+        raise ValueError(state.fp32_unavailable)
     indices = [s for s, _ in steps]
     expected = list(range(snapshot.step + 1, snapshot.step + 1 + len(steps)))
     if not steps or indices != expected:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from lightning_ampwatch import deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.taxonomy import Diagnosis
 
@@ -96,6 +97,7 @@ class Fp32Island(Remedy):
     name = RemedyName.FP32_ISLAND
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        deepspeed_state.refuse(ctx.trainer, "fp32_island")
         name = _island_module_name(ctx.module, diagnosis.location)
         attach_island(ctx.module, name, ctx.device.type)
         return {"module": name}

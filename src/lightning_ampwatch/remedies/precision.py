@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, Remedy, RemedyContext, RemedyError, RemedyName, \
     register
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -41,6 +41,7 @@ class Bf16Fallback(Remedy):
     effects = frozenset({Effect.PRECISION})
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
+        deepspeed_state.refuse(ctx.trainer, "bf16_fallback")
         before = _precision(ctx)
         if before == BF16:
             raise RemedyError(f"the run is already in {BF16}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from lightning_ampwatch import compat
+from lightning_ampwatch import compat, deepspeed_state
 from lightning_ampwatch.remedies.base import (
     AppliedRemedy,
     Effect,
@@ -81,6 +81,7 @@ class UnscaleBeforeClip(Remedy):
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         require_scaler(ctx)
+        deepspeed_state.refuse(ctx.trainer, "unscale_before_clip")
         _rescale_clipping(ctx)
         return {"clip_threshold": "multiplied by the current loss scale"}
 

@@ -144,7 +144,9 @@ class Treatment:
         # every rank goes back to the same step, or none to a snapshot
         target = decide(held[0] if len(set(held)) == 1 else None)
         if target is not None and snapshot is not None and snapshot.step == target:
-            episode = control.ring.batches(target + 1, now - 1) if self.replay_episode else []
+            # (the episode is re-run only where steps can be replayed: not under DeepSpeed's engine)
+            episode = control.ring.batches(target + 1, now - 1) \
+                if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
             snapshot.restore(control.state)
