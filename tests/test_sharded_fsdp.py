@@ -210,20 +210,7 @@ def _fit_bf16(out_dir: str) -> None:
 def test_fsdp2_without_a_scaler_no_rank_replays_alone_and_the_evidence_says_why(tmp_path: Path) -> None:
     # Without a scaler the ranks meet the NaN at different steps; a sharded replay on one rank alone would wait for
     # the others' all-gathers for ever. The child must finish well inside the limit.
-    import subprocess
-    import sys
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
-            f"t._fit_bf16({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "internal error" not in done.stderr, done.stderr[-3000:]
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    d = rank1[0]
-    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
-    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
-    # rank zero, which prints and logs, reports what rank 1 judged alone
-    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+    _rank1_judged_alone_in_a_child(tmp_path, "_fit_bf16")
 
 
 def test_fsdp2_an_lr_jump_rolls_back_each_rank_s_shard_and_reduce_lr_recovers(tmp_path: Path) -> None:
@@ -509,19 +496,7 @@ def test_fsdp1_without_a_scaler_keeps_snapshots_and_no_rank_replays_alone(tmp_pa
     # FSDP1 in bf16: the snapshots stay on (for rollback; the FP32 replay is not run), and a NaN on rank 1 alone is
     # judged there without a replay (a sharded forward would wait for rank 0) and reported by rank zero. The child
     # must finish well inside the limit.
-    import subprocess
-    import sys
-
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
-            f"t._fit_fsdp1_bf16({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "internal error" not in done.stderr, done.stderr[-3000:]
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    d = rank1[0]
-    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
-    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
-    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+    _rank1_judged_alone_in_a_child(tmp_path, "_fit_fsdp1_bf16")
     # the snapshots were on, on both ranks (they are kept for rollback though FSDP gathers bf16 parameters)
     assert all(json.loads((tmp_path / f"held{r}.json").read_text()) > 0 for r in range(2))
 
@@ -580,3 +555,22 @@ def test_fsdp1_a_rank_takes_and_restores_its_snapshot_alone(tmp_path: Path) -> N
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["restored"] is True
     assert 0 < result["bytes"] < 0.6 * 3 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # this rank's shard, not the whole
+
+
+def _rank1_judged_alone_in_a_child(tmp_path: Path, fit: str) -> None:
+    """Run ``fit`` (a function of this module writing each rank's diagnoses) in a child process, which must finish
+    well inside the limit (a replay on one rank alone would wait for ever), then check that the NaN in rank 1's data
+    was judged there without a replay, and that rank zero, which prints and logs, reports it."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
+            f"t.{fit}({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "internal error" not in done.stderr, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    d = rank1[0]
+    assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
+    assert d["evidence"]["replay"].startswith("not run: the model is sharded")
+    assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
