@@ -500,3 +500,12 @@ def test_reduce_lr_still_past_the_rise_scales_back_to_before_it_and_holds_there(
     # without a module to hold a ceiling on (a Fabric loop sets its own learning rates): scaled only, as before
     plain = unit.apply(replace(ctx, lightning_module=None), _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
     assert "ceiling" not in plain and plain["factor"] == 0.5
+    # nor under manual optimization (the training step steps its schedulers itself, past the module's hook)
+    module.automatic_optimization = False
+    manual = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
+    assert "ceiling" not in manual and manual["factor"] == 0.5
+    # nor without a scheduler (whatever raised the LR would raise it again, past a ceiling set once)
+    module.automatic_optimization = True
+    trainer.strategy.lr_scheduler_configs = []
+    unscheduled = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
+    assert "ceiling" not in unscheduled and unscheduled["factor"] == 0.5

@@ -79,6 +79,15 @@ def _scale(ctx: RemedyContext, factor: float) -> None:
         compat.scale_last_lr(sched, factor)
 
 
+def _can_hold(ctx: RemedyContext) -> bool:
+    """Whether a ceiling holds here: Lightning steps the schedulers through the module's hook (automatic
+    optimization, with a scheduler). Without a scheduler, or where the loop steps them itself (manual optimization,
+    Fabric), whatever raised the LR would raise it again past a ceiling only set once: the rates are scaled."""
+    module = ctx.lightning_module
+    return module is not None and getattr(module, "automatic_optimization", True) is True \
+        and bool(getattr(ctx.trainer, "lr_scheduler_configs", None))
+
+
 def _lrs(ctx: RemedyContext) -> list[float]:
     return [float(g["lr"]) for g in param_groups(ctx.trainer.optimizers)]
 
@@ -95,16 +104,16 @@ class ReduceLr(Remedy):
     effects = frozenset({Effect.OPTIMIZERS})
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
-        rise = _rise(diagnosis)
+        rise = _rise(diagnosis) if _can_hold(ctx) else None
         before = _lrs(ctx)
-        if rise is not None and ctx.lightning_module is not None:
+        if rise is not None:
             factor = self._ceiling_factor(ctx, diagnosis, before, rise[0])
         else:
             factor = _lr_factor(diagnosis) * _below_tried(ctx, diagnosis)
         if factor != 1.0:
             _scale(ctx, factor)
         details: dict[str, Any] = {"lr_before": before, "lr_after": _lrs(ctx), "factor": float(f"{factor:.6g}")}
-        if rise is not None and ctx.lightning_module is not None:
+        if rise is not None:
             held = LrCeiling.install(ctx.lightning_module, details["lr_after"])
             for config in getattr(ctx.trainer, "lr_scheduler_configs", []):
                 compat.held_last_lr(config.scheduler)
