@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.remedies import ISLAND_ATTR
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
+from test_trajectory_e2e import LrJump
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -41,6 +42,8 @@ class DumpRankState(Callback):
             "global_step": trainer.global_step,
             "skipped": self.watch.machine.skipped_total,
             "weights_finite": all(bool(torch.isfinite(p).all()) for p in params),
+            "lrs": [g["lr"] for opt in trainer.optimizers for g in opt.param_groups],
+            "scheduler_steps": [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs],
         }
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(state))
         torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()},
@@ -67,9 +70,9 @@ class RowsByRank(pl.LightningDataModule):
         return DataLoader(self.data, batch_size=16, sampler=DistributedSampler(self.data, shuffle=False))
 
 
-def _fit_ddp(tmp_path: Path, model: pl.LightningModule, data: TensorDataset,
-             max_steps: int) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
-    watch = AmpWatch(verbose=False, remediate=True)
+def _fit_ddp(tmp_path: Path, model: pl.LightningModule, data: TensorDataset, max_steps: int,
+             remediate: Any = True) -> tuple[list[dict[str, Any]], list[dict[str, torch.Tensor]]]:
+    watch = AmpWatch(verbose=False, remediate=remediate)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=max_steps, plugins=[true_fp16_plugin()],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -133,4 +136,23 @@ def test_input_range_on_rank_one_only_switches_both_ranks_to_bf16(tmp_path: Path
     assert [a["name"] for a in rank0["applied"]] == ["bf16_fallback"]
     for state in states:
         assert (state["precision"], state["scaler"]) == ("bf16-mixed", False)
+    _assert_in_step(states, weights, max_steps)
+
+
+def test_reduce_lr_after_an_lr_jump_holds_the_same_ceiling_on_both_ranks(tmp_path: Path) -> None:
+    # the LR jumps 100x at scheduler step 20 on both ranks; after the rollback each rank holds its LR at or under the
+    # one before the jump (a stand-in on its own module), so both re-run the jump at 0.03 and stay in step
+    pl.seed_everything(0, verbose=False)
+    max_steps = 50
+    states, weights = _fit_ddp(tmp_path, LrJump(), regression_data(n=512), max_steps, remediate=["reduce_lr"])
+    rank0, rank1 = states
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    assert rank0["applied"] == rank1["applied"], "both ranks must apply the same remedies"
+    d = _only_alarm(rank0["diagnoses"])
+    assert (d["finding"], d["remedy"]) == (Finding.LR_SCHEDULE.value, "reduce_lr")
+    assert d["evidence"]["rollback"].startswith("rolled back from step ")
+    details = d["evidence"]["remedy_details"]
+    assert details["factor"] == 1.0 and details["ceiling"] == [pytest.approx(3e-2)]
+    for state in states:  # the schedule came to its jump again after the rollback, and was held on each rank
+        assert state["scheduler_steps"][0] >= 20 and state["lrs"] == [pytest.approx(3e-2)]
     _assert_in_step(states, weights, max_steps)

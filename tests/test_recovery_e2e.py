@@ -132,27 +132,47 @@ def test_lower_init_scale_at_the_first_alarm_cuts_a_startup_collapse_short(tmp_p
     assert skipped[True] <= skipped[False] - 4
 
 
-def test_reduce_lr_after_an_lr_jump_goes_back_to_the_lr_before_it_and_is_held_to_the_first_run(
-        tmp_path: Path) -> None:
+def test_reduce_lr_after_an_lr_jump_goes_back_to_the_lr_before_it_and_recovers(tmp_path: Path) -> None:
     watch = AmpWatch(verbose=False, remediate=["reduce_lr"])
     trainer, *_ = _fit(tmp_path, LrJump, regression_data(), watch, max_steps=50)
     [d] = _remedied(watch)
     # The rollback went to the fit's start (the snapshot after step 0): one loss before it is not a stretch, so the
-    # remedied run is held to what the run first reached on the same steps from the same state. Scaling the whole
-    # schedule by 0.01 also slows the steps before the jump a hundredfold, so it does not get there: not recovered
-    # (it was called "recovered" against the single step-0 loss before).
-    assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "not_recovered")
+    # remedied run is held to what the run first reached on the same steps from the same state. The learning rates
+    # are held at or under the LR before the jump, and the steps before the jump re-run at the LR they first ran
+    # with, so it gets there (scaling the whole schedule by 0.01 slowed them a hundredfold: not recovered, 2.9x).
+    assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "recovered")
     recovery = d.evidence["recovery"]
     assert recovery["loss_before_from"] == "what the run first reached from the same state, on steps 1..8 before the " \
                                            "episode"
-    assert recovery["loss_ratio"] > 2
-    assert d.evidence["remedy_details"]["back_to"] == pytest.approx(3e-2)
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # the schedule keeps the lower level
+    details = d.evidence["remedy_details"]
+    assert details["back_to"] == pytest.approx(3e-2) and details["ceiling"] == pytest.approx([3e-2])
+    assert details["factor"] == 1.0  # the rollback brought the LR before the jump back: nothing to scale
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(3e-2)  # held after the jump came again
     # the first step run with the remedy is recorded at the LR it really ran with, not the one before the rollback
     timeline = read_timeline(tmp_path / "ampwatch" / "timeline.jsonl")
     lr_at = dict(zip(timeline.steps, timeline.lrs))
     first = watch.applied[0].step
     assert lr_at[first] == tuple(watch.applied[0].details["lr_after"]) != lr_at[first - 1]
+
+
+def test_after_an_lr_jump_the_rerun_runs_at_the_first_runs_lr_before_the_jump_and_is_held_there_after_it(
+        tmp_path: Path) -> None:
+    """What the ceiling changes, read from the timeline: the re-run steps before the jump run at the LR the first
+    run had on them (a scaled schedule ran them at a hundredth), and after the jump comes again the LR stays there
+    (the schedule alone would go to 3.0)."""
+    watch = AmpWatch(verbose=False, remediate=["reduce_lr"])
+    trainer, *_ = _fit(tmp_path, LrJump, regression_data(), watch, max_steps=50)
+    first = watch.applied[0].step
+    timeline = read_timeline(tmp_path / "ampwatch" / "timeline.jsonl")
+    first_run = {lr for step, lr in zip(timeline.steps, timeline.lrs) if 1 <= step < 20}
+    rerun = [lr for step, lr in zip(timeline.steps, timeline.lrs) if step >= first]
+    # the re-run's scheduler went back to step 1 at ``first``: its jump (step 20) is at first + 19; some are after it
+    after_jump = [step for step in timeline.steps if step >= first + 19]
+    assert first_run == {(3e-2,)} and len(rerun) >= 10 and len(after_jump) >= 3
+    assert set(rerun) == first_run, rerun
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch >= 20 and sched.get_last_lr() == [pytest.approx(3e-2)]  # the jump came, and was held
+    assert "lr_scheduler_step" not in LrJump.__dict__ and "lr_scheduler_step" not in trainer.lightning_module.__dict__
 
 
 def test_a_remedy_that_silences_nan_but_leaves_the_loss_high_is_not_recovered_and_escalates(tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.remedies import (
     DEFAULT_REMEDIES,
     ISLAND_ATTR,
+    HoldLrOnSkip,
+    LrCeiling,
     REGISTRY,
     AppliedRemedy,
     Effect,
@@ -389,3 +391,121 @@ def test_a_second_reduce_lr_after_one_that_did_not_recover_compounds_with_it(tmp
     tried = [{"remedy": "reduce_lr", "outcome": "not_recovered", "reason": "..."}]
     second = unit.apply(ctx, _diag(Finding.FP32_UNSTABLE, remedies_tried=tried))
     assert second["factor"] == pytest.approx(0.01) and opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+# ----------------------------------------------------------------------------- reduce_lr's ceiling
+
+
+class _TwoGroups(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+
+def _ceiling_fit(tmp_path: Path, schedule: Any) -> tuple[pl.Trainer, _TwoGroups, torch.optim.Optimizer, Any]:
+    """A real trainer holding a two-group SGD and a step scheduler, with the module attached to it."""
+    trainer, module = make_trainer(tmp_path, []), _TwoGroups()
+    opt = torch.optim.SGD([{"params": module.a.parameters(), "lr": 0.1},
+                           {"params": module.b.parameters(), "lr": 0.01}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opt.step()  # (no gradients: nothing moves) the order torch expects before a scheduler step
+    trainer.strategy.optimizers = [opt]
+    trainer.strategy.lr_scheduler_configs = [LRSchedulerConfig(sched, interval="step")]
+    module.trainer = trainer
+    return trainer, module, opt, sched
+
+
+def _lrs(opt: torch.optim.Optimizer) -> list[float]:
+    return [g["lr"] for g in opt.param_groups]
+
+
+def test_the_lr_ceiling_holds_each_group_under_its_cap_whatever_the_schedule_computes(tmp_path: Path) -> None:
+    # a schedule that halves at step 1 (under the caps: run as written) and jumps 100x from step 2
+    trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: 100.0 if s >= 2 else 0.5 if s == 1 else 1.0)
+    held = LrCeiling.install(module, [0.1, 0.01])
+    assert LrCeiling.installed(module) is held and held.module is module
+    module.lr_scheduler_step(sched, None)
+    assert _lrs(opt) == pytest.approx([0.05, 0.005])  # under the caps, the schedule as written
+    module.lr_scheduler_step(sched, None)
+    assert _lrs(opt) == [0.1, 0.01] and sched.get_last_lr() == [0.1, 0.01]  # the jump, held (and reported held)
+    assert sched.base_lrs == [0.1, 0.01]  # the schedule itself is untouched
+    # a second install lowers the caps where lower, never raises them, and clamps at once: still one wrapper
+    assert LrCeiling.install(module, [0.05, 0.02]) is held and held.caps == [0.05, 0.01]
+    assert _lrs(opt) == [0.05, 0.01]
+    assert not isinstance(held.original, LrCeiling)
+    # a copy of the module (an EMA callback's) does not copy the trainer, and holds nothing
+    copied = copy.deepcopy(module)
+    assert LrCeiling.installed(copied).optimizers() == []
+
+
+def test_the_lr_ceiling_stacks_with_hold_lr_on_skip_and_each_comes_out_on_its_own(tmp_path: Path) -> None:
+    for first_out in (LrCeiling, HoldLrOnSkip):
+        trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: 100.0 if s >= 1 else 1.0)
+        skipped = [True]
+        HoldLrOnSkip.install(module, lambda: skipped[0], lambda: [sched])
+        LrCeiling.install(module, [0.1, 0.01])
+        module.lr_scheduler_step(sched, None)
+        assert sched.last_epoch == 0  # the skipped step held the scheduler
+        skipped[0] = False
+        module.lr_scheduler_step(sched, None)
+        assert sched.last_epoch == 1 and _lrs(opt) == [0.1, 0.01]  # stepped, to 100x, and held
+        first_out.uninstall(module)
+        other = HoldLrOnSkip if first_out is LrCeiling else LrCeiling
+        assert first_out.installed(module) is None and other.installed(module) is not None
+        other.uninstall(module)
+        assert "lr_scheduler_step" not in module.__dict__  # the class's own hook again
+        module.lr_scheduler_step(sched, None)
+        assert _lrs(opt) == pytest.approx([10.0, 1.0])
+
+
+def test_reduce_lr_after_a_rollback_to_before_the_rise_sets_a_ceiling_and_scales_nothing(tmp_path: Path) -> None:
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: 40.0 if s >= 1 else 1.0)
+    ctx = RemedyContext(trainer=trainer, module=module, scaler=None, device=torch.device("cpu"),
+                        lightning_module=module)
+    details = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.1, lr_after=4.0))  # the LRs are those before
+    assert details == {"lr_before": [0.1, 0.01], "lr_after": [0.1, 0.01], "factor": 1.0, "ceiling": [0.1, 0.01],
+                       "back_to": 0.1}
+    assert unit.describe(details) == "learning rates held at or under 0.1, 0.01 (the LRs before the rise)"
+    module.lr_scheduler_step(sched, None)  # the schedule's 40x step
+    assert _lrs(opt) == [0.1, 0.01] and sched.base_lrs == [0.1, 0.01]
+    # a rung after it that did not recover: half what it set, and the ceiling with it
+    tried = [{"remedy": "reduce_lr", "outcome": "not_recovered", "reason": "..."}]
+    second = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.1, lr_after=4.0, remedies_tried=tried,
+                                   lr_tried=[0.1, 0.01]))
+    assert second["factor"] == 0.5 and second["ceiling"] == pytest.approx([0.05, 0.005])
+    assert unit.describe(second) == "learning rates x0.5: 0.1 -> 0.05, 0.01 -> 0.005, then held at or under 0.05, 0.005"
+    module.lr_scheduler_step(sched, None)
+    assert _lrs(opt) == pytest.approx([0.05, 0.005])
+    # a resume: a new module and trainer, the record as the checkpoint gives it back; the ceiling is put back
+    record = AppliedRemedy.from_dict(json.loads(json.dumps(AppliedRemedy(unit.name, 30, "LR_SCHEDULE",
+                                                                         second).to_dict())))
+    resumed, module2, opt2, sched2 = _ceiling_fit(tmp_path, lambda s: 40.0 if s >= 1 else 1.0)
+    reapply_all(replace(ctx, trainer=resumed, module=module2, lightning_module=module2), [record])
+    module2.lr_scheduler_step(sched2, None)
+    assert _lrs(opt2) == pytest.approx([0.05, 0.005])
+
+
+def test_reduce_lr_still_past_the_rise_scales_back_to_before_it_and_holds_there(tmp_path: Path) -> None:
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: 1.0)
+    for group in opt.param_groups:
+        group["lr"] *= 40  # no rollback: the run is still at the risen LR
+    ctx = RemedyContext(trainer=trainer, module=module, scaler=None, device=torch.device("cpu"),
+                        lightning_module=module)
+    details = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.1, lr_after=4.0))
+    assert details["factor"] == 0.025 and details["ceiling"] == pytest.approx([0.1, 0.01])
+    assert unit.describe(details) == ("learning rates x0.025: 4 -> 0.1, 0.4 -> 0.01, then held at or under 0.1, 0.01 "
+                                      "(the LRs before the rise)")
+    # without a module to hold a ceiling on (a Fabric loop sets its own learning rates): scaled only, as before
+    plain = unit.apply(replace(ctx, lightning_module=None), _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
+    assert "ceiling" not in plain and plain["factor"] == 0.5
+    # nor under manual optimization (the training step steps its schedulers itself, past the module's hook)
+    module.automatic_optimization = False
+    manual = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
+    assert "ceiling" not in manual and manual["factor"] == 0.5
+    # nor without a scheduler (whatever raised the LR would raise it again, past a ceiling set once)
+    module.automatic_optimization = True
+    trainer.strategy.lr_scheduler_configs = []
+    unscheduled = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
+    assert "ceiling" not in unscheduled and unscheduled["factor"] == 0.5

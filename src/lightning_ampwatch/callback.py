@@ -21,7 +21,7 @@ from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: 
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
-from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, RemedyContext
+from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, LrCeiling, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import Snapshot, TrainState
@@ -89,7 +89,7 @@ class LightningHost:
         if scaler is None:  # DeepSpeed fp16: the scaler remedies act on its own loss scaler, through its view
             scaler = self.precision().loss_scale
         return RemedyContext(trainer=self.trainer, module=self.module, scaler=scaler, device=self.module.device,
-                             safe_scale=safe_scale, guards=guards)
+                             safe_scale=safe_scale, guards=guards, lightning_module=self.module)
 
     def rollback_unavailable(self) -> str | None:
         """Why no checkpoint can be rolled back to in this fit, or None. Every strategy Lightning loads checkpoints
@@ -344,6 +344,7 @@ class AmpWatch(Callback):
         if self._host is not None:
             try:
                 HoldLrOnSkip.uninstall(self._host.module)
+                LrCeiling.uninstall(self._host.module)  # reduce_lr's, put back by reapply on a resume
             except Exception as err:  # noqa: BLE001 - clean-up never raises
                 self.watcher.internal_failure("clean-up", err)
         self._host = None

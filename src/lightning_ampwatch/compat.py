@@ -94,6 +94,14 @@ def scale_last_lr(scheduler: Any, factor: float) -> None:
         scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
 
 
+def held_last_lr(scheduler: Any) -> None:
+    """What ``get_last_lr()`` reports, made the optimizer's learning rates again after they were held under a
+    ceiling (as torch sets it at the end of a step; no public setter)."""
+    opt = getattr(scheduler, "optimizer", None)
+    if hasattr(scheduler, "_last_lr") and opt is not None:
+        scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+
+
 # --------------------------------------------------------------------------------------------
 # torch.autograd graph nodes (read a few nodes below the loss)
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
+from lightning_ampwatch.remedies.hold_lr import LrCeiling, clamp_lrs, param_groups
 from lightning_ampwatch.verdicts import TrajectoryResult
 
 PRECISIONS = ("fp32", "amp")
@@ -830,7 +831,19 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
                 type(scheduler).step(scheduler)  # the class's, not an instance-level stand-in
             else:
                 step(state.module, scheduler, None)
+    if state.schedulers:
+        _hold_ceiling(state)
     return total, skipped
+
+
+def _hold_ceiling(state: TrainState) -> None:
+    """``reduce_lr``'s ceiling, where the live run holds one: a replayed step's learning rates are those the live
+    run's would be (the ceiling answers for every step, unlike ``hold_lr_on_skip``)."""
+    ceiling = LrCeiling.installed(state.module)
+    if ceiling is not None:
+        clamp_lrs(param_groups(state.optimizers), ceiling.caps)
+        for scheduler, _ in state.schedulers:
+            compat.held_last_lr(scheduler)
 
 
 def _clip(state: TrainState, optimizer: torch.optim.Optimizer) -> None:

@@ -61,6 +61,10 @@ class RemedyContext:
     switch_precision: Callable[[str], None] | None = None
     """Swap the run's precision for the named one (``"bf16-mixed"``); None: ``trainer`` is a Lightning Trainer and
     its strategy's precision plugin is replaced."""
+    lightning_module: Any = None
+    """The LightningModule whose ``lr_scheduler_step`` the trainer calls for every scheduler step, where a ceiling on
+    the learning rates can be held (``reduce_lr`` after an LR rise); None: the loop steps its schedulers and sets its
+    learning rates itself (Fabric), and ``reduce_lr`` lowers the optimizers' and the schedulers' rates instead."""
 
 
 @dataclass
