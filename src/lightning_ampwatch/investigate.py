@@ -598,6 +598,9 @@ class TrajectoryControl:
         said = self.cadence.observe(copy_s, *span, room_steps=room)
         if self.cadence.decided:
             ring.every = self.cadence.every
+            # the bound on held steps follows the interval (as the ring sets it from the one it was made with): a
+            # longer interval under the old bound let every snapshot go before the next was due
+            ring.max_held_steps = max(ring.max_held_steps, ring.every * (self.keep + 2))
             self._step_ends = None  # measured: no clock on the steps from here on
         if said is not None:
             self.say(said)
