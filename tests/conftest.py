@@ -59,7 +59,8 @@ def fp16_trainer(tmp_path: Any) -> Callable[..., pl.Trainer]:
 @pytest.fixture
 def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
     """Every step the callback feeds its machine, in order, as Observations (the machine still runs as usual).
-    Clean steps on the fast path (``observe_clean``) are recorded as the Observation they stand for."""
+    Clean steps on the fast path (``observe_clean``, or ``observe_clean_run`` for the ones taken in later) are
+    recorded as the Observation they stand for."""
     seen: list[Observation] = []
     original, original_clean = AmpStateMachine.observe, AmpStateMachine.observe_clean
 
@@ -73,6 +74,15 @@ def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
                                 loss_finite=None if loss is None else loss == loss and abs(loss) != float("inf")))
         original_clean(self, step, scale, grew, lrs, loss)
 
+    original_run = AmpStateMachine.observe_clean_run
+
+    def recording_run(self: AmpStateMachine, steps: Any, scales: Any, grews: Any, lrss: Any) -> None:
+        # a run of clean steps the watcher took in later (at its next log step): the same Observations, in order
+        seen.extend(Observation(step=step, skipped=False, scale=scale, grew=grew, lrs=lrs, loss=None, loss_finite=None)
+                    for step, scale, grew, lrs in zip(steps, scales, grews, lrss))
+        original_run(self, steps, scales, grews, lrss)
+
     monkeypatch.setattr(AmpStateMachine, "observe", recording)
     monkeypatch.setattr(AmpStateMachine, "observe_clean", recording_clean)
+    monkeypatch.setattr(AmpStateMachine, "observe_clean_run", recording_run)
     return seen

@@ -139,3 +139,24 @@ def test_auto_times_the_whole_snapshot_step_over_an_ordinary_one(monkeypatch: py
     assert cadence.steps == pytest.approx([1e-3] * 2)  # the spans' steps, the snapshot's extra taken off
     assert cadence.every == control.ring.every == snapshot_interval(5e-3, 1e-3, 20) == 1000
     assert said and "every 1000 steps instead of every 20" in said[0]
+
+
+def test_a_longer_interval_keeps_the_snapshots_until_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the cadence lengthens the interval, the ring holds the batches of as many steps as the new interval
+    needs: its bound on held steps was the first interval's (20 x 4), so a healthy run's snapshots were let go 80
+    steps after each one ("a long stretch of trouble") and the FP32 control had none to replay from."""
+    now = [0.0]
+    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
+    net = nn.Linear(4, 2)
+    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, lambda _: None, adaptive=True)
+    control.start(0)
+    for step in range(1201):
+        now[0] += 1e-3 + (5e-3 if step and step % 20 == 0 and step <= 60 else 0.0)
+        control.note_step(step, [(torch.zeros(4), step)], True, True)
+        if step == 999:  # the longest wait: the newest snapshot is the one taken before the interval changed
+            assert control.ring.dropped is None and [s.step for s in control.ring.snapshots] == [40, 60]
+    assert control.ring.every == 1000
+    assert control.ring.dropped is None
+    assert [s.step for s in control.ring.snapshots] == [60, 1000]
+    assert [step for step, _ in control.ring.batches(61, 1200)] == list(range(61, 1201))

@@ -277,7 +277,7 @@ class AmpWatch(Callback):
 
     @property
     def machine(self) -> AmpStateMachine | None:
-        return self.watcher.machine
+        return self.watcher.caught_up().machine
 
     @property
     def event_log(self) -> Any:

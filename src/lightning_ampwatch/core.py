@@ -87,6 +87,8 @@ from lightning_ampwatch.trajectory import SnapshotRing, retrain
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
+#: The most clean steps taken in later at once (a run with no log steps still hands them over this often).
+MAX_DEFERRED = 64
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -162,6 +164,19 @@ class RunWatcher(WatchState):
     def event_log(self) -> Any:
         return getattr(self.reporters, "event_log", None)
 
+    def caught_up(self) -> "RunWatcher":
+        """The watcher with every clean step taken in (:meth:`_flush_clean`): what an adapter reads the machine of
+        between log steps (the per-step path hands the machine a healthy run's steps at its next log step)."""
+        try:
+            self._flush_clean()
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("the machine's catch-up", err)
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        self.caught_up()  # a checkpoint between log steps holds every step taken
+        return super().state_dict()
+
     @property
     def precision(self) -> PrecisionInfo | None:
         return self.ledger.precision if self.ledger is not None else None
@@ -231,6 +246,7 @@ class RunWatcher(WatchState):
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
+        self._plan_deferral()
 
     def _start_trajectory(self) -> None:
         """The snapshot ring and what a replay drives (again after a remedy swaps the precision)."""
@@ -321,7 +337,9 @@ class RunWatcher(WatchState):
                 return  # mid-accumulation: no optimizer step in this batch
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = self.machine.quiet  # type: ignore[union-attr]
-            self._take_closed(ledger.close(self.host, quiet, micro_batch), quiet)
+            closed = ledger.close(self.host, quiet, micro_batch)
+            if closed is not None:  # None: no backward ran, or a clean step deferred (in ``ledger.deferred``)
+                self._take_closed(closed, quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
                 self._at_log_step()
@@ -337,6 +355,7 @@ class RunWatcher(WatchState):
         """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
         ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
         assert ledger is not None and reporters is not None and machine is not None and host is not None
+        self._flush_clean()
         self._take(ledger.drain_at_log_step(host))
         steps, skipped, nonfinite = ledger.take_log_counts()
         ranks = self._ranks
@@ -352,6 +371,7 @@ class RunWatcher(WatchState):
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
+        self._plan_deferral()
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
@@ -370,6 +390,7 @@ class RunWatcher(WatchState):
 
     @_guarded
     def _finish(self) -> None:
+        self._flush_clean()
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self._read_losses()
@@ -392,6 +413,10 @@ class RunWatcher(WatchState):
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
         timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
+        try:
+            self._flush_clean()  # the clean steps not taken in yet: the timeline and the machine as they would be
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("clean-up", err)
         for undo in (self.ledger.stop if self.ledger is not None else None,
                      self.guards.detach,
                      self.investigations.close if self.investigations is not None else None,
@@ -420,6 +445,7 @@ class RunWatcher(WatchState):
             return
         machine, ledger = self.machine, self.ledger
         assert machine is not None and ledger is not None
+        self._flush_clean()  # the clean steps before this one first, in order
         control = self.trajectory
         if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
             if self.world_size == 1:
@@ -440,10 +466,61 @@ class RunWatcher(WatchState):
                 self._take_divergences()
         elif closed.resolved:
             self._take(closed.resolved)
+        self._plan_deferral()
+
+    # ------------------------------------------------------------------ clean steps taken in later
+
+    def _flush_clean(self) -> None:
+        """Take in the clean steps the ledger deferred (its fast path, below ``ledger.defer_until``), in one run: their
+        batches to the trajectory control, then the machine, then the timeline, as :meth:`_take_closed` takes a clean
+        step, with the same result (each room's run method equals one call per step; the three do not read one
+        another). Called before anything reads or changes those rooms' state: a log step, any step that is not a
+        deferred clean one, an emitted diagnosis, a step boundary, the fit's end, ``close``, ``state_dict`` and the
+        adapters' ``machine``."""
+        ledger = self.ledger
+        if ledger is None or not ledger.deferred:
+            return
+        run, ledger.deferred = ledger.deferred, []
+        steps, batches, scales, grews, lrss = zip(*run)  # the run as columns, in one C call
+        control = self.trajectory
+        if control is not None:
+            control.note_run(steps, batches)
+        machine = self.machine
+        if machine is not None:
+            machine.observe_clean_run(steps, scales, grews, lrss)
+        timeline = self._timeline
+        if timeline is not None:
+            timeline.record_clean_run(steps, scales, lrss)
+
+    def _plan_deferral(self) -> None:
+        """Up to which step the ledger may defer clean steps: the next snapshot that may be due (a multiple of the
+        ring's interval, taken by the full route), at most ``MAX_DEFERRED`` steps on; none while the cadence times
+        every step or a remedy is watched (every step is a step boundary then)."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        step = ledger.step_index  # the next step to be closed
+        treatment = self.treatment
+        if self.disabled or treatment.watch is not None or treatment.due:
+            ledger.defer_until = step
+            return
+        limit = step + MAX_DEFERRED
+        control = self.trajectory
+        if control is not None:
+            every = control.defer_limit
+            if every is not None:
+                if every <= 0:
+                    ledger.defer_until = step
+                    return
+                due = -(-step // every) * every  # the first multiple of ``every`` at or after ``step``
+                if due < limit:
+                    limit = due
+        ledger.defer_until = limit
 
     def _read_losses(self) -> None:
         """Every held loss read (one copy), and handed to the machine's loss level."""
         assert self.ledger is not None and self.machine is not None
+        self._flush_clean()
         self.ledger.read_losses()
         self.machine.note_losses(self.ledger.take_unnoted())
 
@@ -452,6 +529,7 @@ class RunWatcher(WatchState):
         published."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
+        self._flush_clean()
         timeline = self._timeline
         for step in resolved:
             if step.losses_before:
@@ -482,6 +560,7 @@ class RunWatcher(WatchState):
         trajectory replays where a snapshot allows, then published or treated like any other."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
+        self._flush_clean()
         for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
             if investigations is not None and diagnosis.is_alarm:
                 diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
@@ -491,6 +570,7 @@ class RunWatcher(WatchState):
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
         divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
         since a treatment is a decision every rank must take together."""
+        self._flush_clean()  # the steps before it taken in: the timeline dates its marker by them
         ledger = self.ledger
         if self.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
             diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
@@ -512,6 +592,7 @@ class RunWatcher(WatchState):
         returns records; the changes to the run, the machine and the ledger are made here."""
         treatment, machine, ledger = self.treatment, self.machine, self.ledger
         assert machine is not None and ledger is not None
+        self._flush_clean()
         agreed = self._agreed
         for diagnosis in treatment.take_due():
             if treatment.folds(diagnosis):
@@ -543,6 +624,7 @@ class RunWatcher(WatchState):
         control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+        self._plan_deferral()
 
     def _ended(self, ended: Any) -> None:
         """A watched remedy's outcome is known: the record updated, and after one that did not recover, the next
@@ -682,6 +764,7 @@ class RunWatcher(WatchState):
         """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
         it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
         published after a remedy took the scaler away) is not repeated."""
+        self._flush_clean()
         if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
             return
         self.diagnoses.append(diagnosis)
@@ -691,6 +774,7 @@ class RunWatcher(WatchState):
     def _update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
         record, and the sinks get it once more."""
+        self._flush_clean()
         at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
         if at is None:
             self.diagnoses.append(new)

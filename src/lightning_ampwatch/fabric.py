@@ -140,7 +140,7 @@ class FabricWatch:
 
     @property
     def machine(self) -> AmpStateMachine | None:
-        return self.watcher.machine
+        return self.watcher.caught_up().machine
 
     @property
     def event_log(self) -> Any:

@@ -555,6 +555,34 @@ class TrajectoryControl:
             if len(ends) > 4 * ring.every:  # no snapshot for long (a stretch of trouble): the newest suffice
                 del ends[:-ring.every]
 
+    def note_run(self, steps: Sequence[int], batches: Sequence[Any]) -> None:
+        """:meth:`note_step` for a run of clean steps taken in later (their steps and batches, in order): the batches
+        kept. The core defers no step a snapshot is due at, and none while the cadence measures (its clock
+        is read at each step's end), so keeping the batches is all :meth:`note_step` would do for them."""
+        ring = self.ring
+        if not ring.enabled:
+            return
+        try:
+            ring.add_run(steps, batches)
+        except Exception as err:  # noqa: BLE001 - as note_step
+            self._failed(err)
+            return
+        if not ring.enabled:
+            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
+                     "loss trend still separates divergence from overflow.")
+
+    @property
+    def defer_limit(self) -> int | None:
+        """For the core's deferral: the interval the next snapshot is due at a multiple of, 0 when clean steps may
+        not be deferred at all (the cadence is measuring: each step's end is timed), None when no snapshot is
+        taken."""
+        ring = self.ring
+        if not ring.enabled:
+            return None
+        if self._step_ends is not None:
+            return 0
+        return ring.every
+
     def _timed_snapshot(self, step: int) -> None:
         """A snapshot that is due, timed for the cadence, which sets the interval (once, said once).
 
@@ -586,6 +614,9 @@ class TrajectoryControl:
         said = self.cadence.observe(copy_s, *span, room_steps=room)
         if self.cadence.decided:
             ring.every = self.cadence.every
+            # the bound on held steps follows the interval (as the ring sets it from the one it was made with): a
+            # longer interval under the old bound let every snapshot go before the next was due
+            ring.max_held_steps = max(ring.max_held_steps, ring.every * (self.keep + 2))
             self._step_ends = None  # measured: no clock on the steps from here on
         if said is not None:
             self.say(said)

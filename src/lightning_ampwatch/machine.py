@@ -10,9 +10,10 @@ import math
 import statistics
 import types
 from collections import deque
+from itertools import compress
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any, Iterable, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Mapping, Sequence, Union, get_args, get_origin, get_type_hints
 
 from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, LrEvent, advise
 
@@ -448,6 +449,47 @@ class AmpStateMachine:
             self._record_lr(step, lrs)
         if loss is not None:
             self._take_loss(step, loss)
+
+    def observe_clean_run(self, steps: Sequence[int], scales: Sequence[float | None], grews: Sequence[bool],
+                          lrss: Sequence[tuple[float, ...]]) -> None:
+        """:meth:`observe_clean` for a run of clean steps taken in later, at once, as columns (one entry per step,
+        in step order; every step taken while :attr:`quiet`, with no loss read). The same state as one call per
+        step: the counts added, the skip window pruned at the newest step (pruning is monotonic), the first and
+        largest scale over the run, the growths in order, and the LR checked only where the run's LR tuple changes
+        (after a check :attr:`MachineState.lr_last` holds that tuple's LR, so an unchanged tuple is a no-op)."""
+        n = len(steps)
+        if not n:
+            return
+        s = self.state
+        s.steps_seen += n
+        skips = s.recent_skips
+        if skips:
+            limit = steps[-1] - self.thresholds.window
+            while skips and skips[0] <= limit:
+                skips.popleft()
+        if None in scales:
+            scales = [v for v in scales if v is not None]
+        if scales:
+            if s.first_scale is None:
+                s.first_scale = scales[0]
+            if self.mode is PrecisionMode.FP16:
+                top = max(scales)
+                if s.max_safe_scale is None or top > s.max_safe_scale:
+                    s.max_safe_scale = top
+        s.streak_from_start = False
+        if True in grews:
+            s.growths.extend(compress(steps, grews))
+        first = lrss[0]
+        if lrss.count(first) == n:  # one LR through the run (a constant LR keeps its tuple): one check
+            if first and (first[0] if len(first) == 1 else max(first)) != s.lr_last:
+                self._record_lr(steps[0], first)
+            return
+        previous: tuple[float, ...] | None = None
+        for step, lrs in zip(steps, lrss):
+            if lrs is not previous:
+                previous = lrs
+                if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != s.lr_last:
+                    self._record_lr(step, lrs)
 
     def note_losses(self, losses: Iterable[tuple[int, float]]) -> None:
         """Healthy steps' losses read after the fact (the adapter reads them in batches, at no added sync), in

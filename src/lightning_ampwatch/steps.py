@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from operator import itemgetter, truediv
 from typing import Any, Sequence
 
 import torch
@@ -46,6 +47,7 @@ LOSS_RING_MAX_STEPS = 1024
 #: Step losses kept once read, for checking a remedy's outcome over the steps after it.
 RECENT_LOSSES = 256
 _NONE_RESOLVED: list["ResolvedStep"] = []  # a clean step resolves nothing (shared, never appended to)
+_first, _second = itemgetter(0), itemgetter(1)
 
 
 class OpenStep:
@@ -106,8 +108,11 @@ class LossRing:
     def stacked(self) -> Tensor | None:
         """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
         of one dtype and device (the usual case) are stacked as they are: one op for the lot."""
-        entries = self.entries
-        losses = [loss for _, tape in entries for loss, _ in tape]
+        tapes = list(map(_second, self.entries))
+        if sum(map(len, tapes)) == len(tapes):  # one backward per step, the usual case: each tape's first loss (C)
+            losses = list(map(_first, map(_first, tapes)))
+        else:
+            losses = [loss for tape in tapes for loss, _ in tape]
         if not losses:
             return None
         try:
@@ -121,9 +126,10 @@ class LossRing:
     def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
         """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
         entries = self.entries
-        if len(values) == len(entries):  # one backward per step, the usual case: one comprehension
+        if len(values) == len(entries):  # one backward per step, the usual case: (step, value / its scale), in C
             self.entries = []
-            return [(step, value / tape[0][1]) for (step, tape), value in zip(entries, values)]
+            scales = map(_second, map(_first, map(_second, entries)))
+            return list(zip(map(_first, entries), map(truediv, values, scales)))
         out: list[tuple[int, float]] = []
         i = 0
         for step, tape in entries:
@@ -174,6 +180,11 @@ class StepLedger:
         self._fast_path = False
         self._host_loss = False
         self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
+        # Clean fast-path steps the core takes in later, in one run (``RunWatcher._flush_clean``): each
+        # ``(step, batches, scale, grew, lrs)``, while the step is below ``defer_until`` (the core's: its next snapshot,
+        # its cap; 0: none deferred). ``close`` returns None for such a step.
+        self.deferred: list[tuple[int, list[MicroBatch], float | None, bool, tuple[float, ...]]] = []
+        self.defer_until = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -193,6 +204,8 @@ class StepLedger:
         self._pending.clear()
         self._batches = []
         self._clean.batches = []
+        self.deferred = []
+        self.defer_until = 0
         self._tape = LossTape()
         self.losses.entries = []
 
@@ -297,7 +310,8 @@ class StepLedger:
         taken). ``split``: another optimizer steps next in the same batch (manual optimization, a GAN's generator
         then discriminator): this step takes the losses handed to backward before it began; the later ones stay
         for the next step (which shares them when there are none: several optimizers stepped from one backward).
-        Each optimizer step is a step, as Lightning's ``global_step`` counts them."""
+        Each optimizer step is a step, as Lightning's ``global_step`` counts them. Also None for a clean fast-path
+        step below :attr:`defer_until`: it joins :attr:`deferred`, for the core to take in later."""
         self.stepped = False
         tape, batches = self._tape, self._batches
         if micro_batch is not None:
@@ -368,7 +382,11 @@ class StepLedger:
             losses = self.losses
             entries = losses.entries
             entries.append((step, tape))
-            if len(entries) >= losses.capacity:
+            if len(entries) < losses.capacity:
+                if step < self.defer_until:  # the core takes it in later, with the run of clean steps it ends
+                    self.deferred.append((step, batches, scale, grew, lrs))
+                    return None
+            else:
                 self.read_losses()
             clean = self._clean
             clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \

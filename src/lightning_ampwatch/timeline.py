@@ -127,6 +127,44 @@ class Timeline:
         self._held = self._last_row = None
         self._last_step = step
 
+    def record_clean_run(self, steps: Sequence[int], scales: Sequence[float | None],
+                         lrss: Sequence[tuple[float, ...]]) -> None:
+        """:meth:`record_clean` for a run of healthy steps taken in later, at once, as columns (one entry per step,
+        in step order): the same rows and state as one call per step. The steps :meth:`record_clean` would only hold
+        are passed over (found with C-level counts where the steps are consecutive), and only the last of such a
+        stretch is held: each holding replaces the one before it, unread."""
+        if self.path is None:
+            return
+        n, i = len(steps), 0
+        consecutive = steps[-1] - steps[0] == n - 1  # strictly increasing: no gap
+        while i < n:
+            last = self._last_kept
+            if last is None or self._previous_anomalous:
+                self.record_step(steps[i], skipped=False, scale=scales[i], lrs=lrss[i])
+                i += 1
+                continue
+            stride, last_scale, last_lrs = self.stride, last.get("scale"), last["lrs"]
+            j = -1
+            if consecutive and last_scale == last_scale:  # the next multiple of the stride, then a change before it
+                j = min(i + (-steps[i]) % stride, n)
+                if scales[i:j].count(last_scale) != j - i or lrss[i:j].count(last_lrs) != j - i:
+                    j = -1  # a change in the stretch: step by step (a NaN scale too, above: count's identity)
+            if j < 0:
+                j = i
+                while j < n:
+                    if steps[j] % stride == 0 or scales[j] != last_scale or lrss[j] != last_lrs:
+                        break
+                    j += 1
+            if j > i:  # held, as record_clean holds it
+                step = steps[j - 1]
+                self._held_args = (step, scales[j - 1], lrss[j - 1])
+                self._held = self._last_row = None
+                self._last_step = step
+            if j < n:
+                self.record_step(steps[j], skipped=False, scale=scales[j], lrs=lrss[j])
+                j += 1
+            i = j
+
     def _materialize_held(self) -> None:
         step, scale, lrs = self._held_args  # type: ignore[misc]
         self._held_args = None
@@ -260,10 +298,10 @@ class Timeline:
     def _encode(self, row: dict[str, Any]) -> dict[str, Any]:
         if "event" in row:
             return row
-        out = {k: v for k, v in row.items() if k != "lrs"}
+        out = row.copy()  # the row less its LRs, in its own key order (C calls, not a comprehension per row)
+        lrs = out.pop("lrs", ())
         if "loss" in out:
             out["loss"] = _loss_json(out["loss"])
-        lrs = row.get("lrs", ())
         if lrs != self._last_lrs:
             out["lrs"] = list(lrs)
             self._last_lrs = lrs

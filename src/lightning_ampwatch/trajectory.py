@@ -16,6 +16,7 @@ import math
 import operator
 import os
 from collections import OrderedDict, deque
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -588,6 +589,23 @@ class SnapshotRing:
             self._batches[step] = (micro_batches, -1)
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
             self._unheld = micro_batches
+
+    def add_run(self, steps: Sequence[int], batches: Sequence[Any]) -> None:
+        """:meth:`add_batches` for a run of steps taken in later, at once, as columns (in step order): one ``update``
+        of the held steps when the run comes after them and stays within ``max_held_steps`` (the usual case), else
+        one call per step."""
+        if not self.enabled or not steps:
+            return
+        if not self._snapshots:
+            self._unheld = batches[-1]  # as add_batches: only the latest is kept
+            return
+        held = self._batches
+        if len(held) + len(steps) <= self.max_held_steps and (steps[0] > self._newest_held or not held):
+            held.update(zip(steps, zip(batches, repeat(-1))))
+            self._newest_held = steps[-1]
+            return
+        for step, micro_batches in zip(steps, batches):
+            self.add_batches(step, micro_batches)
 
     def after_step(self, step: int, state: TrainState, *, due: bool = False) -> None:
         """Optimizer step ``step`` (0-based: ``trainer.global_step - 1`` once it is over) is over: take a snapshot
