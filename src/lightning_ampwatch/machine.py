@@ -1,21 +1,30 @@
 """The taxonomy state machine: one observation per optimizer step in, diagnoses out.
 
 Pure Python (no torch, no Lightning) so that every rule can be tested with synthetic sequences.
-It decides *what* is wrong; how the numbers were measured and what to do about them live elsewhere.
+It decides *what* is wrong; how the numbers were measured and what to do about them live elsewhere. The loss level
+it compares with (the healthy reference, the climb, the level after a rollback) is tracked by the
+:class:`~lightning_ampwatch.reference.HealthyReference` it owns (``reference.py``); what it carries from step to step,
+and its checkpoint, is ``machine_state.py``'s. The names of both stay importable from here.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import types
 from collections import deque
-from itertools import compress
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, Iterable, Mapping, Sequence, Union, get_args, get_origin, get_type_hints
+from itertools import compress
+from typing import Any, Iterable, Mapping, Sequence, get_type_hints
 
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, LrEvent, advise
+# what the machine carries, and the healthy reference it owns: their names stay importable from here
+from lightning_ampwatch.lr_history import lr_event, record_lr
+from lightning_ampwatch.machine_state import (  # noqa: F401
+    SCALE_HISTORY, Episode, LrPoint, LrRise, MachineState, NormalCall, Streak, decode, plain,
+)
+from lightning_ampwatch.reference import (  # noqa: F401
+    HEALTHY_RISE, SKIP_LOG, Climb, HealthyReference, LevelAt, Reference,
+)
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, LrEvent, advise
 
 
 class PrecisionMode(str, Enum):
@@ -131,203 +140,8 @@ class Observation:
         return self.skipped or self.loss_finite is False
 
 
-# ------------------------------------------------------------------------------------ the machine's state
-
-#: How many scales of a streak its ``scale_history`` evidence keeps.
-SCALE_HISTORY = 24
-#: Healthy losses needed before there is a loss level to compare with.
-_LEVEL_MIN_LOSSES = 3
-#: A stretch whose newer half has a median above this many times its older half's is climbing, not healthy; nor
-#: is one whose median is this many times the healthy level before it (a slow build, under ``divergence_ratio``).
-HEALTHY_RISE = 2.0
-#: The healthy level is re-judged every this many candidate losses (and at the first sign of trouble): a few
-#: medians of ``loss_window`` numbers, not one per step.
-_PROMOTE_EVERY = 4
-_INF = math.inf
-#: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
-#: ring a rollback reads keeps as many steps).
-SKIP_LOG = 256
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
 DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
-
-
-@dataclass
-class Episode:
-    """An open alarm: raised once, closed when training has been clean for a while (and, for a divergence, once
-    the loss is back under the climb threshold)."""
-
-    finding: Finding
-    onset: int
-    clean_run: int = 0
-    growth_survived: int = 0
-    back_run: int = 0  # losses in a row back under ``HEALTHY_RISE`` x the base (a divergence ends only then)
-    finite: bool = False  # opened by a finite divergence (found in this rank's own losses)
-
-
-@dataclass
-class Streak:
-    """The anomalous steps in a row so far, in bounded memory: a run stuck at NaN is one endless streak."""
-
-    first_step: int
-    first_scale: float | None
-    count: int = 0
-    all_loss_finite: bool = True
-    scales: deque[float | None] = field(default_factory=lambda: deque(maxlen=SCALE_HISTORY))
-
-    def __post_init__(self) -> None:
-        self.scales = deque(self.scales, maxlen=SCALE_HISTORY)
-
-
-@dataclass
-class LrPoint:
-    """A step at which the (largest) learning rate changed, and its new value."""
-
-    step: int
-    lr: float
-
-
-@dataclass
-class LrRise:
-    """The latest rise of the learning rate: increases in a row, each within ``lr_lookback`` steps of the last."""
-
-    start_step: int
-    start_lr: float
-    top_step: int
-    top_lr: float
-    points: int = 1
-
-
-@dataclass
-class Climb:
-    """Losses in a row above ``divergence_ratio`` x the level: the run may be diverging."""
-
-    start_step: int
-    level: float
-    start_loss: float
-    last_step: int
-    last_loss: float
-    steps: int = 1
-
-
-@dataclass
-class Reference:
-    """A loss level known to be healthy: the median of a stretch of finite losses taken while nothing was in
-    progress (no episode, no skip awaiting its verdict) and that was not climbing."""
-
-    level: float
-    first_step: int
-    last_step: int
-    count: int
-
-
-@dataclass(frozen=True)
-class LevelAt:
-    """The loss level a run had where a rollback took it back to: the median of the losses of the ``loss_window``
-    steps before ``resumed_at`` (steps ``first_step``..``last_step``), or None (``why`` says why) when that stretch
-    was not healthy or held no loss."""
-
-    resumed_at: int
-    level: float | None
-    first_step: int
-    last_step: int
-    why: str | None = None
-    count: int = 0  # the losses the level is the median of
-    ahead: bool = False  # the losses are those the run first had on the steps it runs again (too few before them)
-
-
-@dataclass
-class NormalCall:
-    """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
-
-    step: int
-    evidence: dict[str, Any]
-
-
-@dataclass
-class MachineState:
-    """Everything the machine carries from one step to the next; its checkpoint is this, as plain JSON."""
-
-    episode: Episode | None = None
-    steps_seen: int = 0
-    skipped_total: int = 0
-    nonfinite_total: int = 0
-    normal_reported: bool = False
-    normal_call: NormalCall | None = None
-    isolated_since: int | None = None
-    streak: Streak | None = None
-    streak_from_start: bool = True
-    recent_skips: deque[int] = field(default_factory=deque)
-    growths: deque[int] = field(default_factory=deque)
-    growth_skips: deque[int] = field(default_factory=deque)
-    lr_history: deque[LrPoint] = field(default_factory=deque)
-    lr_last: float | None = None
-    lr_rise: LrRise | None = None
-    first_scale: float | None = None
-    max_safe_scale: float | None = None
-    losses: deque[float] = field(default_factory=deque)
-    loss_steps: deque[int] = field(default_factory=deque)  # the step of each entry of ``losses``
-    climb: Climb | None = None
-    closed_episodes: list[dict[str, Any]] = field(default_factory=list)
-    reference: Reference | None = None  # the newest healthy level
-    reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
-    start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
-    divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
-    skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback
-    # judges the stretch it goes back to by them)
-    rebased_why: str | None = None  # why the latest rollback left no healthy level (None: it left one, or none came)
-
-
-def _plain(value: Any) -> Any:
-    """A state value as JSON-ready lists, dicts and scalars."""
-    if is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, (list, tuple, deque)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _decode(kind: Any, value: Any, where: str) -> Any:
-    """Rebuild one checkpoint entry as its annotation says; anything else raises ValueError naming the entry."""
-    origin, args = get_origin(kind), get_args(kind)
-    if kind is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _decode(inner, value, where)
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        try:
-            return kind(value)
-        except ValueError:
-            valid = ", ".join(m.value for m in kind)
-            raise ValueError(f"{where}: {value!r} is not a {kind.__name__} (valid: {valid})") from None
-    if is_dataclass(kind):
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
-        hints = get_type_hints(kind)
-        try:  # entries a later version added are ignored; a missing required one is an error
-            return kind(**{f.name: _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
-                           for f in fields(kind) if f.name in value})
-        except TypeError as err:
-            raise ValueError(f"{where}: {err}") from None
-    if origin in (list, deque):
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where} must be a list, got {type(value).__name__}")
-        return [_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
-        return {str(k): _decode(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
-    numeric = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
-    if (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)) or \
-            (numeric and (kind is float or isinstance(value, int))):
-        return kind(value)
-    raise ValueError(f"{where} must be {getattr(kind, '__name__', kind)}, got {value!r}")
 
 
 # ------------------------------------------------------------------------------------ the machine
@@ -353,7 +167,8 @@ class AmpStateMachine:
         that holds is not known yet; the adapter measures it from the replay's gradients."""
         self.state = self._fresh_state()
         self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
-        self._since_promote = 0  # candidate losses taken since the healthy level was last judged
+        self.healthy = HealthyReference(self)
+        """The healthy-reference tracker: the loss level, the climb, the level after a rollback."""
         self.divergence_opens_episode = True
         """A finite divergence opens an episode (later alarms are part of it). Off under DDP, where each rank finds
         it in its own losses while the ranks must keep meeting the agreed alarms (skips) together: it is then
@@ -391,7 +206,7 @@ class AmpStateMachine:
 
         if obs.anomalous:
             if self.quiet:  # the first sign of whatever comes: the healthy level stands as it was before it
-                self._promote()
+                self.healthy.promote()
                 s.reference_before_skip = s.reference
             if s.start_loss is None and obs.loss is not None and math.isfinite(obs.loss):
                 s.start_loss = obs.loss  # a skipped step leaves the weights as they were: still the start
@@ -410,7 +225,7 @@ class AmpStateMachine:
 
         if obs.grew:
             s.growths.append(obs.step)
-        self._record_lr(obs.step, obs.lrs)
+        record_lr(s, t, obs.step, obs.lrs)
         return out
 
     def take_pending(self) -> list[Diagnosis]:
@@ -446,9 +261,9 @@ class AmpStateMachine:
         if grew:
             s.growths.append(step)
         if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != s.lr_last:
-            self._record_lr(step, lrs)
+            record_lr(s, self.thresholds, step, lrs)
         if loss is not None:
-            self._take_loss(step, loss)
+            self.healthy.take_loss(step, loss)
 
     def observe_clean_run(self, steps: Sequence[int], scales: Sequence[float | None], grews: Sequence[bool],
                           lrss: Sequence[tuple[float, ...]]) -> None:
@@ -482,96 +297,51 @@ class AmpStateMachine:
         first = lrss[0]
         if lrss.count(first) == n:  # one LR through the run (a constant LR keeps its tuple): one check
             if first and (first[0] if len(first) == 1 else max(first)) != s.lr_last:
-                self._record_lr(steps[0], first)
+                record_lr(s, self.thresholds, steps[0], first)
             return
         previous: tuple[float, ...] | None = None
         for step, lrs in zip(steps, lrss):
             if lrs is not previous:
                 previous = lrs
                 if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != s.lr_last:
-                    self._record_lr(step, lrs)
+                    record_lr(s, self.thresholds, step, lrs)
+
+    # ---------------------------------------------------------------- the healthy reference (HealthyReference's)
 
     def note_losses(self, losses: Iterable[tuple[int, float]]) -> None:
-        """Healthy steps' losses read after the fact (the adapter reads them in batches, at no added sync), in
-        step order: they feed :attr:`loss_level` and mark a climb exactly as ``observe_clean(loss=...)`` would.
-        The adapter hands them over before it observes any later anomalous step."""
-        # :meth:`_take_loss` for each, with its common case inline (a log step hands over ~50 at once): while nothing
-        # is in progress (no climb, episode, streak, isolated skip or noted divergence), a finite loss under the climb
-        # threshold only joins the candidate window, and the level is re-judged every ``_PROMOTE_EVERY`` losses. That
-        # state and the threshold are read once, and again after anything that may change them (a re-judged level,
-        # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
-        if not isinstance(losses, list):
-            losses = list(losses)
-        taken = self._note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
-        s, take, promote = self.state, self._take_loss, self._promote
-        ratio = self.thresholds.divergence_ratio
-        limit: float | None = None  # the climb threshold while the inline path holds; None: read the state again
-        since = self._since_promote
-        for step, loss in (losses[taken:] if taken else losses):
-            if limit is None:
-                start = s.start_loss
-                if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
-                        or s.streak is not None or s.isolated_since is not None):
-                    self._since_promote = since
-                    take(step, loss)
-                    since = self._since_promote
-                    continue
-                ref = s.reference
-                limit = ratio * (ref.level if ref is not None else start)
-                window, window_steps = s.losses, s.loss_steps
-            if not -_INF < loss < _INF or loss > limit:
-                self._since_promote = since
-                take(step, loss)
-                since = self._since_promote
-                limit = None
-                continue
-            window.append(loss)
-            window_steps.append(step)
-            since += 1
-            if since >= _PROMOTE_EVERY:  # quiet: read with the threshold
-                promote()
-                since = self._since_promote
-                limit = None
-        self._since_promote = since
+        """Healthy steps' losses read after the fact, in step order (:meth:`HealthyReference.note_losses`): they
+        feed :attr:`loss_level` and mark a climb exactly as ``observe_clean(loss=...)`` would. The adapter hands them
+        over before it observes any later anomalous step."""
+        self.healthy.note_losses(losses)
 
+    # the tracker's fast path and counter, as tests read them on the machine
     def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
-        """The inline path of :meth:`note_losses` over whole runs of losses with C builtins: while nothing is in
-        progress and every loss of the batch is finite, the losses up to the next re-judged level are taken at once
-        when none of them is above the climb threshold in force (one ``max``, two ``extend``), and the level is
-        re-judged exactly where the one-by-one path re-judges it. Returns how many losses it took, from the first:
-        it stops before the first run that holds a loss over the threshold (the rest go one by one)."""
-        s = self.state
-        start = s.start_loss
-        if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
-                or s.streak is not None or s.isolated_since is not None):
-            return 0
-        steps, values = zip(*batch)
-        if not all(map(math.isfinite, values)):
-            return 0
-        ratio, promote = self.thresholds.divergence_ratio, self._promote
-        window, window_steps = s.losses, s.loss_steps
-        n, since = len(values), self._since_promote
-        ref = s.reference
-        limit = ratio * (ref.level if ref is not None else start)
-        taken = 0
-        end = max(1, _PROMOTE_EVERY - since)  # where the level is re-judged first (after this many losses)
-        while taken < n:
-            end = min(end, n)
-            run = values[taken:end]
-            if max(run) > limit:
-                break
-            window.extend(run)
-            window_steps.extend(steps[taken:end])
-            since += end - taken
-            taken = end
-            if since >= _PROMOTE_EVERY:
-                promote()  # as the one-by-one path: the level re-judged, and the threshold with it
-                since = self._since_promote
-                ref = s.reference
-                limit = ratio * (ref.level if ref is not None else start)
-            end = taken + _PROMOTE_EVERY
-        self._since_promote = since
-        return taken
+        return self.healthy._note_healthy_run(batch)
+
+    @property
+    def _since_promote(self) -> int:
+        """Candidate losses taken since the healthy level was last judged (the tracker's)."""
+        return self.healthy._since_promote
+
+    def reference_for(self, onset: int) -> Reference | None:
+        """The healthy level from before ``onset``, or None (:meth:`HealthyReference.reference_for`)."""
+        return self.healthy.reference_for(onset)
+
+    def reference_evidence(self, onset: int) -> dict[str, Any]:
+        """``loss_reference`` before ``onset``, or why there is none (:meth:`HealthyReference.reference_evidence`)."""
+        return self.healthy.reference_evidence(onset)
+
+    def level_before(self, recent: Iterable[tuple[int, float]], resumed_at: int) -> LevelAt:
+        """The loss level the run had where a rollback takes it back to (:meth:`HealthyReference.level_before`)."""
+        return self.healthy.level_before(recent, resumed_at)
+
+    def rebase(self, at: LevelAt) -> None:
+        """The run went back to an earlier state: its healthy level is the one it had there
+        (:meth:`HealthyReference.rebase`)."""
+        self.healthy.rebase(at)
+
+    # has_reference, loss_level and start_loss read the tracker's fields in the state they share, with no call into it
+    # (has_reference is read on every snapshot step)
 
     @property
     def has_reference(self) -> bool:
@@ -601,29 +371,6 @@ class AmpStateMachine:
         or a run in trouble from its start). A level is never made of the trouble it is compared with."""
         ref = self.state.reference
         return ref.level if ref is not None else None
-
-    def reference_for(self, onset: int) -> Reference | None:
-        """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
-        came before it: then there is nothing the episode can be measured against but what training itself shows."""
-        s = self.state
-        for ref in (s.reference, s.reference_before_skip):
-            if ref is not None and ref.last_step < onset:
-                return ref
-        return None
-
-    def reference_evidence(self, onset: int) -> dict[str, Any]:
-        """``loss_reference`` (the healthy level before ``onset``, or None) and, when there is none, why."""
-        ref = self.reference_for(onset)
-        if ref is not None:
-            return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
-        start = self.state.start_loss
-        rebased = self.state.rebased_why
-        why = (f"no healthy loss level before step {onset}: {rebased}" if rebased is not None else
-               f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
-               "could be seen")
-        if start is not None:
-            why += f"; the run's first loss was {start:.4g}"
-        return {"loss_reference": None, "loss_reference_why": why, "loss_at_start": start}
 
     @property
     def start_loss(self) -> float | None:
@@ -657,12 +404,12 @@ class AmpStateMachine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to carry on after a resume without re-announcing old episodes (plain JSON)."""
-        return _plain(self.state)
+        return plain(self.state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take up a checkpointed state. A malformed one (not a dict, an unknown Finding, a wrong type) raises
         ValueError naming the bad entry, and leaves this machine as it was."""
-        loaded = _decode(MachineState, state, "machine state")
+        loaded = decode(MachineState, state, "machine state")
         fresh = self._fresh_state()
         for f in fields(fresh):  # the bounded containers keep their bounds
             bound = getattr(fresh, f.name)
@@ -681,88 +428,6 @@ class AmpStateMachine:
         s.climb = None
         s.recent_skips.clear()
         s.growth_skips.clear()
-
-    def level_before(self, recent: Iterable[tuple[int, float]], resumed_at: int) -> LevelAt:
-        """The loss level the run had where a rollback takes it back to (``resumed_at``: the first step run again),
-        from ``recent`` ((step, loss) pairs as read) over the ``loss_window`` steps before it, judged as a healthy
-        stretch is: every loss finite, no two skipped steps in a row, its newer half not climbing over its older half,
-        and not a slow build above the healthy level before it. Otherwise there is no level, and
-        ``why`` says why."""
-        t, s = self.thresholds, self.state
-        recent = list(recent)
-        then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
-        where = f"the run went back to step {resumed_at}"
-        if len(then) < _LEVEL_MIN_LOSSES:  # a point is not a stretch (a rollback to the fit's start holds one loss)
-            ahead = self._level_ahead(recent, resumed_at)
-            if ahead is not None:
-                return ahead
-            if then:
-                n = len(then)
-                return LevelAt(resumed_at, None, then[0][0], then[-1][0], (
-                    f"{where}, and only {n} loss{'' if n == 1 else 'es'} {'was' if n == 1 else 'were'} read in the "
-                    f"{t.loss_window} steps before it: too few to tell a healthy stretch"))
-        if not then:
-            return LevelAt(resumed_at, None, resumed_at, resumed_at, (
-                f"{where}, and no loss was read in the {t.loss_window} steps before it"))
-        first, last = then[0][0], then[-1][0]
-        span = f"steps {first}..{last}" if last > first else f"step {first}"
-
-        def unhealthy(what: str) -> LevelAt:
-            return LevelAt(resumed_at, None, first, last, f"{where}, and the losses of {span} before it {what}: not "
-                                                          "a healthy stretch")
-
-        bad = next((step for step, loss in then if not math.isfinite(loss)), None)
-        if bad is not None:
-            return unhealthy(f"include a non-finite one (step {bad})")
-        skips = sorted(step for step in s.skip_log if resumed_at - t.loss_window <= step < resumed_at)
-        streak = next((a for a, b in zip(skips, skips[1:]) if b == a + 1), None)
-        if streak is not None:
-            return unhealthy(f"include skipped steps in a row (from step {streak})")
-        losses = [loss for _, loss in then]
-        half = len(losses) // 2  # (a single loss shows no climb)
-        older, newer = (statistics.median(losses[:half]), statistics.median(losses[half:])) if half else (0.0, 0.0)
-        if half and newer > HEALTHY_RISE * older:
-            return unhealthy(f"climb ({older:.4g} -> {newer:.4g})")
-        level = statistics.median(losses)
-        before = self.reference_for(first)
-        if before is not None and level > HEALTHY_RISE * before.level:
-            return unhealthy(f"stand at {level:.4g}, {level / before.level:.3g}x the healthy level {before.level:.4g} "
-                             "before them (a slow build)")
-        return LevelAt(resumed_at, level, first, last, count=len(losses))
-
-    def _level_ahead(self, recent: list[tuple[int, float]], resumed_at: int) -> LevelAt | None:
-        """Too few losses before ``resumed_at`` to judge a stretch (a rollback to the fit's start has one): the
-        losses the run first had on the ``recovery_steps`` steps it now runs again, from the same state, when every
-        one of them was read, finite, not skipped in a row, and before the open episode's onset. Their median is
-        what a healthy run reached from that state, so the remedied run is held to it. None when they do not
-        qualify (the caller then judges the few losses before, and a single loss shows no climb)."""
-        t, s = self.thresholds, self.state
-        end = resumed_at + t.recovery_steps
-        if s.episode is None or s.episode.onset < end:
-            return None
-        ahead = sorted((step, loss) for step, loss in recent if resumed_at <= step < end)
-        if [step for step, _ in ahead] != list(range(resumed_at, end)):
-            return None
-        if not all(math.isfinite(loss) for _, loss in ahead):
-            return None
-        skips = sorted(step for step in s.skip_log if resumed_at <= step < end)
-        if any(b == a + 1 for a, b in zip(skips, skips[1:])):
-            return None
-        losses = [loss for _, loss in ahead]
-        return LevelAt(resumed_at, statistics.median(losses), resumed_at, end - 1, count=len(losses), ahead=True)
-
-    def rebase(self, at: LevelAt) -> None:
-        """The run went back to an earlier state (a rollback): its healthy level is the one it had there, if that
-        stretch was healthy (:meth:`level_before`); otherwise there is none, and the evidence of a later alarm says
-        why. What was climbing belongs to abandoned steps."""
-        s = self.state
-        s.reference = None if at.level is None else Reference(at.level, at.first_step, at.last_step, at.count)
-        s.rebased_why = at.why
-        s.reference_before_skip = s.reference
-        s.losses.clear()
-        s.loss_steps.clear()
-        s.climb = None
-        self._since_promote = 0
 
     def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
         """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
@@ -786,7 +451,7 @@ class AmpStateMachine:
                 s.max_safe_scale = obs.scale
         episode_before = s.episode
         if obs.loss is not None:
-            self._take_loss(obs.step, obs.loss)
+            self.healthy.take_loss(obs.step, obs.loss)
         streak, from_start = s.streak, s.streak_from_start
         s.streak = None
         s.streak_from_start = False
@@ -821,109 +486,6 @@ class AmpStateMachine:
                 s.closed_episodes.append({"finding": ep.finding.value, "onset": ep.onset, "end": obs.step})
                 s.episode = None
                 s.growth_skips.clear()
-        return out
-
-    def _take_loss(self, step: int, loss: float) -> None:
-        """A step's finite loss: part of a climb when far above the healthy base, otherwise a candidate for the
-        healthy level. A climb that goes on for ``divergence_steps`` losses is a finite divergence."""
-        if not math.isfinite(loss):
-            return
-        s, t = self.state, self.thresholds
-        if s.start_loss is None:
-            s.start_loss = loss
-        ref = s.reference
-        base = ref.level if ref is not None else s.start_loss
-        ep = s.episode
-        if loss > t.divergence_ratio * base and s.climb is None and self._since_promote and self.quiet:
-            self._promote()  # a climb may start here: measure it against the level as of the step before
-            ref = s.reference
-            base = ref.level if ref is not None else s.start_loss
-        if base > 0 and loss > t.divergence_ratio * base:
-            climb = s.climb
-            if climb is None:
-                climb = s.climb = Climb(step, base, loss, step, loss)
-            else:
-                climb.last_step, climb.last_loss, climb.steps = step, loss, climb.steps + 1
-            if ep is not None:
-                ep.back_run = 0
-            elif climb.steps >= t.divergence_steps and not s.divergence_noted:
-                self._pending.extend(self._finite_divergence(climb))
-            return
-        s.climb = None
-        if s.divergence_noted and (base <= 0 or loss <= HEALTHY_RISE * base):
-            s.divergence_noted = False
-        if ep is not None:
-            ep.back_run = ep.back_run + 1 if base <= 0 or loss <= HEALTHY_RISE * base else 0
-        s.losses.append(loss)
-        s.loss_steps.append(step)
-        self._since_promote += 1
-        if self._since_promote >= _PROMOTE_EVERY and self.quiet:
-            self._promote()
-
-    def _promote(self) -> None:
-        """Make the candidate stretch the healthy level, if it looks healthy: enough finite losses, its newer half
-        not climbing over its older half, and not a slow build above the level before it."""
-        self._since_promote = 0
-        s = self.state
-        losses = list(s.losses)
-        n = len(losses)
-        if n < _LEVEL_MIN_LOSSES:
-            return
-        # statistics.median's arithmetic (the middle of the sorted values, or the mean of the two middle ones), on
-        # lists made here: no per-call type checks (a log step re-judges the level about a dozen times)
-        half = n // 2
-        newer, older = losses[half:], losses[:half]
-        newer.sort()
-        older.sort()
-        n_new = n - half
-        mid = n_new // 2
-        newer_median = newer[mid] if n_new % 2 else (newer[mid - 1] + newer[mid]) / 2
-        mid = half // 2
-        older_median = older[mid] if half % 2 else (older[mid - 1] + older[mid]) / 2
-        if newer_median > HEALTHY_RISE * older_median:
-            return
-        losses.sort()
-        level = losses[half] if n % 2 else (losses[half - 1] + losses[half]) / 2
-        ref = s.reference
-        if ref is not None and level > HEALTHY_RISE * ref.level:
-            return
-        steps = s.loss_steps  # the deque's ends: no list of it
-        first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
-        s.reference = Reference(level, first, last, n)
-
-    def _finite_divergence(self, climb: Climb) -> list[Diagnosis]:
-        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: an alarm of
-        its own (the optimisation diverges; no skip or NaN needed), dated at the climb's start, or at the skip
-        just before it."""
-        s, t = self.state, self.thresholds
-        onset = climb.start_step
-        for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
-            if skip >= onset:
-                continue
-            if onset - skip > 2 * t.streak:
-                break
-            onset = skip
-        ref = self.reference_for(onset)
-        base_from = "the healthy level" if ref is not None else "the run's first loss"
-        ev: dict[str, Any] = {
-            "precision": self.mode.value, "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
-            **self.reference_evidence(onset), "loss_at_onset": climb.start_loss, "diverged_first": True,
-            "climb_base": climb.level, "climb_base_from": base_from, "climb_steps": climb.steps,
-            "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {climb.start_step}.."
-                          f"{climb.last_step}, {climb.steps} losses in a row above {t.divergence_ratio:g}x "
-                          f"{base_from}, none of them NaN or inf",
-            "skipped_steps": s.skipped_total, "steps": s.steps_seen,
-        }
-        lr = self._lr_event(onset, s.lr_last)
-        if lr is not None:
-            ev.update(lr)
-        finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
-        if not self.divergence_opens_episode:
-            s.divergence_noted = True
-            return [self._make(finding, onset, ev)]
-        out = self._raise(self._make(finding, onset, ev), climb.last_step)
-        assert s.episode is not None
-        s.episode.finite = True
         return out
 
     # ---------------------------------------------------------------- classification
@@ -975,9 +537,9 @@ class AmpStateMachine:
         first = self._first_sign(obs.step)
         climb = s.climb if s.climb is not None and s.climb.steps >= t.climb_steps else None
         if climb is not None:
-            ev.update(self._climb_evidence(climb, first))
+            ev.update(self.healthy.climb_evidence(climb, first))
             if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
-                lr = self._lr_event(climb.start_step, max(obs.lrs, default=None))
+                lr = lr_event(s, t, climb.start_step, max(obs.lrs, default=None))
                 if lr is not None:
                     ev.update(lr)
                     return self._make(Finding.LR_SCHEDULE, climb.start_step, ev)
@@ -993,7 +555,7 @@ class AmpStateMachine:
                 return None
             onset = int(ev.pop("onset", obs.step))
 
-        lr = self._lr_event(onset, max(obs.lrs, default=None))
+        lr = lr_event(s, t, onset, max(obs.lrs, default=None))
         if lr is not None:
             ev.update(lr)
             return self._make(Finding.LR_SCHEDULE, onset, ev)
@@ -1011,15 +573,6 @@ class AmpStateMachine:
             ev.update(input_absmax=batch.absmax, input_where=batch.absmax_where)
             return self._make(Finding.INPUT_RANGE, onset, ev)
         return self._make(candidate, onset, ev)
-
-    def _climb_evidence(self, climb: Climb, first_sign: int) -> dict[str, Any]:
-        first = climb.start_step < first_sign
-        when = "before any overflow" if first else f"after the first skip at step {first_sign}"
-        return {
-            "loss_level": climb.level, "loss_at_onset": climb.start_loss, "diverged_first": first,
-            "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps "
-                          f"{climb.start_step}..{climb.last_step} {when}",
-        }
 
     def _gradient_pattern(self, obs: Observation, ev: dict[str, Any]) -> Finding | None:
         """Skips with a finite loss: which overflow pattern, if any, they already form."""
@@ -1073,64 +626,6 @@ class AmpStateMachine:
     def _scaler_ev(self) -> dict[str, Any]:
         keys = ("growth_interval", "growth_factor", "backoff_factor")
         return {k: self.scaler_config[k] for k in keys if k in self.scaler_config}
-
-    # ---------------------------------------------------------------- learning rate
-
-    def _record_lr(self, step: int, lrs: tuple[float, ...]) -> None:
-        """Keep the LR's change points only (a constant LR costs nothing per step), and the latest rise."""
-        if not lrs:
-            return
-        s = self.state
-        lr = max(lrs)
-        if lr == s.lr_last:
-            return
-        s.lr_last = lr
-        previous = s.lr_history[-1] if s.lr_history else None
-        if previous is not None and lr > previous.lr:
-            rise = s.lr_rise
-            if rise is not None and rise.top_step == previous.step and \
-                    step - previous.step <= self.thresholds.lr_lookback:
-                rise.top_step, rise.top_lr, rise.points = step, lr, rise.points + 1
-            else:  # a new rise, from the LR just before it
-                s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
-        s.lr_history.append(LrPoint(step, lr))
-
-    def _lr_event(self, onset: int, now_lr: float | None = None) -> dict[str, Any] | None:
-        """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase. ``now_lr``
-        is the LR of the latest step (not yet in the history): a warmup still rising has not ended."""
-        t, s = self.thresholds, self.state
-        # A warmup climbs over many steps, so its last few rise little: judge it by the whole rise (from the LR
-        # it started at to a peak just before the onset). A single jump is an increase, not a warmup; and a ramp
-        # whose LR is still going up at the onset (or after it) has not peaked: its warmup has not ended.
-        rise = s.lr_rise
-        stopped = rise is not None and (now_lr is None or now_lr <= rise.top_lr)
-        if (rise is not None and stopped and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
-                and rise.top_lr >= t.warmup_ratio * rise.start_lr):
-            return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
-                    "lr_change_step": rise.top_step, "lr_ramp_start": rise.start_lr,
-                    "lr_ramp_start_step": rise.start_step}
-        start = onset - t.lr_lookback - 1
-        in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
-        window = [LrPoint(start, p.lr) for p in in_force]
-        window += [p for p in s.lr_history if start <= p.step < onset]
-        best: tuple[float, LrPoint, LrPoint] | None = None
-        lowest: LrPoint | None = None
-        for point in window:
-            if lowest is not None and point.lr > lowest.lr:
-                ratio = math.inf if lowest.lr <= 0 else point.lr / lowest.lr
-                if best is None or ratio > best[0]:
-                    best = (ratio, lowest, point)
-            if lowest is None or point.lr < lowest.lr:
-                lowest = point
-        if best is None or best[0] < 1 + t.lr_rise:
-            return None
-        _, lo, hi = best
-        ev: dict[str, Any] = {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr,
-                              "lr_change_step": hi.step}
-        if rise is not None and rise.points >= 2 and rise.start_lr < lo.lr and rise.top_step >= lo.step:
-            # the rise is the end of a longer ramp: where that began is its own field, not the LR before
-            ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)
-        return ev
 
     # ---------------------------------------------------------------- helpers
 

@@ -1,0 +1,91 @@
+"""The learning rate's history, as the state machine keeps it: the change points only (a constant LR costs
+nothing per step) and the latest rise, in :class:`~lightning_ampwatch.machine_state.MachineState`; and which LR
+event, if any, came just before an onset (a warmup that just peaked, or a plain increase). Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_ampwatch.taxonomy import LrEvent
+
+if TYPE_CHECKING:
+    from lightning_ampwatch.machine import Thresholds
+    from lightning_ampwatch.machine_state import MachineState
+
+
+@dataclass
+class LrPoint:
+    """A step at which the (largest) learning rate changed, and its new value."""
+
+    step: int
+    lr: float
+
+
+@dataclass
+class LrRise:
+    """The latest rise of the learning rate: increases in a row, each within ``lr_lookback`` steps of the last."""
+
+    start_step: int
+    start_lr: float
+    top_step: int
+    top_lr: float
+    points: int = 1
+
+
+def record_lr(s: MachineState, t: Thresholds, step: int, lrs: tuple[float, ...]) -> None:
+    """Keep the LR's change points only (a constant LR costs nothing per step), and the latest rise."""
+    if not lrs:
+        return
+    lr = max(lrs)
+    if lr == s.lr_last:
+        return
+    s.lr_last = lr
+    previous = s.lr_history[-1] if s.lr_history else None
+    if previous is not None and lr > previous.lr:
+        rise = s.lr_rise
+        if rise is not None and rise.top_step == previous.step and \
+                step - previous.step <= t.lr_lookback:
+            rise.top_step, rise.top_lr, rise.points = step, lr, rise.points + 1
+        else:  # a new rise, from the LR just before it
+            s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
+    s.lr_history.append(LrPoint(step, lr))
+
+
+def lr_event(s: MachineState, t: Thresholds, onset: int, now_lr: float | None = None) -> dict[str, Any] | None:
+    """An LR rise in the steps just before ``onset``: a warmup that just peaked, or a plain increase. ``now_lr``
+    is the LR of the latest step (not yet in the history): a warmup still rising has not ended."""
+    # A warmup climbs over many steps, so its last few rise little: judge it by the whole rise (from the LR
+    # it started at to a peak just before the onset). A single jump is an increase, not a warmup; and a ramp
+    # whose LR is still going up at the onset (or after it) has not peaked: its warmup has not ended.
+    rise = s.lr_rise
+    stopped = rise is not None and (now_lr is None or now_lr <= rise.top_lr)
+    if (rise is not None and stopped and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
+            and rise.top_lr >= t.warmup_ratio * rise.start_lr):
+        return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
+                "lr_change_step": rise.top_step, "lr_ramp_start": rise.start_lr,
+                "lr_ramp_start_step": rise.start_step}
+    start = onset - t.lr_lookback - 1
+    in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
+    window = [LrPoint(start, p.lr) for p in in_force]
+    window += [p for p in s.lr_history if start <= p.step < onset]
+    best: tuple[float, LrPoint, LrPoint] | None = None
+    lowest: LrPoint | None = None
+    for point in window:
+        if lowest is not None and point.lr > lowest.lr:
+            ratio = math.inf if lowest.lr <= 0 else point.lr / lowest.lr
+            if best is None or ratio > best[0]:
+                best = (ratio, lowest, point)
+        if lowest is None or point.lr < lowest.lr:
+            lowest = point
+    if best is None or best[0] < 1 + t.lr_rise:
+        return None
+    _, lo, hi = best
+    ev: dict[str, Any] = {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr,
+                          "lr_change_step": hi.step}
+    if rise is not None and rise.points >= 2 and rise.start_lr < lo.lr and rise.top_step >= lo.step:
+        # the rise is the end of a longer ramp: where that began is its own field, not the LR before
+        ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)
+    return ev

@@ -1,0 +1,142 @@
+"""What the state machine carries from one step to the next (:class:`MachineState` and its parts), and its
+checkpoint: plain JSON written by :func:`plain`, read back by :func:`decode`, which checks every entry against its
+annotation. Pure Python (no torch, no Lightning). The healthy reference's fields are here too (one state, one
+checkpoint); the logic that keeps them is :mod:`lightning_ampwatch.reference`'s.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
+
+from lightning_ampwatch.lr_history import LrPoint, LrRise
+from lightning_ampwatch.reference import Climb, Reference
+from lightning_ampwatch.taxonomy import Finding
+
+#: How many scales of a streak its ``scale_history`` evidence keeps.
+SCALE_HISTORY = 24
+
+
+@dataclass
+class Episode:
+    """An open alarm: raised once, closed when training has been clean for a while (and, for a divergence, once
+    the loss is back under the climb threshold)."""
+
+    finding: Finding
+    onset: int
+    clean_run: int = 0
+    growth_survived: int = 0
+    back_run: int = 0  # losses in a row back under ``HEALTHY_RISE`` x the base (a divergence ends only then)
+    finite: bool = False  # opened by a finite divergence (found in this rank's own losses)
+
+
+@dataclass
+class Streak:
+    """The anomalous steps in a row so far, in bounded memory: a run stuck at NaN is one endless streak."""
+
+    first_step: int
+    first_scale: float | None
+    count: int = 0
+    all_loss_finite: bool = True
+    scales: deque[float | None] = field(default_factory=lambda: deque(maxlen=SCALE_HISTORY))
+
+    def __post_init__(self) -> None:
+        self.scales = deque(self.scales, maxlen=SCALE_HISTORY)
+
+
+@dataclass
+class NormalCall:
+    """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
+
+    step: int
+    evidence: dict[str, Any]
+
+
+@dataclass
+class MachineState:
+    """Everything the machine carries from one step to the next; its checkpoint is this, as plain JSON."""
+
+    episode: Episode | None = None
+    steps_seen: int = 0
+    skipped_total: int = 0
+    nonfinite_total: int = 0
+    normal_reported: bool = False
+    normal_call: NormalCall | None = None
+    isolated_since: int | None = None
+    streak: Streak | None = None
+    streak_from_start: bool = True
+    recent_skips: deque[int] = field(default_factory=deque)
+    growths: deque[int] = field(default_factory=deque)
+    growth_skips: deque[int] = field(default_factory=deque)
+    lr_history: deque[LrPoint] = field(default_factory=deque)
+    lr_last: float | None = None
+    lr_rise: LrRise | None = None
+    first_scale: float | None = None
+    max_safe_scale: float | None = None
+    losses: deque[float] = field(default_factory=deque)
+    loss_steps: deque[int] = field(default_factory=deque)  # the step of each entry of ``losses``
+    climb: Climb | None = None
+    closed_episodes: list[dict[str, Any]] = field(default_factory=list)
+    reference: Reference | None = None  # the newest healthy level
+    reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
+    start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
+    divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
+    skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback
+    # judges the stretch it goes back to by them)
+    rebased_why: str | None = None  # why the latest rollback left no healthy level (None: it left one, or none came)
+
+
+def plain(value: Any) -> Any:
+    """A state value as JSON-ready lists, dicts and scalars."""
+    if is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (list, tuple, deque)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def decode(kind: Any, value: Any, where: str) -> Any:
+    """Rebuild one checkpoint entry as its annotation says; anything else raises ValueError naming the entry."""
+    origin, args = get_origin(kind), get_args(kind)
+    if kind is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return decode(inner, value, where)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            valid = ", ".join(m.value for m in kind)
+            raise ValueError(f"{where}: {value!r} is not a {kind.__name__} (valid: {valid})") from None
+    if is_dataclass(kind):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+        hints = get_type_hints(kind)
+        try:  # entries a later version added are ignored; a missing required one is an error
+            return kind(**{f.name: decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+                           for f in fields(kind) if f.name in value})
+        except TypeError as err:
+            raise ValueError(f"{where}: {err}") from None
+    if origin in (list, deque):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} must be a list, got {type(value).__name__}")
+        return [decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be a dict, got {type(value).__name__}")
+        return {str(k): decode(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
+    numeric = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (kind is bool and isinstance(value, bool)) or (kind is str and isinstance(value, str)) or \
+            (numeric and (kind is float or isinstance(value, int))):
+        return kind(value)
+    raise ValueError(f"{where} must be {getattr(kind, '__name__', kind)}, got {value!r}")
