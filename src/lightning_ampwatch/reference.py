@@ -3,8 +3,8 @@
 Pure Python (no torch, no Lightning), like the machine that owns it. :class:`HealthyReference` takes the losses the
 adapter reads (one step's, or a log step's batch), keeps the candidate stretch, makes it the healthy level when it looks
 healthy (:class:`Reference`), marks a climb above it (:class:`Climb`), and after a rollback finds the level the run had
-where it went back to (:class:`LevelAt`). Its fields live in the machine's :class:`~lightning_ampwatch.machine.MachineState`
-(one checkpoint, one format); what a climb that lasts becomes (a finite divergence) is the machine's to say.
+where it went back to (:class:`LevelAt`). A climb that lasts is a finite divergence, an alarm of its own. Its fields
+live in the machine's :class:`~lightning_ampwatch.machine_state.MachineState` (one checkpoint, one format).
 """
 
 from __future__ import annotations
@@ -79,12 +79,15 @@ class HealthyReference:
     """The healthy-reference tracker of one :class:`~lightning_ampwatch.machine.AmpStateMachine`, which owns it and
     delegates to it. It reads and writes the machine's state (``machine.state``: ``losses``, ``loss_steps``,
     ``reference``, ``reference_before_skip``, ``climb``, ``start_loss``, ``divergence_noted``, ``rebased_why``), and
-    the machine's :attr:`~lightning_ampwatch.machine.AmpStateMachine.quiet` for whether anything is in progress; it
-    hands a climb that lasts to the machine, whose alarm it becomes."""
+    the machine's :attr:`~lightning_ampwatch.machine.AmpStateMachine.quiet` for whether anything is in progress. A
+    climb that lasts is a finite divergence: the tracker writes its evidence and the machine raises it (its episode,
+    its withdrawal of a ``NORMAL_SCALING`` call), through the machine's pending alarms."""
 
     def __init__(self, machine: AmpStateMachine) -> None:
         self._machine = machine
         self._since_promote = 0  # candidate losses taken since the healthy level was last judged
+
+    # ---------------------------------------------------------------- losses read in batches (a log step)
 
     def note_losses(self, losses: Iterable[tuple[int, float]]) -> None:
         """Healthy steps' losses read after the fact (the adapter reads them in batches, at no added sync), in
@@ -168,6 +171,8 @@ class HealthyReference:
         self._since_promote = since
         return taken
 
+    # ---------------------------------------------------------------- the level an alarm is measured against
+
     def reference_for(self, onset: int) -> Reference | None:
         """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
         came before it: then there is nothing the episode can be measured against but what training itself shows."""
@@ -191,6 +196,8 @@ class HealthyReference:
             why += f"; the run's first loss was {start:.4g}"
         return {"loss_reference": None, "loss_reference_why": why, "loss_at_start": start}
 
+
+    # ---------------------------------------------------------------- a rollback
 
     def level_before(self, recent: Iterable[tuple[int, float]], resumed_at: int) -> LevelAt:
         """The loss level the run had where a rollback takes it back to (``resumed_at``: the first step run again),
@@ -273,6 +280,8 @@ class HealthyReference:
         s.loss_steps.clear()
         s.climb = None
         self._since_promote = 0
+
+    # ---------------------------------------------------------------- one loss, and the level re-judged
 
     def take_loss(self, step: int, loss: float) -> None:
         """A step's finite loss: part of a climb when far above the healthy base, otherwise a candidate for the
