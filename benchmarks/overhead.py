@@ -953,6 +953,8 @@ class _HookTimer:
         for owner, name, fn in self._saved:
             label = f"optimizer step {name}" if owner is StepTaken else "recipe guard step pre-hook"
             setattr(owner, name, self._wrap(label, fn))
+        if self.anatomy or self.profiler is not None:
+            return  # the parts below are timed by wrappers that cProfile would count as AmpWatch's calls
         self._saved.append((RunWatcher, "_flush_clean", RunWatcher.__dict__["_flush_clean"]))
         RunWatcher._flush_clean = self._wrap_handover(RunWatcher.__dict__["_flush_clean"])  # type: ignore[method-assign]
         self._saved.append((SnapshotRing, "after_step", SnapshotRing.__dict__["after_step"]))
