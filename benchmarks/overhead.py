@@ -31,8 +31,12 @@ What it prints, from the least to the most robust on a busy machine:
    either, and otherwise "inconclusive on this machine (spread too wide)".
 3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
    steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
-   (a snapshot step's hooks over an ordinary step's) divided by the interval in force, as a share of a bare
-   step. Load from elsewhere inflates a median call far less than a whole step: the robust numbers.
+   (a snapshot step's hooks over an ordinary step's, less the deferred clean steps' bookkeeping the snapshot
+   step takes in first, reported on its own line as the hooks' time) divided by the interval in force, as a
+   share of a bare step, with the part of it that goes to the batches held since the last snapshot (which grows
+   with the interval). Load from elsewhere inflates a median call far less than a whole step: the robust
+   numbers. With ``snapshot_every="auto"`` nothing is timed (neither these hooks nor the on/off blocks of 2.)
+   until the cadence has chosen its interval, so that its measure of the first snapshots sees a plain run.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor
    ``tolist``/``numpy``, counted with torch.profiler by ``tests/_reads.py``), per log step and per other step.
 
@@ -77,11 +81,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.cadence import MAX_INTERVAL
+from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.investigate import Investigator
 from lightning_ampwatch.machine import PrecisionMode
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from lightning_ampwatch.signals import StepTaken
+from lightning_ampwatch.trajectory import SnapshotRing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the one host-read counter
 from _reads import added_reads, reads_per_step  # noqa: E402
@@ -89,6 +96,7 @@ from _reads import added_reads, reads_per_step  # noqa: E402
 BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
 DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go round it again
+SETTLE_STEPS = 400  # at most this many steps for the "auto" cadence to choose, before anything is timed
 BUDGET = 1.01  # AmpWatch() on a healthy run: at most 1% slower per step than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
 BASELINE = "bare"
@@ -362,11 +370,18 @@ class BlockToggle(pl.Callback):
     removed; switching on again re-reads the scaler (as at train start), so it watches a healthy run correctly,
     and keeps its snapshot ring, whose host buffers are reused as in a long run (not allocated afresh per block).
     A block is timed from after its switch to before the next one: the switching itself is not AmpWatch's cost.
+
+    With ``snapshot_every="auto"`` the watch stays on, and no block is timed, until the cadence has chosen the
+    interval (:func:`cadence_settled`): it times the first snapshots against the steps between them, and blocks
+    switched off among those steps stretched its spans over steps it did not watch (and put its decision at a
+    step where the watch was off); at most ``SETTLE_STEPS`` steps. ``settled_at``: the step the first block starts
+    at. ``blocks``: once that many blocks are timed, the run is asked to stop.
     """
 
-    def __init__(self, watch: AmpWatch, block: int) -> None:
-        self.watch, self.block = watch, block
+    def __init__(self, watch: AmpWatch, block: int, blocks: int | None = None) -> None:
+        self.watch, self.block, self.blocks = watch, block, blocks
         self.steps = 0
+        self.settled_at: int | None = None
         self.starts: list[tuple[float, float]] = []  # per block: (wall clock, CPU time) after its switch
         self.ends: list[tuple[float, float]] = []  # per block: the same before the next block's switch
         self.on: list[bool] = []  # per block: was AmpWatch on
@@ -377,10 +392,17 @@ class BlockToggle(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         step, self.steps = self.steps, self.steps + 1
+        if self.settled_at is None:
+            if step < SETTLE_STEPS and not cadence_settled(self.watch):
+                return  # (a run that stays unsettled that long, with skips say, is timed as it is)
+            self.settled_at = step
+        step -= self.settled_at
         if step % self.block:
             return
         if self.starts:
             self.ends.append((time.perf_counter(), time.process_time()))
+            if self.blocks is not None and len(self.ends) >= self.blocks:
+                trainer.should_stop = True  # every block timed: the run ends after this batch
         pair, second = divmod(step // self.block, 2)
         on = (second == 0) if pair % 2 == 0 else (second == 1)  # on/off, then off/on, ...
         self._set(trainer, pl_module, on)
@@ -424,6 +446,17 @@ def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningMo
         watcher.guards.detach()
 
 
+def cadence_settled(watch: AmpWatch) -> bool:
+    """Whether the snapshot interval is settled: chosen by the ``"auto"`` cadence, or fixed (a number, snapshots
+    off, no trajectory control). Before the fit starts (no control yet): not settled."""
+    watcher = watch.watcher
+    if watcher.ledger is None:
+        return False
+    control = watcher.trajectory
+    cadence = getattr(control, "cadence", None)
+    return cadence is None or cadence.decided or not control.ring.enabled
+
+
 def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
     """The snapshot interval in force and the snapshots held, as ``(step, bytes)``; ``(0, [])`` when off."""
     ring = getattr(watch.watcher.trajectory, "ring", None)
@@ -436,9 +469,10 @@ def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workloa
                   make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False)) -> PairedRatios:
     """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step."""
     watch = make_watch()
-    toggle = BlockToggle(watch, block)
     warm_blocks = 2
-    total = (2 * pairs + warm_blocks) * block + 1
+    toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks)
+    # the cadence's choice first (about 80 steps of a healthy run), then the blocks; the toggle stops the run
+    total = (2 * pairs + warm_blocks) * block + 1 + SETTLE_STEPS
     pl.seed_everything(seed, verbose=False)
     with tempfile.TemporaryDirectory(prefix="ampwatch-pairs-") as root:
         trainer = healthy_trainer(root, total, [toggle, watch], log_every_n_steps=block)
@@ -573,16 +607,30 @@ STEP_KINDS = ("ordinary", "log", "snapshot")  # a log step: (batch + 1) % log_ev
 
 def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | None = None,
                workload: Workload = TOY, make_watch: Callable[[], AmpWatch] | None = None,
-               anatomy: bool = False) -> "_HookTimer":
+               anatomy: bool = False, settled: bool = False, min_snapshots: int = 0) -> "_HookTimer":
     """AmpWatch's per-step hooks (and the optimizer step hooks it registers) timed inside one watched run.
-    ``anatomy``: also cProfile per kind of step (calls, not times) and tracemalloc around every hook call."""
-    timer = _HookTimer(warmup, steps, profiler, anatomy)
+    ``anatomy``: also cProfile per kind of step (calls, not times) and tracemalloc around every hook call.
+    ``settled``: the window starts only once the snapshot interval is settled (:func:`cadence_settled`), so that
+    its snapshot steps are the ones of the rest of a run (the ``"auto"`` cadence's first snapshots are timed step
+    by step, and no clean step is deferred meanwhile). ``min_snapshots``: the window goes on past ``steps`` until
+    it holds that many snapshot steps (at most ``min_snapshots`` times the longest interval the cadence picks)."""
+    timer = _HookTimer(warmup, steps, profiler, anatomy, settled, min_snapshots)
     watch = (make_watch or (lambda: AmpWatch(verbose=False)))()
     if anatomy:
         tracemalloc.start()
     try:
         with tempfile.TemporaryDirectory(prefix="ampwatch-hooks-") as root:
-            train_once(WATCHED, steps, warmup, seed, root, timer.instrument, workload, Setup([watch]))
+            if not settled and not min_snapshots:
+                train_once(WATCHED, steps, warmup, seed, root, timer.instrument, workload, Setup([watch]))
+            else:  # as long as the window needs: the timer asks the run to stop
+                clock = StepClock()
+                setup = Setup([watch, _StopWhen(timer)])
+                timer.instrument(setup, clock)
+                total = warmup + SETTLE_STEPS + steps + min_snapshots * MAX_INTERVAL + 1
+                pl.seed_everything(seed, verbose=False)
+                trainer = healthy_trainer(root, total, [clock, *setup.callbacks])
+                gc.collect()
+                workload.fit(trainer, seed)
     finally:
         timer.restore()
         if anatomy:
@@ -653,17 +701,41 @@ def empty_call_s(calls: int = 5000) -> float:
     return statistics.median(samples)
 
 
+class _StopWhen(pl.Callback):
+    """Asks the run to stop once the hook timer's window is complete."""
+
+    def __init__(self, timer: "_HookTimer") -> None:
+        self.timer = timer
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.timer.done:
+            trainer.should_stop = True
+
+
 class _HookTimer:
     """Wraps AmpWatch's per-step hooks on one instance: wall time per call, and cProfile switched on inside.
 
-    Only the measured window counts (warm-up steps are left out). Medians per call, for ordinary steps, log steps
-    and snapshot steps apart, are robust to load from elsewhere on the machine.
+    Only the measured window counts (warm-up steps are left out; with ``settled``, also the steps before the
+    snapshot interval is settled). Medians per call, for ordinary steps, log steps and snapshot steps apart, are
+    robust to load from elsewhere on the machine. The watcher's hand-over of deferred clean steps
+    (``RunWatcher._flush_clean``: the steps' bookkeeping, taken in at the next log step or snapshot step) is timed
+    on its own inside the hooks, so that a snapshot step's extra time can be told apart from it.
     """
 
-    def __init__(self, warmup: int, steps: int, profiler: cProfile.Profile | None, anatomy: bool = False) -> None:
+    def __init__(self, warmup: int, steps: int, profiler: cProfile.Profile | None, anatomy: bool = False,
+                 settled: bool = False, min_snapshots: int = 0) -> None:
         self.warmup, self.steps, self.profiler = warmup, steps, profiler
         self.anatomy = anatomy
+        self.settled, self.min_snapshots = settled, min_snapshots
+        self.start: int | None = None if settled else warmup  # the window's first batch
+        self.end: int | None = None if settled or min_snapshots else warmup + steps  # one past its last
         self.calls: dict[str, list[tuple[int, float]]] = {}  # hook -> (batch index, seconds) per call
+        self.handover: dict[tuple[int, str], float] = {}  # (batch, hook) -> seconds in _flush_clean inside it
+        #: (batch, part) -> seconds a snapshot spent on the held batches: "count" (their bytes, for the memory
+        #: budget), "release" (the oldest snapshot and the batches only it could replay let go)
+        self.held: dict[tuple[int, str], float] = {}
+        self._in_snapshot = self._in_held = False
+        self._hook: str | None = None  # the hook being timed (the hand-over is charged to it)
         self.clock: StepClock | None = None
         self.watch: AmpWatch | None = None
         self.snapshot_batches: set[int] = set()  # batches whose on_train_batch_end took a snapshot
@@ -678,6 +750,24 @@ class _HookTimer:
     def _batch(self) -> int:
         assert self.clock is not None
         return len(self.clock.stamps) - 1
+
+    def _in_window(self, batch: int) -> bool:
+        if self.start is None:
+            if batch < self.warmup or self.watch is None or (
+                    batch < self.warmup + SETTLE_STEPS and not cadence_settled(self.watch)):
+                return False
+            self.start = batch
+        if batch < self.start:
+            return False
+        if self.end is None and batch >= self.start + self.steps and (
+                len(self.snapshot_batches - {-1}) >= self.min_snapshots):
+            self.end = batch  # the window is complete before this batch
+        return self.end is None or batch < self.end
+
+    @property
+    def done(self) -> bool:
+        """The window is complete (the run may stop)."""
+        return self.end is not None and self._batch() >= self.end
 
     def kind(self, batch: int) -> str:
         if batch in self.snapshot_batches:
@@ -706,7 +796,7 @@ class _HookTimer:
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             batch = self._batch()
-            if not self.warmup <= batch < self.warmup + self.steps:
+            if not self._in_window(batch):
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -717,6 +807,7 @@ class _HookTimer:
             if self.anatomy:
                 tracemalloc.reset_peak()
                 before = tracemalloc.get_traced_memory()[0]
+            self._hook = name
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -726,6 +817,7 @@ class _HookTimer:
                 if prof is not None:
                     prof.disable()
                 elapsed = time.perf_counter() - t0
+                self._hook = None
                 if name == "on_train_batch_end":
                     self._took_snapshot(batch)
                 self.calls.setdefault(name, []).append((batch, elapsed))
@@ -735,6 +827,51 @@ class _HookTimer:
                     retained.append(now - before)
                     peaks.append(peak - before)
         return timed
+
+    def _wrap_handover(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(watcher: Any) -> Any:
+            hook = self._hook
+            if hook is None or not watcher.ledger or not watcher.ledger.deferred:
+                return fn(watcher)  # outside the timed hooks, or nothing to hand over
+            t0 = time.perf_counter()
+            try:
+                return fn(watcher)
+            finally:
+                key = (self._batch(), hook)
+                self.handover[key] = self.handover.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def _wrap_snapshot(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(ring: Any, *args: Any, **kwargs: Any) -> Any:
+            self._in_snapshot = True
+            try:
+                return fn(ring, *args, **kwargs)
+            finally:
+                self._in_snapshot = False
+        return timed
+
+    def _wrap_held(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def timed(ring: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._in_snapshot or self._hook is None or self._in_held:
+                return fn(ring, *args, **kwargs)  # outside a timed snapshot, or inside one of these (no double count)
+            self._in_held = True
+            t0 = time.perf_counter()
+            try:
+                return fn(ring, *args, **kwargs)
+            finally:
+                self._in_held = False
+                key = (self._batch(), part)
+                self.held[key] = self.held.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def snapshot_held_s(self, part: str) -> float | None:
+        """Of a snapshot step's own time, what goes to the batches held since the last snapshot, median over the
+        window's snapshot steps: ``"count"``, counting their bytes for the memory budget; ``"release"``, letting the
+        oldest snapshot and the batches only it could replay go (freeing batches a bare run frees step by step).
+        Both grow with the interval: per held step, not per snapshot. None: no snapshot taken."""
+        own = [self.held.get((b, part), 0.0) for b, _ in self.calls.get("on_train_batch_end", [])
+               if self.kind(b) == "snapshot"]
+        return statistics.median(own) if own else None
 
     def step_count(self, kind: str) -> int:
         """Steps of ``kind`` in the window: as they were profiled (the anatomy), by the kind expected."""
@@ -768,18 +905,35 @@ class _HookTimer:
         return total, logged
 
     def snapshot_interval(self) -> int:
-        """Steps between snapshots in the window (their median spacing), else the interval in force at the end."""
+        """The interval in force at the end of the window; else (none seen) the snapshots' median spacing in it.
+        (The median spacing mixed the ``"auto"`` cadence's first snapshots, 20 steps apart, with the interval it
+        then chose, in a window that started before the choice: 20, 20, 40, 120 gave "every 30".)"""
+        if self.every:
+            return self.every
         steps = sorted(self.snapshot_batches - {-1})
         gaps = [b - a for a, b in zip(steps, steps[1:])]
-        return int(statistics.median(gaps)) if gaps else self.every
+        return int(statistics.median(gaps)) if gaps else 0
+
+    def _handover_in(self, batch: int, hook: str = "on_train_batch_end") -> float:
+        return self.handover.get((batch, hook), 0.0)
 
     def snapshot_copy_s(self) -> float | None:
-        """One snapshot as the ring takes it (copy and bookkeeping): a snapshot step's ``on_train_batch_end``
-        over an ordinary step's, median. None when no snapshot was taken in the window."""
+        """One snapshot as the ring takes it (copy and bookkeeping): a snapshot step's ``on_train_batch_end``, less
+        the deferred clean steps it takes in first (:meth:`snapshot_handover_s`), over an ordinary step's; median.
+        None when no snapshot was taken in the window."""
         t = self.medians().get("on_train_batch_end")
-        if t is None or not any(self.kind(b) == "snapshot" for b, _ in self.calls.get("on_train_batch_end", [])):
+        own = [s - self._handover_in(b) for b, s in self.calls.get("on_train_batch_end", [])
+               if self.kind(b) == "snapshot"]
+        if t is None or not own:
             return None
-        return max(t["snapshot"] - t["ordinary"], 0.0)
+        return max(statistics.median(own) - self.empty_s - t["ordinary"], 0.0)
+
+    def snapshot_handover_s(self) -> float | None:
+        """The deferred clean steps' bookkeeping a snapshot step takes in before its snapshot (the steps since the
+        last hand-over, at most the interval), median over the window's snapshot steps: the hooks' own work, handed
+        over there, not the snapshot's. None when no snapshot was taken in the window."""
+        own = [self._handover_in(b) for b, _ in self.calls.get("on_train_batch_end", []) if self.kind(b) == "snapshot"]
+        return statistics.median(own) if own else None
 
     def instrument(self, setup: Setup, clock: StepClock) -> None:
         self.clock = clock
@@ -797,6 +951,15 @@ class _HookTimer:
         for owner, name, fn in self._saved:
             label = f"optimizer step {name}" if owner is StepTaken else "recipe guard step pre-hook"
             setattr(owner, name, self._wrap(label, fn))
+        if self.anatomy or self.profiler is not None:
+            return  # the parts below are timed by wrappers that cProfile would count as AmpWatch's calls
+        self._saved.append((RunWatcher, "_flush_clean", RunWatcher.__dict__["_flush_clean"]))
+        RunWatcher._flush_clean = self._wrap_handover(RunWatcher.__dict__["_flush_clean"])  # type: ignore[method-assign]
+        self._saved.append((SnapshotRing, "after_step", SnapshotRing.__dict__["after_step"]))
+        SnapshotRing.after_step = self._wrap_snapshot(SnapshotRing.__dict__["after_step"])  # type: ignore[method-assign]
+        for name, part in (("_count_batches", "count"), ("_drop_oldest", "release"), ("_prune", "release")):
+            self._saved.append((SnapshotRing, name, SnapshotRing.__dict__[name]))
+            setattr(SnapshotRing, name, self._wrap_held(SnapshotRing.__dict__[name], part))
 
     def restore(self) -> None:
         for owner, name, fn in getattr(self, "_saved", []):
@@ -893,6 +1056,13 @@ class WorkloadCost:
     snapshots_on: PairedRatios  # AmpWatch() with its defaults against off, in one run
     snapshots_off: PairedRatios  # AmpWatch(snapshot_every=0) against off, in another
     saw_log_step: bool
+    #: the deferred clean steps' bookkeeping a snapshot step takes in before its snapshot (the hooks' own time,
+    #: in ``hooks_us``; not in ``snapshot_copy_ms``); None: no snapshot taken
+    handover_ms: float | None = None
+    #: of ``snapshot_copy_ms``, the held batches' parts, which grow with the interval: their bytes counted, and the
+    #: oldest snapshot with its batches let go; None: no snapshot taken
+    count_ms: float | None = None
+    release_ms: float | None = None
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -931,6 +1101,15 @@ class WorkloadCost:
             lines.append(f"  snapshot          one copy {self.snapshot_copy_ms:.3f} ms{size}, every "
                          f"{self.snapshot_every} steps: {self.snapshot_us_per_step:.1f} us per step = {share:.2%} "
                          "of a bare step (the snapshot's per-step share)")
+            if self.count_ms is not None and self.release_ms is not None:
+                lines.append(f"    of which        the batches of the {self.snapshot_every} steps held since the last "
+                             f"snapshot: their bytes counted {self.count_ms:.3f} ms, the oldest snapshot and its "
+                             f"batches let go {self.release_ms:.3f} ms (per held step: a longer interval does not thin "
+                             "them out; a bare run frees its batches step by step)")
+            if self.handover_ms is not None:
+                lines.append(f"  hand-over         a snapshot step first takes in the clean steps deferred since the "
+                             f"last log step or snapshot: {self.handover_ms:.3f} ms, the hooks' own time (in the "
+                             "hooks' line above), not the snapshot's")
         for label, paired, snapshots in (("snapshots on", self.snapshots_on, True),
                                          ("snapshots off", self.snapshots_off, False)):
             lines += [f"  {label:<17} {len(paired.wall)} pairs of on/off blocks, watched/bare:",
@@ -951,20 +1130,26 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
                      anatomy: bool = False, block: int = LOG_EVERY_N_STEPS) -> tuple[WorkloadCost, "_HookTimer"]:
     """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
     The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for."""
-    timer = hook_times(steps, warmup, seed, workload=workload)
+    # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
+    timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
     hooks_s, saw_log = timer.per_step()
     end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0})
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
     on = paired_blocks(pairs, seed, block, workload)
     off = paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
     copy_s = timer.snapshot_copy_s()
+    handover_s = timer.snapshot_handover_s()
+    count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
     every = timer.snapshot_interval()
     sizes = [nbytes for _, nbytes in timer.snapshots]
     bare = on.bare_step_s if math.isfinite(on.bare_step_s) else off.bare_step_s
     cost = WorkloadCost(workload.name, workload.describe, bare * 1e3, hooks_s * 1e6, ordinary * 1e6,
                         (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
-                        None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log)
-    return cost, hook_times(steps, warmup, seed, workload=workload, anatomy=True) if anatomy else timer
+                        None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
+                        None if copy_s is None or handover_s is None else handover_s * 1e3,
+                        *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)))
+    return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
+                  if anatomy else timer)
 
 
 def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None, snapshots: Sequence[SnapshotCost]) -> str:

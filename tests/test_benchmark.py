@@ -94,3 +94,67 @@ def test_model_takes_a_module_a_class_or_a_factory(overhead: ModuleType) -> None
         overhead.user_workload("math:pi")
     with pytest.raises(TypeError, match="not a LightningModule"):
         overhead.user_workload("collections:OrderedDict").module()
+
+
+def test_the_snapshot_is_reported_apart_from_the_deferred_steps_it_takes_in(toy_cost: object,
+                                                                             overhead: ModuleType) -> None:
+    """A snapshot step first takes in the clean steps deferred since the last log step (their bookkeeping is the
+    hooks'): the benchmark reports that hand-over on its own line, and the snapshot's share without it. The
+    arithmetic on recorded times (no clock): a snapshot step's hook of 500 us of which 100 us hand-over, against
+    ordinary steps of 10 us, is a snapshot of 390 us."""
+    cost = toy_cost
+    assert cost.handover_ms is not None and cost.handover_ms >= 0
+    assert cost.count_ms is not None and cost.release_ms is not None
+    lines = "\n".join(cost.lines())
+    assert "hand-over         a snapshot step first takes in the clean steps deferred" in lines
+    assert f"{cost.handover_ms:.3f} ms, the hooks' own time" in lines
+    timer = overhead._HookTimer(0, 10, None)
+    snap = 20
+    timer.calls["on_train_batch_end"] = [(b, 500e-6 if b == snap else 10e-6) for b in range(0, 40)]
+    timer.snapshot_batches = {snap}
+    timer.handover[(snap, "on_train_batch_end")] = 100e-6
+    timer.held[(snap, "count")], timer.held[(snap, "release")] = 30e-6, 20e-6
+    assert timer.snapshot_copy_s() == pytest.approx(390e-6)
+    assert timer.snapshot_handover_s() == pytest.approx(100e-6)
+    assert timer.snapshot_held_s("count") == pytest.approx(30e-6)
+    assert timer.snapshot_held_s("release") == pytest.approx(20e-6)
+
+
+def test_the_interval_reported_is_the_one_in_force_not_a_median_spacing(overhead: ModuleType) -> None:
+    """"auto" snapshots 20 steps apart until it chooses, say 120: a window holding both used to report the median
+    spacing of 20, 20, 40 and 120 steps, "every 30", an interval no run had."""
+    timer = overhead._HookTimer(0, 300, None)
+    timer.snapshot_batches = {-1, 40, 60, 80, 120, 240}
+    timer.every = 120
+    assert timer.snapshot_interval() == 120
+
+
+def test_the_on_off_blocks_start_once_the_cadence_has_chosen(overhead: ModuleType) -> None:
+    """The "auto" cadence times its first snapshots against the steps between them: the on/off run keeps the watch
+    on until it has chosen (blocks switched off among those steps stretched its spans, the interval chosen then
+    depended on the toggling), and only then starts its blocks."""
+    from lightning_ampwatch import AmpWatch
+
+    watch = AmpWatch(verbose=False)
+    seen: list[tuple[int, bool, bool]] = []  # per batch: (batch, watch off, interval settled)
+
+    class Look(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            seen.append((len(seen), watch.watcher.disabled, overhead.cadence_settled(watch)))
+
+    toggle = overhead.BlockToggle(watch, 10, blocks=6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pl.seed_everything(0, verbose=False)
+        import tempfile
+        with tempfile.TemporaryDirectory() as root:
+            trainer = overhead.healthy_trainer(root, 400, [toggle, watch, Look()], log_every_n_steps=10)
+            overhead.TOY.fit(trainer, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert toggle.settled_at is not None and toggle.settled_at >= 60  # three timed snapshots, 20 steps apart
+    assert not any(off for _, off, settled in seen if not settled)  # never off before the choice
+    assert all(settled for batch, _, settled in seen if batch >= toggle.settled_at)
+    assert any(off for _, off, _ in seen)  # and toggled after it
+    assert len(toggle.ends) == 6 and len(seen) < 400  # the run stopped once its blocks were timed

@@ -160,3 +160,28 @@ def test_a_longer_interval_keeps_the_snapshots_until_the_next_one(monkeypatch: p
     assert control.ring.dropped is None
     assert [s.step for s in control.ring.snapshots] == [60, 1000]
     assert [step for step, _ in control.ring.batches(61, 1200)] == list(range(61, 1201))
+
+
+def test_auto_sets_the_copy_against_the_median_step_not_a_mean_that_load_inflates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control's clock scripted: ordinary steps of 1 ms but for one step in each span that load from elsewhere
+    stretched to 41 ms (the mean step of a 20-step span is then 3 ms), and snapshot steps 2 ms longer. The
+    healthy step is the span's median, 1 ms: the copy of 2 ms is spread over 800 steps (2 ms / (0.25% x 1 ms)).
+    Against the inflated mean the interval would be 280 steps, and snapshots would take 0.71% of a quiet run."""
+    now = [0.0]
+    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
+    net = nn.Linear(4, 2)
+    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    said: list[str] = []
+    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
+    control.start(0)
+    for step in range(61):
+        now[0] += 1e-3 + (2e-3 if step and step % 20 == 0 else 0.0) + (40e-3 if step % 20 == 7 else 0.0)
+        control.note_step(step, [(torch.zeros(4), step)], True, True)
+    cadence = control.cadence
+    assert cadence is not None and cadence.decided
+    assert cadence.copies == pytest.approx([2e-3] * 3)
+    assert cadence.steps == pytest.approx([1e-3] * 2)
+    assert snapshot_interval(2e-3, 3e-3, 20) == 280  # what the spans' mean step would give
+    assert cadence.every == control.ring.every == snapshot_interval(2e-3, 1e-3, 20) == 800
+    assert said and "every 800 steps instead of every 20" in said[0]

@@ -72,17 +72,22 @@ class SnapshotCadence:
         self.asked = self.every
 
     def observe(self, copy_s: float, span_s: float | None, span_steps: int,
-                room_steps: int | None = None) -> str | None:
+                room_steps: int | None = None, step_s: float | None = None) -> str | None:
         """One snapshot took ``copy_s`` seconds; the ``span_steps`` steps since the previous one took ``span_s``
         (None for the first snapshot). ``room_steps``: the most steps of batches the memory budget holds beside
-        a snapshot (None: no limit known), a bound on the interval. Once enough snapshots are timed the interval
-        is decided (:attr:`decided`, :attr:`every`); the sentence returned then, when it differs from the one
-        asked for, is to be said once. Otherwise None."""
+        a snapshot (None: no limit known), a bound on the interval. ``step_s``: a healthy step of the span as the
+        caller measured it step by step (the median of its ordinary steps), used instead of the span's mean,
+        which load from elsewhere inflates (a few steps of several milliseconds among steps of well under one
+        shorten the interval, while the copy, taken as a least time, is not inflated alike). Once enough
+        snapshots are timed the interval is decided (:attr:`decided`, :attr:`every`); the sentence returned then,
+        when it differs from the one asked for, is to be said once. Otherwise None."""
         if self.decided:
             return None
         self.copies.append(copy_s)
         if span_s is not None and span_steps > 0 and span_s > copy_s:
-            self.steps.append((span_s - copy_s) / span_steps)  # the span's steps, without the copy itself
+            mean = (span_s - copy_s) / span_steps  # the span's steps, without the copy itself
+            ok = step_s is not None and math.isfinite(step_s) and step_s > 0
+            self.steps.append(min(mean, step_s) if ok else mean)  # type: ignore[type-var]
         if len(self.copies) < self.measured or not self.steps:
             return None
         self.decided = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -592,7 +593,9 @@ class TrajectoryControl:
         estimate, and the cadence keeps the lowest of these costs). Timing the copy alone, cache-warm, reads
         several times lower than a snapshot step costs in the run: the copy and its bookkeeping run once in many
         steps, from a cold cache. A snapshot without an ordinary step measured before it (the first of the run)
-        only starts the span."""
+        only starts the span. The healthy step the copy is set against is the median of the span's ordinary steps
+        (at most the span's mean): a few steps that load from elsewhere stretched to several times the rest would
+        otherwise raise the mean, and shorten the interval, on a busy machine."""
         assert self.cadence is not None
         ring, last, ends = self.ring, self._last_snapshot, self._step_ends or []
         start = time.perf_counter()
@@ -611,7 +614,7 @@ class TrajectoryControl:
         span = (end - last[1], step - last[0]) if last is not None else (None, 0)
         per_step = getattr(ring, "_step_batch_bytes", 0)  # the most one step's batches held: the memory bound
         room = (ring.budget_bytes - ring.bytes_per_snapshot) // per_step if per_step else None
-        said = self.cadence.observe(copy_s, *span, room_steps=room)
+        said = self.cadence.observe(copy_s, *span, room_steps=room, step_s=statistics.median(ordinary))
         if self.cadence.decided:
             ring.every = self.cadence.every
             # the bound on held steps follows the interval (as the ring sets it from the one it was made with): a
