@@ -123,13 +123,7 @@ def test_auto_times_the_whole_snapshot_step_over_an_ordinary_one(monkeypatch: py
     """The control's clock scripted: ordinary steps of 1 ms, and steps that end in a snapshot 5 ms longer although
     the copy itself takes no time on that clock (a cold cache, the allocations that follow it). The cadence counts
     the 5 ms, not the copy alone; the first snapshot (no ordinary step before it) only starts the span."""
-    now = [0.0]
-    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
-    net = nn.Linear(4, 2)
-    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
-    said: list[str] = []
-    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
-    control.start(0)
+    now, said, control = _scripted_control(monkeypatch)
     for step in range(61):
         now[0] += 1e-3 + (5e-3 if step and step % 20 == 0 else 0.0)
         control.note_step(step, [(torch.zeros(4), step)], True, True)
@@ -145,12 +139,7 @@ def test_a_longer_interval_keeps_the_snapshots_until_the_next_one(monkeypatch: p
     """Once the cadence lengthens the interval, the ring holds the batches of as many steps as the new interval
     needs: its bound on held steps was the first interval's (20 x 4), so a healthy run's snapshots were let go 80
     steps after each one ("a long stretch of trouble") and the FP32 control had none to replay from."""
-    now = [0.0]
-    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
-    net = nn.Linear(4, 2)
-    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
-    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, lambda _: None, adaptive=True)
-    control.start(0)
+    now, _, control = _scripted_control(monkeypatch)
     for step in range(1201):
         now[0] += 1e-3 + (5e-3 if step and step % 20 == 0 and step <= 60 else 0.0)
         control.note_step(step, [(torch.zeros(4), step)], True, True)
@@ -168,13 +157,7 @@ def test_auto_sets_the_copy_against_the_median_step_not_a_mean_that_load_inflate
     stretched to 41 ms (the mean step of a 20-step span is then 3 ms), and snapshot steps 2 ms longer. The
     healthy step is the span's median, 1 ms: the copy of 2 ms is spread over 800 steps (2 ms / (0.25% x 1 ms)).
     Against the inflated mean the interval would be 280 steps, and snapshots would take 0.71% of a quiet run."""
-    now = [0.0]
-    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
-    net = nn.Linear(4, 2)
-    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
-    said: list[str] = []
-    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
-    control.start(0)
+    now, said, control = _scripted_control(monkeypatch)
     for step in range(61):
         now[0] += 1e-3 + (2e-3 if step and step % 20 == 0 else 0.0) + (40e-3 if step % 20 == 7 else 0.0)
         control.note_step(step, [(torch.zeros(4), step)], True, True)
@@ -185,3 +168,16 @@ def test_auto_sets_the_copy_against_the_median_step_not_a_mean_that_load_inflate
     assert snapshot_interval(2e-3, 3e-3, 20) == 280  # what the spans' mean step would give
     assert cadence.every == control.ring.every == snapshot_interval(2e-3, 1e-3, 20) == 800
     assert said and "every 800 steps instead of every 20" in said[0]
+
+
+def _scripted_control(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[str], TrajectoryControl]:
+    """A trajectory control with ``"auto"`` snapshots every 20 steps to start with, whose clock is ``now[0]`` (the
+    test moves it) and whose sentences go to ``said``."""
+    now = [0.0]
+    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
+    net = nn.Linear(4, 2)
+    state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
+    said: list[str] = []
+    control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
+    control.start(0)
+    return now, said, control
