@@ -352,24 +352,17 @@ class StepLedger:
             taken = skipped_total == self._skipped_seen
             self._skipped_seen = skipped_total
             scale_after = loss_scale.scale()
-            if taken and quiet and not self._pending:
-                grew = scale_after > mirror.scale  # type: ignore[union-attr]
-                mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)  # type: ignore[union-attr]
-                self.log_steps += 1
-                losses = self.losses
-                losses.entries.append((step, tape))
-                if len(losses.entries) >= losses.capacity:
-                    self.read_losses()
-                clean = self._clean
-                clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, \
-                    grew, lrs, None
-                return clean
-            opened = OpenStep(step, scale, lrs, tape, batches)
-            opened.skipped = not taken
-            opened.scale_after = scale_after
-            self._pending.append(opened)
-            return ClosedStep(step, batches, False, scale, False, lrs, None, self.drain(force=self.world_size > 1))
-        if self._fast_path and taken and quiet and not self._pending:
+            if not (taken and quiet and not self._pending):
+                opened = OpenStep(step, scale, lrs, tape, batches)
+                opened.skipped = not taken
+                opened.scale_after = scale_after
+                self._pending.append(opened)
+                return ClosedStep(step, batches, False, scale, False, lrs, None,
+                                  self.drain(force=self.world_size > 1))
+            grew = scale_after > mirror.scale  # type: ignore[union-attr]
+            mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)  # type: ignore[union-attr]
+            clean_step = True  # then the fast path's bookkeeping below, as for a GradScaler
+        elif self._fast_path and taken and quiet and not self._pending:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read, no object but the ring's entry.
             tracker = mirror.tracker + 1  # type: ignore[union-attr]  # ScaleMirror.update(False), inline ...
@@ -378,6 +371,10 @@ class StepLedger:
                 grew = False
             else:  # ... but for a growth
                 grew = mirror.update(False)  # type: ignore[union-attr]
+            clean_step = True
+        else:
+            clean_step = False
+        if clean_step:
             self.log_steps += 1
             losses = self.losses
             entries = losses.entries
