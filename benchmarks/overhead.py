@@ -96,7 +96,7 @@ from _reads import added_reads, reads_per_step  # noqa: E402
 BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
 DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go round it again
-SETTLE_STEPS = 400  # at most this many steps for the "auto" cadence to choose, before anything is timed
+SETTLE_STEPS = 700  # at most this many steps for the "auto" cadence to choose, before anything is timed
 BUDGET = 1.01  # AmpWatch() on a healthy run: at most 1% slower per step than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
 BASELINE = "bare"
@@ -439,7 +439,7 @@ def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningMo
     if on and watcher.disabled:
         watcher.disabled = False
         watcher._attach_guards()
-        ledger.start(host, watcher._log_every)
+        ledger.start(host, watcher._judge_every)
     elif not on and not watcher.disabled:
         watcher.disabled = True
         ledger.taken.detach()
@@ -454,7 +454,15 @@ def cadence_settled(watch: AmpWatch) -> bool:
         return False
     control = watcher.trajectory
     cadence = getattr(control, "cadence", None)
-    return cadence is None or cadence.decided or not control.ring.enabled
+    snapshots = cadence is None or cadence.decided or not control.ring.enabled
+    log_cadence = watcher._log_cadence
+    return snapshots and (log_cadence is None or log_cadence.decided)
+
+
+def judge_interval(watch: AmpWatch) -> int:
+    """The steps between two log steps that do the log step's work: the framework's log interval, or the longer one
+    the log cadence chose (the other log steps log the metrics only)."""
+    return int(watch.watcher._judge_every or LOG_EVERY_N_STEPS)
 
 
 def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
@@ -602,7 +610,9 @@ PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backwa
                   "on_before_zero_grad", "on_train_batch_end")
 
 
-STEP_KINDS = ("ordinary", "log", "snapshot")  # a log step: (batch + 1) % log_every == 0; a snapshot step: one was taken
+# a log step: (batch + 1) % the log cadence's interval == 0 (it does the log step's work); a metrics step: any other
+# (batch + 1) % log_every == 0 (the metrics only); a snapshot step: one was taken
+STEP_KINDS = ("ordinary", "log", "metrics", "snapshot")
 
 
 def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | None = None,
@@ -744,6 +754,7 @@ class _HookTimer:
         self.profilers: dict[str, cProfile.Profile] = {k: cProfile.Profile() for k in STEP_KINDS} if anatomy else {}
         self.memory: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in STEP_KINDS}
         self._newest = -1
+        self._judge: int | None = None  # the log cadence's interval when the window started
         self._expected: dict[int, str] = {}  # batch -> the kind of step it was profiled as
         self.empty_s = 0.0  # what timing an empty hook measures (the call and the clock): taken off every median
 
@@ -757,9 +768,10 @@ class _HookTimer:
                     batch < self.warmup + SETTLE_STEPS and not cadence_settled(self.watch)):
                 return False
             self.start = batch
+            self.judge_every()  # read now, while the watch holds it
         if batch < self.start:
             return False
-        if self.end is None and batch >= self.start + self.steps and (
+        if self.end is None and batch >= self.start + max(self.steps, 2 * self.judge_every()) and (
                 len(self.snapshot_batches - {-1}) >= self.min_snapshots):
             self.end = batch  # the window is complete before this batch
         return self.end is None or batch < self.end
@@ -772,7 +784,19 @@ class _HookTimer:
     def kind(self, batch: int) -> str:
         if batch in self.snapshot_batches:
             return "snapshot"
-        return "log" if not (batch + 1) % LOG_EVERY_N_STEPS else "ordinary"
+        return self._log_kind(batch)
+
+    def _log_kind(self, batch: int) -> str:
+        if (batch + 1) % LOG_EVERY_N_STEPS:
+            return "ordinary"
+        return "metrics" if (batch + 1) % self.judge_every() else "log"
+
+    def judge_every(self) -> int:
+        """The steps between two log steps that do the log step's work (the log cadence's interval), as it was when
+        the window started (the cadence has decided by then; the watch forgets it at the fit's end)."""
+        if self._judge is None and self.start is not None and self.watch is not None:
+            self._judge = judge_interval(self.watch)
+        return self._judge or LOG_EVERY_N_STEPS
 
     def _expected_kind(self, batch: int) -> str:
         """The kind of step a batch will be, before its hooks run: a snapshot is due when the step (the batch
@@ -780,7 +804,7 @@ class _HookTimer:
         every = watch_snapshots(self.watch)[0] if self.watch is not None else 0
         if every and batch % every == 0:
             return "snapshot"
-        return "log" if not (batch + 1) % LOG_EVERY_N_STEPS else "ordinary"
+        return self._log_kind(batch)
 
     def _took_snapshot(self, batch: int) -> None:
         if self.watch is None:
@@ -896,10 +920,13 @@ class _HookTimer:
         in the window."""
         medians = self.medians()
         every = self.snapshot_interval()
+        judge = self.judge_every()
         logged = any(self.kind(b) == "log" for calls in self.calls.values() for b, _ in calls)
         total = 0.0
         for t in medians.values():
-            total += t["ordinary"] + (t["log"] - t["ordinary"]) / LOG_EVERY_N_STEPS
+            total += t["ordinary"] + (t["log"] - t["ordinary"]) / judge
+            if judge != LOG_EVERY_N_STEPS:
+                total += (t["metrics"] - t["ordinary"]) * (1 / LOG_EVERY_N_STEPS - 1 / judge)
             if every:
                 total += (t["snapshot"] - t["ordinary"]) / every
         return total, logged
@@ -1048,7 +1075,7 @@ class WorkloadCost:
     bare_step_ms: float  # the bare blocks' median time per step, in the run with snapshots on
     hooks_us: float  # the hooks' own time per step, log and snapshot steps spread over their intervals
     ordinary_us: float  # the hooks' own time on an ordinary step (no log, no snapshot)
-    log_step_extra_us: float  # what a log step adds to the hooks, once per log interval
+    log_step_extra_us: float  # what a log step that does its work adds to the hooks, once per judge_every steps
     log_every: int
     snapshot_every: int  # the interval in force (0: snapshots off or never taken)
     snapshot_copy_ms: float | None  # one snapshot as the ring takes it (copy and bookkeeping); None: none taken
@@ -1063,6 +1090,10 @@ class WorkloadCost:
     #: oldest snapshot with its batches let go; None: no snapshot taken
     count_ms: float | None = None
     release_ms: float | None = None
+    #: the steps between two log steps that do the work (the log cadence's interval; ``log_every`` when unchanged),
+    #: and what one of the other log steps (the metrics only) adds to the hooks
+    judge_every: int = LOG_EVERY_N_STEPS
+    metrics_step_extra_us: float = 0.0
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -1090,7 +1121,10 @@ class WorkloadCost:
         lines = [f"{self.workload}: {self.describe}; bare step {self.bare_step_ms:.2f} ms",
                  f"  hooks' own time   {self.hooks_us:.1f} us per step = {self.hooks_share:.2%} of a bare step "
                  f"(an ordinary step {self.ordinary_us:.1f} us; a log step adds {self.log_step_extra_us:.0f} us, "
-                 f"once in {self.log_every}" + ("" if self.saw_log_step else ", none in the window")
+                 f"once in {self.judge_every}" + ("" if self.saw_log_step else ", none in the window")
+                 + ("" if self.judge_every == self.log_every else
+                    f", the log cadence's interval; the other log steps, one in {self.log_every}, log the metrics "
+                    f"only and add {self.metrics_step_extra_us:.0f} us")
                  + ("; and the snapshot's share below" if self.snapshot_share is not None else "") + ")"]
         share = self.snapshot_share
         if share is None:
@@ -1133,7 +1167,7 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
     # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
     timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
     hooks_s, saw_log = timer.per_step()
-    end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0})
+    end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0, "metrics": 0.0})
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
     on = paired_blocks(pairs, seed, block, workload)
     off = paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
@@ -1147,7 +1181,8 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
                         (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
                         None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
                         None if copy_s is None or handover_s is None else handover_s * 1e3,
-                        *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)))
+                        *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)),
+                        judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6)
     return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
                   if anatomy else timer)
 

@@ -108,3 +108,77 @@ class SnapshotCadence:
                      f"memory budget and the replay length allow), and snapshots still take {share:.2%} of the "
                      f"training time, over the {self.fraction:.2%} aimed at; snapshot_every=0 turns them off.")
         return said
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The log step's cadence
+# ---------------------------------------------------------------------------------------------------------------
+
+#: The most of a healthy run's time that the log steps' own work (the losses' read, the loss level, the timeline's
+#: write) may take: the same quarter of the 1% budget that snapshots get.
+LOG_FRACTION = 0.0025
+#: Log steps are timed only from this optimizer step on: the cadence never changes a short run (and a run's first
+#: log steps pay for first calls: imports, the timeline's file opened).
+LOG_CADENCE_AFTER = 300
+#: Log steps timed (each against the steps since the previous one) before the interval is chosen.
+LOG_STEPS_MEASURED = 3
+#: The longest interval between two log steps that do the work, in optimizer steps: it bounds how late a finite
+#: divergence of a quiet run is read.
+LOG_MAX_INTERVAL = 1000
+
+
+@dataclass
+class LogCadence:
+    """How often a quiet single-process run does its log step's work: every ``every`` optimizer steps (the
+    framework's log interval) until ``measured`` log steps from step ``after`` on have been timed, then, once, the
+    smallest multiple of ``every`` at which that work takes at most ``fraction`` of the training time it spans.
+
+    Pure, like :class:`SnapshotCadence`: the caller hands it each timed log step (its step, when it began and ended,
+    on one clock); :meth:`observe` answers with the sentence to say, once, when the interval changes."""
+
+    every: int
+    fraction: float = LOG_FRACTION
+    after: int = LOG_CADENCE_AFTER
+    measured: int = LOG_STEPS_MEASURED
+    max_interval: int = LOG_MAX_INTERVAL
+    interval: int = field(init=False)
+    decided: bool = field(default=False, init=False)
+    costs: list[float] = field(default_factory=list, init=False)  # seconds per log step's work, as timed
+    steps: list[float] = field(default_factory=list, init=False)  # seconds per step between two timed log steps
+    _last: tuple[int, float] | None = field(default=None, init=False)  # (step, end) of the last log step seen
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"every={self.every!r}: expected a whole number of steps of at least 1")
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"fraction={self.fraction!r}: expected a number between 0 and 1")
+        self.interval = self.every
+
+    def observe(self, step: int, start_s: float, end_s: float) -> str | None:
+        """The log step at optimizer step ``step`` did its work from ``start_s`` to ``end_s``. Once enough are timed
+        the interval is decided (:attr:`decided`, :attr:`interval`); the sentence returned then, when the interval
+        is longer than ``every``, is to be said once. Otherwise None."""
+        if self.decided:
+            return None
+        last, self._last = self._last, (step, end_s)
+        if step < self.after or last is None or step <= last[0] or start_s < last[1]:
+            return None
+        self.costs.append(end_s - start_s)
+        self.steps.append((start_s - last[1]) / (step - last[0]))
+        if len(self.costs) < self.measured:
+            return None
+        self.decided = True
+        cost, step_s = min(self.costs), min(self.steps)  # load from elsewhere only ever adds time
+        if not (cost > 0 and step_s > 0 and math.isfinite(cost) and math.isfinite(step_s)):
+            return None
+        longest = max(self.every, self.max_interval - self.max_interval % self.every)
+        needed = cost / (self.fraction * step_s)
+        self.interval = min(max(1, math.ceil(needed / self.every - 1e-9)) * self.every, longest)
+        if self.interval == self.every:
+            return None
+        share = cost / (self.interval * step_s)
+        return (f"AmpWatch's log-step work (reading the losses, the loss level, the timeline) takes {cost * 1e3:.2f} "
+                f"ms against a healthy step of {step_s * 1e3:.2f} ms: while the run is quiet it is done every "
+                f"{self.interval} steps instead of every {self.every} ({share:.2%} of the training time). The "
+                f"ampwatch/* metrics still go out every {self.every} steps; a skipped step, an anomaly or a remedy "
+                f"brings the work back to every log step.")

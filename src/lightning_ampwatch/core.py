@@ -56,12 +56,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from time import perf_counter as _clock  # the log cadence's clock (a name of its own: tests script it)
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
 import torch
 
 from lightning_ampwatch import distributed
+from lightning_ampwatch.cadence import LogCadence
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
@@ -80,7 +82,7 @@ from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
-from lightning_ampwatch.steps import ClosedStep, ResolvedStep, StepLedger
+from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 from lightning_ampwatch.trajectory import SnapshotRing, retrain
@@ -139,6 +141,10 @@ class RunWatcher(WatchState):
                                    rollback=config.rollback, replay_episode=config.replay_episode)
         self.world_size = 1
         self._log_every = 0
+        # the log step's work runs every ``_judge_every`` steps while the run is quiet (a multiple of ``_log_every``,
+        # lengthened once by the log cadence when that work would take more than its share of a fast step)
+        self._judge_every = 0
+        self._log_cadence: LogCadence | None = None
         self._timeline: Any = None  # the reporters' timeline (None: not written), looked up once per run
         # What the investigations want from the per-step calls, as plain attributes refreshed whenever their state
         # can change (:meth:`_sync_investigations`): read on every step, so no property chain there.
@@ -241,8 +247,10 @@ class RunWatcher(WatchState):
         """The scaler's checkpointed state is loaded by now: mirror it (one read per run)."""
         host, ledger = self.host, self.ledger
         assert host is not None and ledger is not None
-        self._log_every = max(int(host.log_every), 0)
+        self._log_every = self._judge_every = max(int(host.log_every), 0)
         ledger.start(host, self._log_every)
+        # one process only: under DDP the log step is where the ranks meet, so every rank must run it at once
+        self._log_cadence = LogCadence(self._log_every) if self._log_every and self.world_size == 1 else None
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
@@ -342,7 +350,7 @@ class RunWatcher(WatchState):
                 self._take_closed(closed, quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
-                self._at_log_step()
+                self._log_step()
             treatment = self.treatment
             if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
                 self._at_step_boundary()
@@ -350,6 +358,41 @@ class RunWatcher(WatchState):
             raise
         except Exception as err:  # noqa: BLE001
             self.internal_failure("batch_end", err)
+
+    def _log_step(self) -> None:
+        """A framework log step: the log step's work (:meth:`_at_log_step`), or, on the steps the log cadence passes
+        over while the run is quiet, only the metrics (:meth:`_at_metrics_step`). Timed while the cadence measures."""
+        ledger, machine, treatment = self.ledger, self.machine, self.treatment
+        assert ledger is not None and machine is not None
+        step = ledger.step_index
+        quiet = machine.quiet and treatment.watch is None and not treatment.due and not ledger.in_flight
+        if step % self._judge_every and quiet:
+            self._at_metrics_step()
+            return
+        cadence = self._log_cadence
+        if cadence is None or cadence.decided or not quiet:
+            self._at_log_step()
+            return
+        start = _clock()
+        self._at_log_step()
+        said = cadence.observe(step, start, _clock())
+        if cadence.decided:
+            self._judge_every = cadence.interval
+            ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
+            if said:
+                self.say_once(said)
+            self._plan_deferral()
+
+    def _at_metrics_step(self) -> None:
+        """A log step whose work the log cadence passes over: the ``ampwatch/*`` metrics from host values only (the
+        interval's counts, the scale the host mirrors); no read, no loss level, no timeline write."""
+        ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
+        assert ledger is not None and reporters is not None and machine is not None and host is not None
+        steps, skipped, nonfinite = ledger.take_log_counts()
+        reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)  # one process: no tensor
+        mirror = ledger.mirror
+        reporters.log_metrics(host, (), skipped_total=machine.skipped_total,
+                              scale=None if mirror is None else mirror.scale, send=host.log_metrics)
 
     def _at_log_step(self) -> None:
         """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
@@ -504,7 +547,10 @@ class RunWatcher(WatchState):
         if self.disabled or treatment.watch is not None or treatment.due:
             ledger.defer_until = step
             return
-        limit = step + MAX_DEFERRED
+        # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
+        judge_every = self._judge_every
+        stretched = judge_every != self._log_every and MAX_DEFERRED and judge_every > MAX_DEFERRED
+        limit = step + (judge_every if stretched else MAX_DEFERRED)
         control = self.trajectory
         if control is not None:
             every = control.defer_limit

@@ -248,6 +248,11 @@ class StepLedger:
         unnoted, self.unnoted = self.unnoted, []
         return unnoted
 
+    @property
+    def in_flight(self) -> bool:
+        """Steps closed but not resolved yet (a skip or a loss still to be read)."""
+        return bool(self._pending)
+
     def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer], lrs_now: bool = False) -> None:
         """The param groups whose LRs are read every step, and whether they are all plain numbers. ``lrs_now``:
         the LRs changed since the last step was taken in (a remedy, a rollback), so the next step's are read again."""
