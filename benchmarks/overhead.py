@@ -378,8 +378,9 @@ class BlockToggle(pl.Callback):
     at. ``blocks``: once that many blocks are timed, the run is asked to stop.
     """
 
-    def __init__(self, watch: AmpWatch, block: int, blocks: int | None = None) -> None:
+    def __init__(self, watch: AmpWatch, block: int, blocks: int | None = None, null: bool = False) -> None:
         self.watch, self.block, self.blocks = watch, block, blocks
+        self.null = null  # the null run: the "on" blocks are switched off too (both sides of each pair bare)
         self.steps = 0
         self.settled_at: int | None = None
         self.starts: list[tuple[float, float]] = []  # per block: (wall clock, CPU time) after its switch
@@ -387,7 +388,7 @@ class BlockToggle(pl.Callback):
         self.on: list[bool] = []  # per block: was AmpWatch on
 
     def _set(self, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-        switch_watch(self.watch, trainer, pl_module, on)
+        switch_watch(self.watch, trainer, pl_module, on and not self.null)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -474,11 +475,14 @@ def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
 
 
 def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workload: Workload = TOY,
-                  make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False)) -> PairedRatios:
-    """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step."""
+                  make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False),
+                  null: bool = False) -> PairedRatios:
+    """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step.
+    ``null``: the same run with AmpWatch off in every block after the settling (a bare/bare run: how far the pair
+    ratios of this machine spread when nothing differs between the two sides)."""
     watch = make_watch()
     warm_blocks = 2
-    toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks)
+    toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)
     # the cadence's choice first (about 80 steps of a healthy run), then the blocks; the toggle stops the run
     total = (2 * pairs + warm_blocks) * block + 1 + SETTLE_STEPS
     pl.seed_everything(seed, verbose=False)
@@ -1094,6 +1098,8 @@ class WorkloadCost:
     #: and what one of the other log steps (the metrics only) adds to the hooks
     judge_every: int = LOG_EVERY_N_STEPS
     metrics_step_extra_us: float = 0.0
+    #: the null run (both sides of every pair bare): the machine's own spread of the pair ratios; None: not run
+    null: PairedRatios | None = None
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -1151,6 +1157,16 @@ class WorkloadCost:
                       f"    CPU time        {describe_ratios(paired.cpu)}",
                       f"    verdict         {self.verdict(snapshots)} (budget {BUDGET:.2f}; {CONFIDENCE:.0%} CI, "
                       "both clocks)"]
+        if self.null is not None:
+            null_cis = [median_interval(self.null.wall), median_interval(self.null.cpu)]
+            lines += [f"  {'null run':<17} {len(self.null.wall)} pairs of blocks, both bare (what the machine "
+                      "alone spreads):",
+                      f"    wall clock      {describe_ratios(self.null.wall)}",
+                      f"    CPU time        {describe_ratios(self.null.cpu)}"]
+            if any(ci is None or ci[1] > BUDGET for ci in null_cis):
+                lines.append(f"    so              with both sides bare the {CONFIDENCE:.0%} CI still reaches past "
+                             f"{BUDGET:.2f}: here the verdict could not say \"within the budget\" even for a watch "
+                             "that cost nothing (it can say \"over\"); the parts above say where the time goes")
         if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
             lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
         return lines
@@ -1171,6 +1187,7 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
     on = paired_blocks(pairs, seed, block, workload)
     off = paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
+    null = paired_blocks(pairs, seed, block, workload, null=True)
     copy_s = timer.snapshot_copy_s()
     handover_s = timer.snapshot_handover_s()
     count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
@@ -1182,7 +1199,8 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
                         None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
                         None if copy_s is None or handover_s is None else handover_s * 1e3,
                         *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)),
-                        judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6)
+                        judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6,
+                        null=null)
     return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
                   if anatomy else timer)
 
