@@ -1165,8 +1165,8 @@ class WorkloadCost:
                       f"    CPU time        {describe_ratios(self.null.cpu)}"]
             if any(ci is None or ci[1] > BUDGET for ci in null_cis):
                 lines.append(f"    so              with both sides bare the {CONFIDENCE:.0%} CI still reaches past "
-                             f"{BUDGET:.2f}: here the verdict could not say \"within the budget\" even for a watch "
-                             "that cost nothing (it can say \"over\"); the parts above say where the time goes")
+                             f"{BUDGET:.2f}: here even a watch that cost nothing could not be found \"within the "
+                             "budget\", only \"over\" can be told; the parts above say where the time goes")
         if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
             lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
         return lines
