@@ -39,8 +39,8 @@ def toy_cost(overhead: ModuleType) -> object:
     torch.set_num_threads(1)
     try:
         overhead._quiet()
-        # after the scale settles (skips at first: no snapshot then), 60 timed steps hold snapshots after steps
-        # 40, 60 and 80 (or fewer, the cadence lengthening the interval) and the log step 49; 6 pairs of 10 steps
+        # the window starts once "auto" and the log cadence have decided, holds three snapshots and two log steps
+        # that do their work; 6 pairs of 10 steps
         cost, _ = overhead.measure_workload(overhead.TOY, pairs=6, steps=60, warmup=25, seed=0, block=10)
     finally:
         torch.set_num_threads(threads)
@@ -73,6 +73,28 @@ def test_snapshots_on_and_off_each_get_a_verdict(toy_cost: object) -> None:
         assert f"  {label}" in lines
     assert lines.count("verdict ") == 2 and cost.verdict(False).startswith(VERDICTS)
     assert cost.hooks_us > cost.ordinary_us > 0 and cost.saw_log_step  # log and snapshot steps spread in
+
+
+def test_the_null_run_shows_the_machines_own_spread(overhead: ModuleType, toy_cost: object) -> None:
+    """Both sides of every pair bare: the ratios spread around 1 by the machine alone; when that spread reaches past
+    the budget, the summary says the verdict could not find any watch within it here."""
+    cost = toy_cost
+    assert cost.null is not None and len(cost.null.wall) == len(cost.null.cpu) == 6
+    lines = cost.lines()
+    assert any(line.startswith("  null run          6 pairs of blocks, both bare") for line in lines)
+    cis = [overhead.median_interval(cost.null.wall), overhead.median_interval(cost.null.cpu)]
+    said = any("even a watch that cost nothing could not be found" in line for line in lines)
+    assert said == any(ci is None or ci[1] > overhead.BUDGET for ci in cis)
+
+
+def test_the_log_step_is_reported_at_the_log_cadences_interval(toy_cost: object) -> None:
+    cost = toy_cost
+    line = next(x for x in cost.lines() if x.startswith("  hooks' own time"))
+    assert f"a log step adds {cost.log_step_extra_us:.0f} us, once in {cost.judge_every}" in line
+    # the timed window starts once the cadences have decided (the log cadence times log steps from step 300 on):
+    # the interval they chose, a multiple of log_every, with the metrics-only steps named when it is longer
+    assert cost.judge_every % cost.log_every == 0
+    assert ("log the metrics only" in line) == (cost.judge_every != cost.log_every)
 
 
 def test_only_takes_the_names_with_or_without_parentheses(overhead: ModuleType) -> None:
