@@ -775,7 +775,7 @@ class _HookTimer:
             self.judge_every()  # read now, while the watch holds it
         if batch < self.start:
             return False
-        if self.end is None and batch >= self.start + max(self.steps, 2 * self.judge_every()) and (
+        if self.end is None and batch >= self.start + max(self.steps, 4 * self.judge_every()) and (
                 len(self.snapshot_batches - {-1}) >= self.min_snapshots):
             self.end = batch  # the window is complete before this batch
         return self.end is None or batch < self.end
