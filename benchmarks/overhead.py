@@ -366,8 +366,8 @@ class BlockToggle(pl.Callback):
 
     Neighbouring blocks of one run see the same machine, so each on/off pair gives a ratio that drift barely
     touches; the order inside a pair alternates (on/off, off/on, ...) so that neither side always runs first.
-    "Off" is AmpWatch absent in all but name: its hooks return at once and its optimizer and clipping hooks are
-    removed; switching on again re-reads the scaler (as at train start), so it watches a healthy run correctly,
+    "Off" is AmpWatch absent: out of the trainer's callbacks (so Lightning's dispatch to its hooks is counted as
+    its cost), its optimizer and clipping hooks removed; switching on again re-reads the scaler (as at train start), so it watches a healthy run correctly,
     and keeps its snapshot ring, whose host buffers are reused as in a long run (not allocated afresh per block).
     A block is timed from after its switch to before the next one: the switching itself is not AmpWatch's cost.
 
@@ -431,20 +431,28 @@ class PairedRatios:
 
 
 def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-    """AmpWatch off (its watcher's calls return at once, its optimizer and clipping hooks removed) or on again
-    (hooks back, the scaler re-read, the LRs re-read; the snapshot ring and its buffers kept). The benchmark's only
+    """AmpWatch off (out of the trainer's callbacks, its watcher's calls returning at once, its optimizer and clipping
+    hooks removed) or on again (back in the callbacks, hooks back, the scaler re-read, the LRs re-read; the snapshot
+    ring and its buffers kept). The toggle must come before it in the callbacks (it is appended when switched on). The benchmark's only
     reach into the watcher's insides (with :func:`watch_snapshots`): where they move, these functions follow."""
     watcher = watch.watcher
     ledger, host = watcher.ledger, watcher.host
     assert ledger is not None and host is not None
+    callbacks = trainer.callbacks
     if on and watcher.disabled:
         watcher.disabled = False
         watcher._attach_guards()
         ledger.start(host, watcher._judge_every)
+        if watch not in callbacks:
+            callbacks.append(watch)
     elif not on and not watcher.disabled:
         watcher.disabled = True
         ledger.taken.detach()
         watcher.guards.detach()
+        # out of the trainer's callbacks too: Lightning's dispatch to a callback's hooks (a profiler context and a
+        # call per hook, per step) is a cost of adding it, which a bare run does not pay
+        if watch in callbacks:
+            callbacks.remove(watch)
 
 
 def cadence_settled(watch: AmpWatch) -> bool:

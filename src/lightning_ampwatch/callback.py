@@ -27,6 +27,14 @@ from lightning_ampwatch.taxonomy import Diagnosis
 from lightning_ampwatch.trajectory import Snapshot, TrainState
 
 
+#: Lightning hooks called at every training step that AmpWatch has no use for. During a fit they are ``None`` on the
+#: instance, where Lightning passes over a hook that is not callable (:func:`compat.skips_uncallable_hooks`): each
+#: hook Lightning dispatches to a callback costs a profiler context and a call, per step, whether the hook does
+#: anything or not (about 2 us on a 2-core CPU, more than AmpWatch's own work in most of its hooks).
+IDLE_STEP_HOOKS = ("on_after_backward", "on_before_zero_grad")
+_ABSENT = object()
+
+
 class LightningHost:
     """What only the Trainer knows, for the :class:`~lightning_ampwatch.core.Host` protocol. Made at fit start,
     dropped at its end (it holds the trainer)."""
@@ -237,6 +245,11 @@ class AmpWatch(Callback):
         self.rollback, self.replay_episode = rollback, replay_episode
         self.watcher = RunWatcher(config)
         self._host: LightningHost | None = None
+        # the per-step hooks made idle for a fit (instance attributes set to None), and on_train_batch_start as it
+        # was before it was made idle (the instance's own attribute, or _ABSENT for the class's method)
+        self._idled: list[str] = []
+        self._batch_start_saved: Any = None
+        self._batch_start_on = True  # whether on_train_batch_start is callable now
         compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -296,10 +309,12 @@ class AmpWatch(Callback):
         self.watcher.start(host)
         if self.hold_lr_on_skip and not self.watcher.disabled:
             HoldLrOnSkip.install(pl_module, self.watcher.last_step_skipped, host.step_schedulers)
+        self._idle_hooks()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watcher.begin_training()
+        self._sync_batch_start()
 
     # The per-step hooks call straight through: the watcher's calls catch their own failures.
 
@@ -321,7 +336,10 @@ class AmpWatch(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.watcher.batch_end(batch, batch_idx)
+        watcher = self.watcher
+        watcher.batch_end(batch, batch_idx)
+        if watcher.wants_batch_start is not self._batch_start_on:  # (see _sync_batch_start)
+            self._sync_batch_start()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -340,6 +358,7 @@ class AmpWatch(Callback):
 
     def _close(self) -> None:
         self._release_metrics()
+        self._wake_hooks()
         self.watcher.close()
         if self._host is not None:
             try:
@@ -348,6 +367,52 @@ class AmpWatch(Callback):
             except Exception as err:  # noqa: BLE001 - clean-up never raises
                 self.watcher.internal_failure("clean-up", err)
         self._host = None
+
+    # ------------------------------------------------------------------ hooks Lightning need not call
+
+    def _idle_hooks(self) -> None:
+        """At fit start: the per-step hooks AmpWatch has no use for are made ``None`` on the instance (unless a
+        subclass or the instance gives them a body), and ``on_train_batch_start`` while the watcher wants no call
+        there; only where Lightning passes over hooks that are not callable."""
+        self._wake_hooks()
+        if not compat.skips_uncallable_hooks():
+            return
+        for name in IDLE_STEP_HOOKS:
+            if name not in self.__dict__ and getattr(type(self), name) is getattr(Callback, name):
+                setattr(self, name, None)
+                self._idled.append(name)
+        self._batch_start_saved = self.__dict__.get("on_train_batch_start", _ABSENT)
+        self._sync_batch_start()
+
+    def _sync_batch_start(self) -> None:
+        """``on_train_batch_start`` callable exactly while the watcher wants it called (an RNG state to keep, a
+        probe to arm). Its idle state is ``None`` on the instance; ``_batch_start_saved`` is what it was before
+        (``None`` itself: hooks not idled this fit). Checked after every batch: that is where wanting it changes."""
+        saved = self._batch_start_saved
+        self._batch_start_on = wanted = self.watcher.wants_batch_start
+        if saved is None:
+            return
+        if wanted:
+            if saved is _ABSENT:
+                self.__dict__.pop("on_train_batch_start", None)
+            else:
+                self.on_train_batch_start = saved  # type: ignore[method-assign]
+        else:
+            self.on_train_batch_start = None  # type: ignore[assignment,method-assign]
+
+    def _wake_hooks(self) -> None:
+        """Every hook callable again, as before the fit (its end, an exception, a second fit)."""
+        for name in self._idled:
+            if self.__dict__.get(name, _ABSENT) is None:
+                del self.__dict__[name]
+        self._idled = []
+        saved, self._batch_start_saved = self._batch_start_saved, None
+        self._batch_start_on = True
+        if saved is not None and self.__dict__.get("on_train_batch_start", _ABSENT) is None:
+            if saved is _ABSENT:
+                del self.__dict__["on_train_batch_start"]
+            else:
+                self.on_train_batch_start = saved  # type: ignore[method-assign]
 
     def _release_metrics(self) -> None:
         host, reporters = self._host, self.watcher.reporters

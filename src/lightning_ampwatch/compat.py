@@ -279,6 +279,19 @@ def batches_that_stepped(trainer: Any) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def skips_uncallable_hooks() -> bool:
+    """Whether Lightning passes over a callback hook that is not callable: its ``_call_callback_hooks`` checks
+    ``callable(fn)`` before it opens the profiler's context and calls the hook (Lightning 2.x). AmpWatch then makes the
+    per-step hooks it has no use for ``None`` on its instance during a fit, and that dispatch is not paid each step."""
+    try:
+        from lightning.pytorch.trainer import call
+    except Exception:  # noqa: BLE001 - another Lightning: keep every hook
+        return False
+    fn = getattr(call, "_call_callback_hooks", None)
+    code = getattr(fn, "__code__", None)
+    return code is not None and "callable" in code.co_names
+
+
 def logger_connector(trainer: Any) -> Any:
     return trainer._logger_connector
 
