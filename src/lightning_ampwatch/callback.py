@@ -32,6 +32,11 @@ from lightning_ampwatch.trajectory import Snapshot, TrainState
 #: hook Lightning dispatches to a callback costs a profiler context and a call, per step, whether the hook does
 #: anything or not (about 2 us on a 2-core CPU, more than AmpWatch's own work in most of its hooks).
 IDLE_STEP_HOOKS = ("on_after_backward", "on_before_zero_grad")
+#: Per-step hooks AmpWatch needs only at times, in the order of ``RunWatcher.wanted_calls``: idle (``None``) while the
+#: watcher wants no call there. ``on_train_batch_start``: an RNG state to keep, a probe to arm. On the lean route
+#: (``RunWatcher.lean``): ``on_before_backward`` while the recipe guard reads the loss's graph (the first backward),
+#: ``on_before_optimizer_step`` while a probe is armed.
+WANTED_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step")
 _ABSENT = object()
 
 
@@ -245,11 +250,12 @@ class AmpWatch(Callback):
         self.rollback, self.replay_episode = rollback, replay_episode
         self.watcher = RunWatcher(config)
         self._host: LightningHost | None = None
-        # the per-step hooks made idle for a fit (instance attributes set to None), and on_train_batch_start as it
-        # was before it was made idle (the instance's own attribute, or _ABSENT for the class's method)
+        # the per-step hooks made idle for a fit (instance attributes set to None); the WANTED_STEP_HOOKS as they
+        # were before the fit (the instance's own attribute, or _ABSENT for the class's method; empty: not managed)
         self._idled: list[str] = []
-        self._batch_start_saved: Any = None
-        self._batch_start_on = True  # whether on_train_batch_start is callable now
+        self._saved_hooks: dict[str, Any] = {}
+        self._wanted_seen: Any = None  # the watcher's ``wanted_calls`` the hooks were last set from
+        self._lean = False  # the lean route: the loss and the step count handed over at the batch's end
         compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -313,8 +319,11 @@ class AmpWatch(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.watcher.begin_training()
-        self._sync_batch_start()
+        watcher = self.watcher
+        watcher.begin_training()
+        self._lean = bool(self._saved_hooks) and self._host is not None and watcher.lean(
+            self._host, compat.optimizer_steps_done(trainer))
+        self._sync_hooks()
 
     # The per-step hooks call straight through: the watcher's calls catch their own failures.
 
@@ -337,9 +346,13 @@ class AmpWatch(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         watcher = self.watcher
-        watcher.batch_end(batch, batch_idx)
-        if watcher.wants_batch_start is not self._batch_start_on:  # (see _sync_batch_start)
-            self._sync_batch_start()
+        if self._lean:  # Lightning's own detached copy of the loss, and its count of optimizer steps
+            watcher.batch_end(batch, batch_idx, outputs.get("loss") if isinstance(outputs, dict) else None,
+                              compat.optimizer_steps_done(trainer))
+        else:
+            watcher.batch_end(batch, batch_idx)
+        if watcher.wanted_calls is not self._wanted_seen:  # (see _sync_hooks)
+            self._sync_hooks()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -372,8 +385,8 @@ class AmpWatch(Callback):
 
     def _idle_hooks(self) -> None:
         """At fit start: the per-step hooks AmpWatch has no use for are made ``None`` on the instance (unless a
-        subclass or the instance gives them a body), and ``on_train_batch_start`` while the watcher wants no call
-        there; only where Lightning passes over hooks that are not callable."""
+        subclass or the instance gives them a body), and the ones it needs only at times are managed by
+        :meth:`_sync_hooks`; only where Lightning passes over hooks that are not callable."""
         self._wake_hooks()
         if not compat.skips_uncallable_hooks():
             return
@@ -381,24 +394,28 @@ class AmpWatch(Callback):
             if name not in self.__dict__ and getattr(type(self), name) is getattr(Callback, name):
                 setattr(self, name, None)
                 self._idled.append(name)
-        self._batch_start_saved = self.__dict__.get("on_train_batch_start", _ABSENT)
-        self._sync_batch_start()
+        # only the class's own methods, or what the instance put there (a timer's wrapper), are ever idled
+        self._saved_hooks = {name: self.__dict__.get(name, _ABSENT) for name in WANTED_STEP_HOOKS
+                             if getattr(type(self), name) is getattr(AmpWatch, name)}
+        self._sync_hooks()
 
-    def _sync_batch_start(self) -> None:
-        """``on_train_batch_start`` callable exactly while the watcher wants it called (an RNG state to keep, a
-        probe to arm). Its idle state is ``None`` on the instance; ``_batch_start_saved`` is what it was before
-        (``None`` itself: hooks not idled this fit). Checked after every batch: that is where wanting it changes."""
-        saved = self._batch_start_saved
-        self._batch_start_on = wanted = self.watcher.wants_batch_start
-        if saved is None:
-            return
-        if wanted:
-            if saved is _ABSENT:
-                self.__dict__.pop("on_train_batch_start", None)
+    def _sync_hooks(self) -> None:
+        """Each hook of ``WANTED_STEP_HOOKS`` callable exactly while the watcher wants that call
+        (``RunWatcher.wanted_calls``), ``None`` on the instance otherwise. Checked after every batch, where the
+        wishes change, and at train start."""
+        watcher = self.watcher
+        self._wanted_seen = wanted = watcher.wanted_calls
+        for name, on in zip(WANTED_STEP_HOOKS, wanted):
+            saved = self._saved_hooks.get(name)
+            if saved is None:
+                continue  # not managed this fit
+            if on:
+                if saved is _ABSENT:
+                    self.__dict__.pop(name, None)
+                else:
+                    setattr(self, name, saved)
             else:
-                self.on_train_batch_start = saved  # type: ignore[method-assign]
-        else:
-            self.on_train_batch_start = None  # type: ignore[assignment,method-assign]
+                setattr(self, name, None)
 
     def _wake_hooks(self) -> None:
         """Every hook callable again, as before the fit (its end, an exception, a second fit)."""
@@ -406,13 +423,15 @@ class AmpWatch(Callback):
             if self.__dict__.get(name, _ABSENT) is None:
                 del self.__dict__[name]
         self._idled = []
-        saved, self._batch_start_saved = self._batch_start_saved, None
-        self._batch_start_on = True
-        if saved is not None and self.__dict__.get("on_train_batch_start", _ABSENT) is None:
-            if saved is _ABSENT:
-                del self.__dict__["on_train_batch_start"]
-            else:
-                self.on_train_batch_start = saved  # type: ignore[method-assign]
+        saved, self._saved_hooks = self._saved_hooks, {}
+        for name, before in saved.items():
+            if self.__dict__.get(name, _ABSENT) is None:
+                if before is _ABSENT:
+                    del self.__dict__[name]
+                else:
+                    setattr(self, name, before)
+        self._wanted_seen = None
+        self._lean = False
 
     def _release_metrics(self) -> None:
         host, reporters = self._host, self.watcher.reporters

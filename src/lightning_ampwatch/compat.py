@@ -292,6 +292,13 @@ def skips_uncallable_hooks() -> bool:
     return code is not None and "callable" in code.co_names
 
 
+def optimizer_steps_done(trainer: Any) -> int:
+    """The optimizer steps Lightning's automatic optimization has run in this fit, skipped ones included (it counts
+    each ``optimizer_step`` call; a GradScaler's skip happens inside it): ``global_step`` without its property
+    chain, read at every batch's end on the lean route."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed
+
+
 def logger_connector(trainer: Any) -> Any:
     return trainer._logger_connector
 

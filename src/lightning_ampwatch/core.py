@@ -150,6 +150,15 @@ class RunWatcher(WatchState):
         # can change (:meth:`_sync_investigations`): read on every step, so no property chain there.
         self.wants_batch_start = False  # an adapter calls ``batch_start`` only while this is True
         self._probing = False  # a live probe is armed for this training step
+        # The lean route (:meth:`lean`): the adapter hands each batch's loss and the framework's count of optimizer
+        # steps to ``batch_end``, and calls ``before_backward`` / ``before_optimizer_step`` only while these say so.
+        self.lean_route = False
+        self.wants_before_backward = True
+        self.wants_optimizer_step = True
+        #: what the adapter reads after each batch to know which per-step calls are wanted: a new tuple whenever one
+        #: of the three flags may have changed (compared by identity, one compare per batch)
+        self.wanted_calls: tuple[bool, bool, bool] = (False, True, True)
+        self._steps_done = -1  # the lean route: the framework's optimizer-step count at the last batch end
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -196,9 +205,32 @@ class RunWatcher(WatchState):
         """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
         arm or finish a probe; never on a healthy step)."""
         investigations = self.investigations
-        self.wants_batch_start = (not self.disabled and investigations is not None
-                                  and investigations.wants_batch_start)
+        self.wants_batch_start = bool(not self.disabled and investigations is not None
+                                      and investigations.wants_batch_start)
         self._probing = investigations is not None and investigations.probing
+        self._sync_wanted()
+
+    def _sync_wanted(self) -> None:
+        """The per-step calls the adapter must make (see :attr:`wanted_calls`)."""
+        lean = self.lean_route and not self.disabled
+        self.wants_before_backward = not lean or self.guards.wants_loss
+        self.wants_optimizer_step = not lean or self._probing
+        self.wanted_calls = (self.wants_batch_start, self.wants_before_backward, self.wants_optimizer_step)
+
+    def lean(self, host: Host, steps_done: int) -> bool:
+        """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
+        framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
+        skipped ones included (Lightning's automatic optimization), in one process (a DDP rank whose watch switched
+        itself off keeps its place through ``before_optimizer_step``), without DeepSpeed (whose engine decides
+        what a step is). Then ``before_backward`` is wanted only while the recipe guard reads the loss's graph (the
+        first backward) and ``before_optimizer_step`` only while a probe is armed: two framework hooks fewer per
+        step. ``steps_done``: the framework's count of optimizer steps now. Returns whether the route is taken."""
+        ledger = self.ledger
+        self.lean_route = bool(not self.disabled and ledger is not None and self.world_size == 1
+                               and ledger.precision.engine is None and getattr(host, "automatic", False))
+        self._steps_done = steps_done
+        self._sync_wanted()
+        return self.lean_route
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -300,9 +332,13 @@ class RunWatcher(WatchState):
         if self.disabled or self.ledger is None:
             return
         try:
-            self.ledger.backward(loss)
-            if self.guards.wants_loss:
-                self.guards.on_before_backward(loss)
+            if not self.lean_route:  # (the lean route takes the loss at the batch's end)
+                self.ledger.backward(loss)
+            guards = self.guards
+            if guards.wants_loss:
+                guards.on_before_backward(loss)
+                if self.lean_route and not guards.wants_loss:
+                    self._sync_wanted()  # checked: the adapter need not call here any more
         except Exception as err:  # noqa: BLE001
             self.internal_failure("before_backward", err)
 
@@ -313,22 +349,31 @@ class RunWatcher(WatchState):
                 self._ranks.bystander.optimizer_step()
             return
         try:
-            if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
-                quiet = self.machine.quiet  # type: ignore[union-attr]
-                self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
-            ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
+            if not self.lean_route:  # (the lean route learns of the step from the framework's count, at batch end)
+                if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
+                    quiet = self.machine.quiet  # type: ignore[union-attr]
+                    self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
+                ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self._probing:
                 self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]
         except Exception as err:  # noqa: BLE001
             self.internal_failure("before_optimizer_step", err)
 
-    def batch_end(self, batch: Any, batch_idx: int) -> None:
+    def batch_end(self, batch: Any, batch_idx: int, loss: Any = None, steps_done: int = -1) -> None:
+        """A batch is over. On the lean route (:meth:`lean`) the adapter also hands its loss (None: no backward ran)
+        and the framework's count of optimizer steps so far: one more than at the last batch, a step was taken."""
         ledger = self.ledger
         if self.disabled or ledger is None:
             if self._ranks.bystander is not None:
                 self._ranks.bystander.batch_end()
             return
         try:
+            if self.lean_route:
+                if loss is not None:
+                    ledger.add_loss(loss)
+                if steps_done != self._steps_done:  # an optimizer step ran in this batch (or was skipped by the scaler)
+                    self._steps_done = steps_done
+                    ledger.optimizer_step_begins()
             investigations = self.investigations
             # what a replay needs of this batch (``Investigations.micro_batch``, inline: one is made every batch)
             rng = investigations.batch_rng if investigations is not None else None

@@ -280,6 +280,11 @@ class StepLedger:
         mirror = self._tape_mirror
         self._tape.append((loss.data, mirror.scale if mirror is not None else 1.0))  # no read
 
+    def add_loss(self, loss: Tensor) -> None:
+        """The lean route's :meth:`backward`: the batch's loss as the framework returned it, already unscaled and
+        detached (Lightning's own copy), kept unread."""
+        self._tape.append((loss, 1.0))
+
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
         batches = self._batches

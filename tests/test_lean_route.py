@@ -1,0 +1,147 @@
+"""The lean route: under Lightning's automatic optimization in one process, AmpWatch takes each batch's loss and
+the count of optimizer steps at the batch's end, and leaves Lightning no hook to dispatch on the per-step calls it
+has no use for (each costs a profiler context and a call per step). Whole fits of the scenarios on the lean route
+and on the full one (every hook called, as where Lightning would call a hook that is ``None``) give the same
+diagnoses, remedies, machine state and timeline file, byte for byte; the hooks are put back after the fit."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_ampwatch import AmpWatch, compat
+from lightning_ampwatch.callback import IDLE_STEP_HOOKS, WANTED_STEP_HOOKS
+from lightning_ampwatch.scenarios import SCENARIOS, Regressor, build_trainer, regression_data
+
+from conftest import make_trainer
+
+
+class HookCalls(Callback):
+    """Counts, per step, which of AmpWatch's per-step hooks Lightning would call (callable on the instance)."""
+
+    def __init__(self, watch: AmpWatch) -> None:
+        self.watch = watch
+        self.callable: list[tuple[int, tuple[bool, ...]]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        names = IDLE_STEP_HOOKS + WANTED_STEP_HOOKS
+        self.callable.append((trainer.global_step, tuple(callable(getattr(self.watch, n)) for n in names)))
+
+
+def _fit(name: str, root: Path, lean: bool, monkeypatch: pytest.MonkeyPatch, **watch_kwargs: Any
+         ) -> tuple[Any, ...]:
+    if not lean:  # as under a Lightning that calls every hook: nothing idled, the full route
+        monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+    else:
+        monkeypatch.undo()
+    scenario = SCENARIOS[name]
+    torch.manual_seed(0)
+    random.seed(0)
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, log_dir=str(root / "log"), **watch_kwargs)
+    calls = HookCalls(watch)
+    trainer = build_trainer(scenario, [watch, calls], str(root), max_steps=scenario.max_steps + 90,
+                            log_every_n_steps=10)
+    trainer.fit(scenario.model(), scenario.dataloader())
+    timeline = (root / "log" / "ampwatch" / "timeline.jsonl").read_text()
+    assert watch.machine is not None
+    # the route the fit took: on the lean one Lightning had no backward hook of AmpWatch's to call at most steps
+    idle_backward = sum(not flags[3] for _, flags in calls.callable)
+    assert (idle_backward > len(calls.callable) // 2) if lean else idle_backward == 0
+    return ([d.to_dict() for d in watch.diagnoses], [a.to_dict() for a in watch.applied],
+            watch.machine.state_dict(), timeline)
+
+
+@pytest.mark.parametrize("name, watch_kwargs", [
+    ("healthy", {"snapshot_every": 7}),
+    ("growth_overflow", {"snapshot_every": 5}),
+    ("gradient_overflow", {"snapshot_every": 6}),
+    ("lr_schedule", {"snapshot_every": 4, "remediate": True}),
+    ("scale_collapse", {"snapshot_every": 3, "remediate": True}),
+    ("nan_data", {"snapshot_every": 0}),
+    ("fp32_unstable", {"snapshot_every": 5}),
+    ("input_range", {"snapshot_every": 2, "remediate": True}),
+])
+def test_a_fit_is_diagnosed_and_recorded_the_same_on_the_lean_route(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, watch_kwargs: dict[str, Any]) -> None:
+    full = _fit(name, tmp_path / "full", False, monkeypatch, **watch_kwargs)
+    lean = _fit(name, tmp_path / "lean", True, monkeypatch, **watch_kwargs)
+    assert full[0], "the scenario's fit was diagnosed"
+    assert lean[0] == full[0]
+    assert lean[1] == full[1]
+    assert lean[2] == full[2]  # the machine's state: counts, skips, growths, LR history, loss level
+    assert lean[3] == full[3]  # the timeline file, byte for byte
+
+
+class SometimesNone(Regressor):
+    """A model whose ``training_step`` returns None for the first of the two accumulated batches of every third
+    step (Lightning runs no backward for it; the step goes on with the other batch's gradients)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        if batch_idx % 6 == 2:
+            return None
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+def test_the_lean_route_counts_steps_as_lightning_does_with_accumulation_and_skipped_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for lean in (False, True):
+        if not lean:
+            monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+        else:
+            monkeypatch.undo()
+        pl.seed_everything(0, verbose=False)
+        watch = AmpWatch(verbose=False, snapshot_every=4)
+        calls = HookCalls(watch)
+        trainer = make_trainer(tmp_path / str(lean), [watch, calls], "fp16", {"init_scale": 2.0**20},
+                               max_steps=30, accumulate_grad_batches=2)
+        trainer.fit(SometimesNone(), DataLoader(regression_data(n=1024), batch_size=32))
+        assert watch.machine is not None
+        seen[lean] = ([d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), trainer.global_step)
+        if lean:
+            # after the first backward (the recipe guard's one look at the loss), Lightning has only
+            # on_train_batch_end to call: the two idle hooks, batch start, backward and optimizer step are None
+            later = [flags for step, flags in calls.callable if step >= 2]
+            assert later and all(flags == (False,) * 5 for flags in later)
+            # and every hook is callable again once the fit is over
+            assert all(callable(getattr(watch, n)) for n in IDLE_STEP_HOOKS + WANTED_STEP_HOOKS)
+        else:
+            assert all(flags[2:] == (True, True, True) for _, flags in calls.callable)
+    assert seen[True] == seen[False]
+    assert seen[True][0], "the start-up overflow from 2**20 was diagnosed"
+    assert seen[True][1]["steps_seen"] == seen[True][2] == 30
+
+
+def test_manual_optimization_keeps_every_hook(tmp_path: Path) -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=0)
+    calls = HookCalls(watch)
+    trainer = make_trainer(tmp_path, [watch, calls], "fp16", max_steps=12)
+    trainer.fit(Manual(), DataLoader(regression_data(n=512), batch_size=32))
+    assert not watch.watcher.lean_route if watch.watcher.ledger is not None else True
+    # backward and the optimizer step stay callable (their calls are how a manual step is seen)
+    assert all(flags[3:] == (True, True) for _, flags in calls.callable)
+    assert watch.machine is not None and watch.machine.steps_seen == 12
