@@ -581,8 +581,8 @@ class SnapshotRing:
         self.reason: str | None = None
         self.bytes_per_snapshot = 0
         self._snapshots: deque[Snapshot] = deque()
-        #: step -> (batches, bytes). Their bytes are taken when they are added, cache-warm (-1 where that
-        #: failed: they are counted at the snapshot, whose failure it then is), and enter the totals when the next
+        #: step -> (batches, bytes). Their bytes are taken when they are added (a run's as one column; -1 where
+        #: that failed: they are counted at the snapshot, whose failure it then is), and enter the totals when the next
         #: snapshot is due, as before: in order, the newest ``len(_fresh)`` steps' bytes are not in the totals yet
         #: (``_fresh`` holds them); out of order, a step's bytes not in the totals yet are kept as ``~bytes``.
         self._batches: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()
@@ -610,9 +610,9 @@ class SnapshotRing:
 
     def add_batches(self, step: int, micro_batches: Sequence[Any]) -> None:
         """Keep references to the micro-batches optimizer step ``step`` ran on (``MicroBatch`` or its tuple).
-        Call it before ``after_step`` for the same step. Their bytes are taken now, while the batches are
-        cache-warm, and enter the totals when the next snapshot is due: between two snapshots the batches held can
-        grow by ``every`` steps' worth, which :meth:`_fits` allows."""
+        Call it before ``after_step`` for the same step. Their bytes are taken now (the step's own, just run on),
+        and enter the totals when the next snapshot is due, as if counted then: between two snapshots the batches
+        held can grow by ``every`` steps' worth, which :meth:`_fits` allows."""
         if not self.enabled:
             return
         if self._snapshots and len(self._batches) >= self.max_held_steps:
