@@ -88,6 +88,7 @@ from lightning_ampwatch.investigate import Investigator
 from lightning_ampwatch.machine import PrecisionMode
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from lightning_ampwatch.signals import StepTaken
+from lightning_ampwatch import trajectory
 from lightning_ampwatch.trajectory import SnapshotRing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the one host-read counter
@@ -756,7 +757,10 @@ class _HookTimer:
         #: (batch, part) -> seconds a snapshot spent on the held batches: "count" (their bytes, for the memory
         #: budget), "release" (the oldest snapshot and the batches only it could replay let go)
         self.held: dict[tuple[int, str], float] = {}
-        self._in_snapshot = self._in_held = False
+        #: batch -> seconds the ring spent taking the bytes of batches as they were added (a run's at its hand-over,
+        #: a step's own when it is not deferred), outside a snapshot's count: the hooks' own time
+        self.added: dict[int, float] = {}
+        self._in_snapshot = self._in_held = self._in_added = False
         self._hook: str | None = None  # the hook being timed (the hand-over is charged to it)
         self.clock: StepClock | None = None
         self.watch: AmpWatch | None = None
@@ -900,6 +904,30 @@ class _HookTimer:
                 self.held[key] = self.held.get(key, 0.0) + time.perf_counter() - t0
         return timed
 
+    def _wrap_added(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._hook is None or self._in_held or self._in_added:
+                return fn(*args, **kwargs)  # outside the timed hooks, inside a snapshot's count, or nested
+            self._in_added = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._in_added = False
+                batch = self._batch()
+                self.added[batch] = self.added.get(batch, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def added_count_s(self) -> float | None:
+        """What counting the held batches' bytes as they were added cost per snapshot interval: the window's total
+        over its steps, times the interval in force (these counts run at the hand-overs, the log steps' among
+        them: the hooks' own time, not the snapshot step's). None: no interval or no timed step."""
+        every = self.snapshot_interval()
+        steps = {b for calls in self.calls.values() for b, _ in calls}
+        if not every or not steps:
+            return None
+        return sum(self.added.values()) / len(steps) * every
+
     def snapshot_held_s(self, part: str) -> float | None:
         """Of a snapshot step's own time, what goes to the batches held since the last snapshot, median over the
         window's snapshot steps: ``"count"``, counting their bytes for the memory budget; ``"release"``, letting the
@@ -999,6 +1027,9 @@ class _HookTimer:
         for name, part in (("_count_batches", "count"), ("_drop_oldest", "release"), ("_prune", "release")):
             self._saved.append((SnapshotRing, name, SnapshotRing.__dict__[name]))
             setattr(SnapshotRing, name, self._wrap_held(SnapshotRing.__dict__[name], part))
+        for name in ("_column_nbytes", "_nbytes"):  # the batches' bytes, taken as they are added to the ring
+            self._saved.append((trajectory, name, getattr(trajectory, name)))
+            setattr(trajectory, name, self._wrap_added(getattr(trajectory, name)))
 
     def restore(self) -> None:
         for owner, name, fn in getattr(self, "_saved", []):
@@ -1108,6 +1139,9 @@ class WorkloadCost:
     metrics_step_extra_us: float = 0.0
     #: the null run (both sides of every pair bare): the machine's own spread of the pair ratios; None: not run
     null: PairedRatios | None = None
+    #: the held batches' bytes taken as they were added, per snapshot interval (at the hand-overs: the hooks' own
+    #: time, in ``hooks_us``, not in ``snapshot_copy_ms``); None: not measured
+    added_count_ms: float | None = None
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -1150,10 +1184,13 @@ class WorkloadCost:
                          f"{self.snapshot_every} steps: {self.snapshot_us_per_step:.1f} us per step = {share:.2%} "
                          "of a bare step (the snapshot's per-step share)")
             if self.count_ms is not None and self.release_ms is not None:
+                added = "" if self.added_count_ms is None else (
+                    f" (and {self.added_count_ms:.3f} ms per interval as they came in, at the hand-overs: the hooks' "
+                    "own time)")
                 lines.append(f"    of which        the batches of the {self.snapshot_every} steps held since the last "
-                             f"snapshot: their bytes counted {self.count_ms:.3f} ms, the oldest snapshot and its "
-                             f"batches let go {self.release_ms:.3f} ms (per held step: a longer interval does not thin "
-                             "them out; a bare run frees its batches step by step)")
+                             f"snapshot: their bytes counted {self.count_ms:.3f} ms{added}, the oldest snapshot and "
+                             f"its batches let go {self.release_ms:.3f} ms (per held step: a longer interval does not "
+                             "thin them out; a bare run frees its batches step by step)")
             if self.handover_ms is not None:
                 lines.append(f"  hand-over         a snapshot step first takes in the clean steps deferred since the "
                              f"last log step or snapshot: {self.handover_ms:.3f} ms, the hooks' own time (in the "
@@ -1199,6 +1236,7 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
     copy_s = timer.snapshot_copy_s()
     handover_s = timer.snapshot_handover_s()
     count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
+    added_s = timer.added_count_s()
     every = timer.snapshot_interval()
     sizes = [nbytes for _, nbytes in timer.snapshots]
     bare = on.bare_step_s if math.isfinite(on.bare_step_s) else off.bare_step_s
@@ -1208,7 +1246,7 @@ def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, se
                         None if copy_s is None or handover_s is None else handover_s * 1e3,
                         *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)),
                         judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6,
-                        null=null)
+                        null=null, added_count_ms=None if copy_s is None or added_s is None else added_s * 1e3)
     return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
                   if anatomy else timer)
 

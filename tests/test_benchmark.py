@@ -142,6 +142,25 @@ def test_the_snapshot_is_reported_apart_from_the_deferred_steps_it_takes_in(toy_
     assert timer.snapshot_held_s("release") == pytest.approx(20e-6)
 
 
+def test_the_batches_counted_as_they_came_in_are_reported_per_interval(toy_cost: object,
+                                                                       overhead: ModuleType) -> None:
+    """The ring takes a held batch's bytes as it is added (a run's at its hand-over), not at the snapshot: the
+    benchmark still reports that count, per snapshot interval, beside what the snapshot step itself counts. The
+    arithmetic on recorded times (no clock): 40 timed steps, 40 us of counting in all, an interval of 20 steps,
+    is 20 us per interval."""
+    cost = toy_cost
+    line = next(x for x in "\n".join(cost.lines()).splitlines() if x.startswith("    of which"))
+    assert cost.added_count_ms is not None and cost.added_count_ms > 0
+    assert f"(and {cost.added_count_ms:.3f} ms per interval as they came in, at the hand-overs" in line
+    timer = overhead._HookTimer(0, 10, None)
+    timer.calls["on_train_batch_end"] = [(b, 10e-6) for b in range(0, 40)]
+    timer.every = 20
+    timer.added[5], timer.added[25] = 10e-6, 30e-6
+    assert timer.added_count_s() == pytest.approx(20e-6)
+    timer.every, timer.snapshot_batches = 0, set()
+    assert timer.added_count_s() is None  # no interval: no snapshots to spread it over
+
+
 def test_the_interval_reported_is_the_one_in_force_not_a_median_spacing(overhead: ModuleType) -> None:
     """"auto" snapshots 20 steps apart until it chooses, say 120: a window holding both used to report the median
     spacing of 20, 20, 40 and 120 steps, "every 30", an interval no run had."""

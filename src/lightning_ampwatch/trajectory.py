@@ -16,7 +16,7 @@ import math
 import operator
 import os
 from collections import OrderedDict, deque
-from itertools import repeat
+from itertools import chain, islice, repeat, takewhile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -408,6 +408,42 @@ def _nbytes(micro_batches: Sequence[Any]) -> int:
     return total
 
 
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_SEQUENCES = frozenset({tuple, list})
+_DICT_ONLY = {dict}
+_MAP_NBYTES = functools.partial(map, _NBYTES)  # one batch's tensors' ``nbytes``, lazily, for ``sum``
+
+
+def _column_nbytes(column: Sequence[Sequence[Any]]) -> list[int]:
+    """``[_nbytes(b) for b in column]`` (the bytes of each step's micro-batches), with the same values, walking the
+    column in C for the usual batches instead of a Python call per step: every step with as many micro-batches,
+    each batch a tensor, a tuple or list of plain tensors, or a dict of plain tensors, the same kind in every
+    step (the shapes and dtypes may differ: each tensor's ``nbytes`` is read). Any other column goes step by step
+    through :func:`_nbytes`. A tensor held twice counts twice, as :func:`_nbytes` counts it."""
+    lengths = set(map(len, column))
+    if len(lengths) == 1:
+        per_step = lengths.pop()
+        if per_step == 0:
+            return [0] * len(column)
+        # ``mb[0]`` of every micro-batch, the steps' in a row
+        batches = list(map(_FIRST, chain.from_iterable(column) if per_step > 1 else map(_FIRST, column)))
+        kinds = set(map(type, batches))
+        sizes: list[int] | None = None
+        if kinds == _TENSOR_ONLY:
+            sizes = list(map(_NBYTES, batches))
+        elif kinds <= _SEQUENCES:
+            if set(map(type, chain.from_iterable(batches))) == _TENSOR_ONLY:
+                sizes = list(map(sum, map(_MAP_NBYTES, batches)))
+        elif kinds == _DICT_ONLY:
+            values = list(map(dict.values, batches))
+            if set(map(type, chain.from_iterable(values))) == _TENSOR_ONLY:
+                sizes = list(map(sum, map(_MAP_NBYTES, values)))
+        if sizes is not None:
+            return sizes if per_step == 1 else list(map(sum, zip(*[iter(sizes)] * per_step)))
+    return list(map(_nbytes, column))
+
+
 def _as_micro_batches(micro_batches: Sequence[Any]) -> list[MicroBatch]:
     """``MicroBatch`` records, from them or from the plain tuples the callback keeps."""
     return [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in micro_batches]
@@ -545,7 +581,12 @@ class SnapshotRing:
         self.reason: str | None = None
         self.bytes_per_snapshot = 0
         self._snapshots: deque[Snapshot] = deque()
-        self._batches: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()  # step -> (batches, bytes)
+        #: step -> (batches, bytes). Their bytes are taken when they are added (a run's as one column; -1 where
+        #: that failed: they are counted at the snapshot, whose failure it then is), and enter the totals when the next
+        #: snapshot is due, as before: in order, the newest ``len(_fresh)`` steps' bytes are not in the totals yet
+        #: (``_fresh`` holds them); out of order, a step's bytes not in the totals yet are kept as ``~bytes``.
+        self._batches: OrderedDict[int, tuple[list[Any], int]] = OrderedDict()
+        self._fresh: list[int | None] = []  # in order: the bytes of the steps added since the last count (None: failed)
         self._batch_bytes = 0  # what the held batches take, kept as they come and go (read every step)
         self._step_batch_bytes = 0  # the most one step's batches have held
         self._unheld: Sequence[Any] | None = None  # the latest batches seen before the first snapshot
@@ -569,8 +610,9 @@ class SnapshotRing:
 
     def add_batches(self, step: int, micro_batches: Sequence[Any]) -> None:
         """Keep references to the micro-batches optimizer step ``step`` ran on (``MicroBatch`` or its tuple).
-        Call it before ``after_step`` for the same step. Their bytes are counted when the next snapshot is due:
-        between two snapshots the batches held can grow by ``every`` steps' worth, which :meth:`_fits` allows."""
+        Call it before ``after_step`` for the same step. Their bytes are taken now (the step's own, just run on),
+        and enter the totals when the next snapshot is due, as if counted then: between two snapshots the batches
+        held can grow by ``every`` steps' worth, which :meth:`_fits` allows."""
         if not self.enabled:
             return
         if self._snapshots and len(self._batches) >= self.max_held_steps:
@@ -583,17 +625,25 @@ class SnapshotRing:
             self.dropped = (f"the snapshots from before step {first} were let go after {self.max_held_steps} "
                             "steps without a new one (a long stretch of trouble)")
         if self._snapshots:
-            if step <= self._newest_held and self._batches:
-                self._in_order = False
+            if step <= self._newest_held and self._batches and self._in_order:
+                self._out_of_order()
             self._newest_held = step
-            self._batches[step] = (micro_batches, -1)
+            try:
+                nbytes = _nbytes(micro_batches)
+            except Exception:  # noqa: BLE001 - counted again at the snapshot, which fails as it did before
+                nbytes = None
+            if self._in_order:
+                self._batches[step] = (micro_batches, -1 if nbytes is None else nbytes)
+                self._fresh.append(nbytes)
+            else:
+                self._batches[step] = (micro_batches, -1 if nbytes is None else ~nbytes)
         else:  # nothing to replay them from yet, but their size tells what the first snapshot's batches need
             self._unheld = micro_batches
 
     def add_run(self, steps: Sequence[int], batches: Sequence[Any]) -> None:
         """:meth:`add_batches` for a run of steps taken in later, at once, as columns (in step order): one ``update``
-        of the held steps when the run comes after them and stays within ``max_held_steps`` (the usual case), else
-        one call per step."""
+        of the held steps when the run comes after them and stays within ``max_held_steps`` (the usual case), their
+        bytes taken as one column (:func:`_column_nbytes`), else one call per step."""
         if not self.enabled or not steps:
             return
         if not self._snapshots:
@@ -601,7 +651,19 @@ class SnapshotRing:
             return
         held = self._batches
         if len(held) + len(steps) <= self.max_held_steps and (steps[0] > self._newest_held or not held):
-            held.update(zip(steps, zip(batches, repeat(-1))))
+            try:
+                sizes: list[int] | None = _column_nbytes(batches)  # the run's bytes, in one walk of the column
+            except Exception:  # noqa: BLE001 - as add_batches: counted again at the snapshot
+                sizes = None
+            if sizes is None:
+                held.update(zip(steps, zip(batches, repeat(-1))))
+                if self._in_order:
+                    self._fresh += repeat(None, len(steps))
+            elif self._in_order:
+                held.update(zip(steps, zip(batches, sizes)))
+                self._fresh += sizes
+            else:
+                held.update(zip(steps, zip(batches, map(operator.invert, sizes))))
             self._newest_held = steps[-1]
             return
         for step, micro_batches in zip(steps, batches):
@@ -645,21 +707,47 @@ class SnapshotRing:
         return live, parts, plan.layout if plan is not None else None
 
     def _count_batches(self) -> None:
-        """The bytes of the batches added since the last count (their tensors' ``nbytes``)."""
+        """The batches added since the last count enter the totals (their tensors' ``nbytes``, as :func:`_nbytes`
+        counts them). In order, their bytes were taken as they were added: a sum and a max of ``_fresh``, without
+        a walk over the held steps; else every held step not in the totals yet, one by one."""
         if self._unheld is not None:
             self._step_batch_bytes = max(self._step_batch_bytes, _nbytes(self._unheld))
             self._unheld = None
         held = self._batches
-        for step in (reversed(held) if self._in_order else list(held)):
+        if self._in_order:
+            fresh, self._fresh = self._fresh, []
+            if not fresh:
+                return
+            if None in fresh:  # some could not be counted when added: counted now (and fail now, as they did)
+                newest, fresh = list(islice(reversed(held.items()), len(fresh))), []
+                for step, (batches, nbytes) in newest:
+                    if nbytes < 0:
+                        nbytes = _nbytes(batches)
+                        held[step] = (batches, nbytes)
+                    fresh.append(nbytes)
+            self._batch_bytes += sum(fresh)  # type: ignore[arg-type]
+            self._step_batch_bytes = max(self._step_batch_bytes, max(fresh))  # type: ignore[type-var]
+            return
+        if self._fresh:  # the order was given up since (from outside): those steps' bytes are not in the totals
+            self._out_of_order()
+        for step in list(held):
             batches, nbytes = held[step]
             if nbytes >= 0:
-                if self._in_order:
-                    break  # in order, every step before a counted one is counted
                 continue
-            nbytes = _nbytes(batches)
+            nbytes = _nbytes(batches) if nbytes == -1 else ~nbytes
             held[step] = (batches, nbytes)
             self._batch_bytes += nbytes
             self._step_batch_bytes = max(self._step_batch_bytes, nbytes)
+
+    def _out_of_order(self) -> None:
+        """A step comes back out of order: the steps added in order since the last count keep their bytes as
+        ``~bytes`` (not in the totals yet), for the walk over every held step that counts from now on."""
+        held, fresh = self._batches, self._fresh
+        for step in list(islice(reversed(held), len(fresh))):
+            batches, nbytes = held[step]
+            held[step] = (batches, ~nbytes if nbytes >= 0 else -1)
+        self._fresh = []
+        self._in_order = False
 
     def reset(self) -> None:
         """Drop every snapshot and batch (after a rollback they belong to abandoned steps). The snapshots' host
@@ -667,7 +755,7 @@ class SnapshotRing:
         self._snapshots.clear()
         self._batches.clear()
         self._batch_bytes = 0
-        self._in_order, self._newest_held = True, -1
+        self._in_order, self._newest_held, self._fresh = True, -1, []
 
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot taken after an optimizer step earlier than ``step``."""
@@ -689,15 +777,9 @@ class SnapshotRing:
         """Drop the batches no held snapshot can replay: those up to the oldest snapshot's step (all, if none)."""
         keep_after = self._snapshots[0].step if self._snapshots else math.inf
         held = self._batches
-        if self._in_order:  # the oldest first: pop from the front up to the first step kept (and put it back)
-            while held:
-                step, entry = held.popitem(last=False)
-                if step > keep_after:
-                    held[step] = entry
-                    held.move_to_end(step, last=False)
-                    break
-                if entry[1] > 0:
-                    self._batch_bytes -= entry[1]
+        if self._in_order:  # the steps rise: those up to ``keep_after`` are at the front, popped in one go
+            gone = list(map(held.pop, list(takewhile(functools.partial(operator.ge, keep_after), held))))
+            self._batch_bytes -= sum(filter(functools.partial(operator.lt, 0), map(_SECOND, gone)))
             return
         for step in [s for s in held if s <= keep_after]:
             self._batch_bytes -= max(held.pop(step)[1], 0)
