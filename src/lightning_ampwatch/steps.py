@@ -53,6 +53,17 @@ RECENT_LOSSES = 256
 #: tensor): reading a tensor on them is no synchronisation. On any other device the loss stays an unread tensor.
 HOST_TAPE_DEVICES: frozenset[str] = frozenset({"cpu"})
 _NONE_RESOLVED: list["ResolvedStep"] = []  # a clean step resolves nothing (shared, never appended to)
+
+
+class _Unscaled:
+    """The tape's scale when the loss handed to backward is not scaled (no GradScaler; DeepSpeed scales inside its
+    engine): read like a mirror's, so ``backward`` does not branch on it."""
+
+    __slots__ = ()
+    scale = 1.0
+
+
+_UNSCALED = _Unscaled()
 _first, _second = itemgetter(0), itemgetter(1)
 
 
@@ -165,7 +176,7 @@ class StepLedger:
         #: switches itself off (distributed.CrossRank)
         self.agree = True
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
-        self._tape_mirror: ScaleMirror | None = None  # the mirror whose scale the losses handed to backward carry
+        self._tape_mirror: ScaleMirror | _Unscaled = _UNSCALED  # whose scale the losses handed to backward carry
         self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
@@ -245,7 +256,7 @@ class StepLedger:
             self.mirror = None
             self.scaler_config = {}
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
-        self._tape_mirror = self.mirror if scaler is not None else None
+        self._tape_mirror = self.mirror if scaler is not None and self.mirror is not None else _UNSCALED
         self._loss_scale = loss_scale if self.mirror is not None else None
         self._engine = self.precision.engine
 
@@ -287,9 +298,8 @@ class StepLedger:
         reads it. On the CPU (``HOST_TAPE_DEVICES``) its value is taken at once instead: ``item()`` is no
         synchronisation there, costs less than ``.data``, and leaves the log step no tensor op for the losses.
         (Under a GradScaler this is the scaled loss; the tape keeps the scale beside it.)"""
-        mirror = self._tape_mirror
         self._tape.append((loss.item() if self._host_tape else loss.data,  # no read on an accelerator
-                           mirror.scale if mirror is not None else 1.0))
+                           self._tape_mirror.scale))
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
