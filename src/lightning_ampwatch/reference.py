@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from itertools import islice
 from typing import TYPE_CHECKING, Any, Iterable
 
 from lightning_ampwatch.lr_history import lr_event
@@ -326,28 +325,31 @@ class HealthyReference:
         not climbing over its older half, and not a slow build above the level before it."""
         self._since_promote = 0
         s = self._machine.state
-        window = s.losses
-        n = len(window)
+        losses = list(s.losses)
+        n = len(losses)
         if n < _LEVEL_MIN_LOSSES:
             return
         # statistics.median's arithmetic (the middle of the sorted values, or the mean of the two middle ones), on
-        # lists sorted straight from the window: no per-call type checks, no copy of it (a log step re-judges the
-        # level about a dozen times)
+        # lists made here: no per-call type checks (a log step re-judges the level about a dozen times)
         half = n // 2
-        newer, older = sorted(islice(window, half, None)), sorted(islice(window, half))
-        mid, n_new = half >> 1, n - half
-        older_median = older[mid] if half & 1 else (older[mid - 1] + older[mid]) / 2
-        mid = n_new >> 1
-        if (newer[mid] if n_new & 1 else (newer[mid - 1] + newer[mid]) / 2) > HEALTHY_RISE * older_median:
+        newer, older = losses[half:], losses[:half]
+        newer.sort()
+        older.sort()
+        n_new = n - half
+        mid = n_new // 2
+        newer_median = newer[mid] if n_new % 2 else (newer[mid - 1] + newer[mid]) / 2
+        mid = half // 2
+        older_median = older[mid] if half % 2 else (older[mid - 1] + older[mid]) / 2
+        if newer_median > HEALTHY_RISE * older_median:
             return
-        losses = sorted(window)
-        level = losses[half] if n & 1 else (losses[half - 1] + losses[half]) / 2
+        losses.sort()
+        level = losses[half] if n % 2 else (losses[half - 1] + losses[half]) / 2
         ref = s.reference
         if ref is not None and level > HEALTHY_RISE * ref.level:
             return
         steps = s.loss_steps  # the deque's ends: no list of it
-        s.reference = Reference(level, steps[0], steps[-1], n) if len(steps) == n else \
-            Reference(level, s.steps_seen - n, s.steps_seen - 1, n)
+        first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
+        s.reference = Reference(level, first, last, n)
 
     # ---------------------------------------------------------------- a climb that lasts
 

@@ -136,8 +136,8 @@ class LossRing:
         losses = self.held()
         if not losses:
             return None
-        if type(losses[0]) is float:  # taken on the host: the vector their tensors would have stacked to
-            return torch.tensor([float(loss) for loss in losses], dtype=torch.float32)
+        if float in map(type, losses):  # taken on the host: as the tensors they were taken from
+            losses = [torch.tensor(loss, dtype=torch.float32) if type(loss) is float else loss for loss in losses]
         try:
             stacked = torch.stack(losses)
             if stacked.dim() != 1:
@@ -298,8 +298,15 @@ class StepLedger:
         reads it. On the CPU (``HOST_TAPE_DEVICES``) its value is taken at once instead: ``item()`` is no
         synchronisation there, costs less than ``.data``, and leaves the log step no tensor op for the losses.
         (Under a GradScaler this is the scaled loss; the tape keeps the scale beside it.)"""
-        self._tape.append((loss.item() if self._host_tape else loss.data,  # no read on an accelerator
-                           self._tape_mirror.scale))
+        if self._host_tape:
+            try:
+                value = loss.item()
+            except RuntimeError:  # not one value (a manual backward of a vector): tensors from now on, as before
+                self._host_tape = False
+                value = loss.data
+        else:
+            value = loss.data  # no read
+        self._tape.append((value, self._tape_mirror.scale))
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
