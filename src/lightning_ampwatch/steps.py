@@ -136,7 +136,7 @@ class LossRing:
         losses = self.held()
         if not losses:
             return None
-        if float in map(type, losses):  # taken on the host: as the tensors they were taken from
+        if type(losses[0]) is float:  # taken on the host (the tape's later losses may be tensors: see backward)
             losses = [torch.tensor(loss, dtype=torch.float32) if type(loss) is float else loss for loss in losses]
         try:
             stacked = torch.stack(losses)
