@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ampwatch import AmpWatch, core
+from lightning_ampwatch import AmpWatch, core, steps
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
@@ -145,11 +145,13 @@ def test_the_ring_keeps_a_run_as_it_keeps_each_step(seed: int, n: int, held_befo
 # ---------------------------------------------------------------------------------------------- whole fits
 
 
-def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int],
-         **watch_kwargs: Any) -> tuple[Any, ...]:
+def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int], *,
+         host_tape: bool = True, trainer_kwargs: dict[str, Any] | None = None, **watch_kwargs: Any) -> tuple[Any, ...]:
     """The scenario's fit, watched; what a user sees of it: diagnoses, remedies, the machine's checkpointed state,
-    the timeline file, the event log's records."""
+    the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
+    accelerator (the CPU takes each one's value as it comes)."""
     monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
+    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", steps.HOST_TAPE_DEVICES if host_tape else frozenset())
     flush = RunWatcher._flush_clean
 
     def counting(self: RunWatcher) -> None:
@@ -165,9 +167,11 @@ def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, ru
 
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=False, log_dir=str(root / "log"), **watch_kwargs)
-    trainer = build_trainer(scenario, [watch], str(root), max_steps=scenario.max_steps + 90, log_every_n_steps=10)
+    trainer = build_trainer(scenario, [watch], str(root), max_steps=scenario.max_steps + 90, log_every_n_steps=10,
+                            **(trainer_kwargs or {}))
     trainer.fit(scenario.model(), scenario.dataloader())
-    timeline = (root / "log" / "ampwatch" / "timeline.jsonl").read_text()
+    assert watch.watcher.ledger is not None and watch.watcher.ledger._host_tape is host_tape
+    timeline = (root / "log" / "ampwatch" / "timeline.jsonl").read_bytes()
     diagnoses = [d.to_dict() for d in watch.diagnoses]
     assert watch.machine is not None
     return diagnoses, [a.to_dict() for a in watch.applied], watch.machine.state_dict(), timeline
@@ -242,3 +246,31 @@ def test_the_machine_a_user_reads_between_log_steps_counts_every_step(tmp_path: 
     trainer.fit(scenario.model(), scenario.dataloader())
     assert seen and all(global_step == steps for global_step, steps in seen), seen
     assert seen[-1][1] == 30
+
+
+@pytest.mark.parametrize("name, watch_kwargs, trainer_kwargs", [
+    ("healthy", {"snapshot_every": 7}, {}),
+    ("healthy", {"snapshot_every": 0}, {"accumulate_grad_batches": 3}),  # three losses per step
+    ("growth_overflow", {"snapshot_every": 5}, {}),
+    ("gradient_overflow", {"snapshot_every": 6}, {}),
+    ("lr_schedule", {"snapshot_every": 4}, {}),
+    ("scale_collapse", {"snapshot_every": 3}, {}),
+    ("nan_data", {"snapshot_every": 0}, {}),
+    ("fp32_unstable", {"snapshot_every": 5}, {}),  # no scaler: the host-loss path reads each step's loss
+    ("fp32_unstable", {"snapshot_every": 0}, {"accumulate_grad_batches": 2}),
+    ("input_range", {"snapshot_every": 2}, {}),
+])
+def test_a_fit_is_diagnosed_and_recorded_the_same_with_losses_taken_as_floats_on_the_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, watch_kwargs: dict[str, Any],
+        trainer_kwargs: dict[str, Any]) -> None:
+    """The CPU takes each loss's value as it comes (no synchronisation there), so a log step reads no tensor for
+    them: everything a user sees is what the tensors kept unread and read in one packed read give, bit for bit."""
+    floats = _fit(name, tmp_path / "floats", True, monkeypatch, [], trainer_kwargs=trainer_kwargs, **watch_kwargs)
+    tensors = _fit(name, tmp_path / "tensors", True, monkeypatch, [], host_tape=False, trainer_kwargs=trainer_kwargs,
+                   **watch_kwargs)
+    assert floats[0] == tensors[0]
+    assert floats[0] or name == "healthy", "the scenario's fit was diagnosed"
+    assert floats[1] == tensors[1]
+    assert floats[2] == tensors[2]  # the machine's state: counts, skips, growths, LR history, loss level
+    assert floats[3] == tensors[3]  # the timeline file, byte for byte
+    assert floats[2]["reference"] is not None or name != "healthy"  # losses were read and made a level

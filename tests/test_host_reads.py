@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_ampwatch import AmpWatch
+from lightning_ampwatch import AmpWatch, steps
 from lightning_ampwatch.scenarios import Regressor, regression_data
 
 from _reads import ReadsByStep, added_reads, reads_per_step
@@ -54,9 +54,23 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> ReadsByStep:
 
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory, bare: ReadsByStep) -> tuple[ReadsByStep, pl.Trainer, AmpWatch]:
-    """The reads AmpWatch adds to that run, per step, with the trainer and the callback."""
+    """The reads AmpWatch adds to that run, per step, with the trainer and the callback. The ledger keeps each loss
+    as an unread tensor, as it does on an accelerator: on the CPU it would take each loss's value as it comes (no
+    synchronisation there; see ``test_on_the_cpu_each_loss_is_taken_as_it_comes``), and the accelerator's way is the
+    one these counts judge."""
     watch = AmpWatch(verbose=False)
-    reads, trainer = reads_per_step(healthy_fit(tmp_path_factory.mktemp("watched"), [watch]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset())
+        reads, trainer = reads_per_step(healthy_fit(tmp_path_factory.mktemp("watched"), [watch]))
+    return added_reads(reads, bare), trainer, watch
+
+
+@pytest.fixture(scope="module")
+def watched_on_cpu(tmp_path_factory: pytest.TempPathFactory,
+                   bare: ReadsByStep) -> tuple[ReadsByStep, pl.Trainer, AmpWatch]:
+    """The same run with the CPU's way (the default there): each loss taken as a float when it comes."""
+    watch = AmpWatch(verbose=False)
+    reads, trainer = reads_per_step(healthy_fit(tmp_path_factory.mktemp("watched_cpu"), [watch]))
     return added_reads(reads, bare), trainer, watch
 
 
@@ -108,3 +122,22 @@ def test_at_most_one_read_per_log_step(watched: tuple[ReadsByStep, pl.Trainer, A
     at_log_steps = {step: dict(added[step]) for step in sorted(LOG_STEPS)}
     assert all(sum(reads.values()) <= 1 for reads in at_log_steps.values()), \
         f"reads AmpWatch added per log step (at most one packed read wanted): {at_log_steps}"
+
+
+def test_on_the_cpu_each_loss_is_taken_as_it_comes(watched_on_cpu: tuple[ReadsByStep, pl.Trainer, AmpWatch],
+                                                   watched: tuple[ReadsByStep, pl.Trainer, AmpWatch]) -> None:
+    # On the CPU a read waits for nothing: the loss's value is taken with one scalar read at each backward, and a log
+    # step reads the scaler's scale and growth tracker as two scalars, with no packed read of the losses
+    added, trainer, watch = watched_on_cpu
+    assert watch.machine is not None and watch.machine.steps_seen == trainer.global_step == MAX_STEPS
+    assert watch.machine.skipped_total == 0 and watch.diagnoses == []
+    assert _logged_scales(trainer) == [2.0**10] * len(LOG_STEPS)
+    assert {step: dict(added[step]) for step in COUNTED_STEPS} == {
+        step: {"_local_scalar_dense": 3 if step in LOG_STEPS else 1} for step in COUNTED_STEPS}
+    # the same losses, read either way, and the same loss level from them
+    _, _, as_tensors = watched
+    cpu_ledger, tensor_ledger = watch.watcher.ledger, as_tensors.watcher.ledger
+    assert cpu_ledger is not None and tensor_ledger is not None and len(cpu_ledger.recent_losses) == MAX_STEPS
+    assert list(cpu_ledger.recent_losses) == list(tensor_ledger.recent_losses)
+    assert as_tensors.machine is not None and watch.machine.state.reference is not None
+    assert watch.machine.state.reference == as_tensors.machine.state.reference

@@ -857,6 +857,36 @@ def test_a_healthy_batch_taken_at_once_is_one_loss_at_a_time(losses: list[tuple[
     assert _taken_in(batched) == _taken_in(single)
 
 
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(window=st.lists(st.one_of(st.floats(min_value=0.0, max_value=10.0), st.sampled_from([0.5, 1.0, 2.0]),
+                                 st.floats(min_value=1e300, max_value=1.7e308)), max_size=24),
+       before=st.one_of(st.none(), st.floats(min_value=0.01, max_value=10.0)),
+       steps_known=st.booleans())
+def test_the_level_is_rejudged_as_statistics_medians_say(window: list[float], before: float | None,
+                                                         steps_known: bool) -> None:
+    """``promote`` computes its medians inline (a log step re-judges the level about a dozen times): the level it
+    makes, or keeps, is the one its definition gives with ``statistics.median``, huge finite losses included."""
+    import statistics
+
+    from lightning_ampwatch.reference import HEALTHY_RISE, Reference
+
+    m = AmpStateMachine("fp16", thresholds=Thresholds(loss_window=24))
+    s = m.state
+    s.losses.extend(window)
+    s.loss_steps.extend(range(100, 100 + len(window)) if steps_known else range(100, 100 + len(window) // 2))
+    s.steps_seen = 300
+    s.reference = None if before is None else Reference(before, 0, 9, 10)
+    expected = s.reference
+    n, half = len(window), len(window) // 2
+    if n >= 3 and statistics.median(window[half:]) <= HEALTHY_RISE * statistics.median(window[:half]):
+        level = statistics.median(window)
+        if before is None or level <= HEALTHY_RISE * before:
+            expected = Reference(level, 100, 100 + n - 1, n) if steps_known else Reference(level, 300 - n, 299, n)
+    m.healthy.promote()
+    assert s.reference == expected
+    assert m._since_promote == 0
+
+
 def test_a_healthy_log_steps_losses_are_taken_at_once_and_trouble_one_by_one() -> None:
     m = AmpStateMachine("fp16")
     m.note_losses([(i, 1.0 + 0.01 * (i % 7)) for i in range(60)])

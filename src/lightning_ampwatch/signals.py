@@ -8,6 +8,7 @@ Where the precision plugins keep their scalers is learned here; the scaler's pri
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -127,12 +128,16 @@ class StepTaken:
 
 
 class LossTape(list):  # type: ignore[type-arg]
-    """The losses handed to backward since the last optimizer step, kept as device tensors (no read): a list of
-    ``(loss, scale)`` pairs, a plain list subclass because one is filled every step.
+    """The losses handed to backward since the last optimizer step, unread: a list of ``(loss, scale)`` pairs, a
+    plain list subclass because one is filled every step. Each loss is a device tensor, or on the CPU (where reading
+    it is no synchronisation) its value as a Python float, taken as it came (``StepLedger.backward``).
 
     Under a scaler, Lightning hands the callback the *scaled* loss; the scale it was multiplied by is stored
     beside it so the read gives the user's loss. Several entries mean gradient accumulation or several manual
     backward calls: the step's loss is their sum (Lightning already divides by the accumulation count).
+
+    A float loss reads exactly as its tensor would: the float32 values the tensor's arithmetic below works in (a
+    float64 loss rounded as ``.float()`` rounds it), and the same ops where there is arithmetic.
     """
 
     __slots__ = ()
@@ -141,13 +146,28 @@ class LossTape(list):  # type: ignore[type-arg]
         """The step's (unscaled) loss as a device scalar; no read."""
         if len(self) == 1:
             loss, scale = self[0]
+            if type(loss) is float:  # its value, as the tensor below would hold it (float64 keeps every loss exact)
+                return torch.tensor(loss, dtype=torch.float32) / scale if scale != 1.0 else \
+                    torch.tensor(loss, dtype=torch.float64)
             loss = loss.detach()
             return loss.float().reshape(()) / scale if scale != 1.0 else loss.reshape(())
-        return torch.stack([loss.detach().float().reshape(()) / scale for loss, scale in self]).sum()
+        return torch.stack([_float32(loss) / scale for loss, scale in self]).sum()
 
     def read(self) -> float:
-        """The step's loss as a float: one device read."""
+        """The step's loss as a float: one device read (none for a loss taken as a float, unscaled: the CPU's fast
+        path without a scaler, every step)."""
+        if len(self) == 1:
+            loss, scale = self[0]
+            if type(loss) is float and scale == 1.0:
+                return array("f", (loss,))[0]  # ``float(tensor.float())``: rounded to float32 as ``.float()`` rounds
         return float(self.total().float().cpu())
+
+
+def _float32(loss: Tensor | float) -> Tensor:
+    """A tape's loss as a float32 0-d tensor (a float as the tensor it was taken from gives it)."""
+    if type(loss) is float:
+        return torch.tensor(loss, dtype=torch.float32)
+    return loss.detach().float().reshape(())  # type: ignore[union-attr]
 
 
 class DeferredRead:

@@ -8,12 +8,15 @@ Any other step is opened, resolved once its deferred reads have landed, and hand
 and the trajectory control.
 
 Step losses are kept as device tensors and read together, in one read, at a log step, on an anomaly, or when the
-ring is full: the loss level stays current without a read per step.
+ring is full: the loss level stays current without a read per step. On the CPU (``HOST_TAPE_DEVICES``), where
+reading a tensor is no synchronisation, each loss is taken as a float when it comes, and the log step has no
+tensor op for the losses.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from operator import itemgetter, truediv
@@ -46,7 +49,21 @@ LOSS_RING_STEPS = 64
 LOSS_RING_MAX_STEPS = 1024
 #: Step losses kept once read, for checking a remedy's outcome over the steps after it.
 RECENT_LOSSES = 256
+#: Device types whose losses are taken as floats when they come (``loss.item()``, cheaper there than keeping the
+#: tensor): reading a tensor on them is no synchronisation. On any other device the loss stays an unread tensor.
+HOST_TAPE_DEVICES: frozenset[str] = frozenset({"cpu"})
 _NONE_RESOLVED: list["ResolvedStep"] = []  # a clean step resolves nothing (shared, never appended to)
+
+
+class _Unscaled:
+    """The tape's scale when the loss handed to backward is not scaled (no GradScaler; DeepSpeed scales inside its
+    engine): read like a mirror's, so ``backward`` does not branch on it."""
+
+    __slots__ = ()
+    scale = 1.0
+
+
+_UNSCALED = _Unscaled()
 _first, _second = itemgetter(0), itemgetter(1)
 
 
@@ -92,7 +109,8 @@ class ClosedStep:
 
 
 class LossRing:
-    """The losses of recent steps, as ``(step, tape)`` pairs of unread device tensors; read all at once."""
+    """The losses of recent steps, as ``(step, tape)`` pairs of unread device tensors (or, on the CPU, the floats
+    taken as they came); read all at once."""
 
     def __init__(self, capacity: int = LOSS_RING_STEPS) -> None:
         self.capacity = capacity
@@ -105,16 +123,21 @@ class LossRing:
     def full(self) -> bool:
         return len(self.entries) >= self.capacity
 
+    def held(self) -> list[Tensor | float]:
+        """Every held loss, in order, as held (tensors, or floats taken on the host)."""
+        tapes = list(map(_second, self.entries))
+        if sum(map(len, tapes)) == len(tapes):  # one backward per step, the usual case: each tape's first loss (C)
+            return list(map(_first, map(_first, tapes)))
+        return [loss for tape in tapes for loss, _ in tape]
+
     def stacked(self) -> Tensor | None:
         """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
         of one dtype and device (the usual case) are stacked as they are: one op for the lot."""
-        tapes = list(map(_second, self.entries))
-        if sum(map(len, tapes)) == len(tapes):  # one backward per step, the usual case: each tape's first loss (C)
-            losses = list(map(_first, map(_first, tapes)))
-        else:
-            losses = [loss for tape in tapes for loss, _ in tape]
+        losses = self.held()
         if not losses:
             return None
+        if type(losses[0]) is float:  # taken on the host (the tape's later losses may be tensors: see backward)
+            losses = [torch.tensor(loss, dtype=torch.float32) if type(loss) is float else loss for loss in losses]
         try:
             stacked = torch.stack(losses)
             if stacked.dim() != 1:
@@ -153,7 +176,7 @@ class StepLedger:
         #: switches itself off (distributed.CrossRank)
         self.agree = True
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
-        self._tape_mirror: ScaleMirror | None = None  # the mirror whose scale the losses handed to backward carry
+        self._tape_mirror: ScaleMirror | _Unscaled = _UNSCALED  # whose scale the losses handed to backward carry
         self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
@@ -179,6 +202,7 @@ class StepLedger:
         self._one_group: dict[str, Any] | None = None  # the only param group, when there is one with a number LR
         self._fast_path = False
         self._host_loss = False
+        self._host_tape = device_type in HOST_TAPE_DEVICES  # losses taken as floats (see backward)
         self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
         # Clean fast-path steps the core takes in later, in one run (``RunWatcher._flush_clean``): each
         # ``(step, batches, scale, grew, lrs)``, while the step is below ``defer_until`` (the core's: its next snapshot,
@@ -232,7 +256,7 @@ class StepLedger:
             self.mirror = None
             self.scaler_config = {}
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
-        self._tape_mirror = self.mirror if scaler is not None else None
+        self._tape_mirror = self.mirror if scaler is not None and self.mirror is not None else _UNSCALED
         self._loss_scale = loss_scale if self.mirror is not None else None
         self._engine = self.precision.engine
 
@@ -276,9 +300,18 @@ class StepLedger:
     def backward(self, loss: Tensor) -> None:
         """The loss is kept unread, without its graph. ``.data`` rather than ``.detach()``: the same values and no
         graph, without an aten op through the dispatcher on every step (half the time on the CPU); the tape only
-        reads it."""
-        mirror = self._tape_mirror
-        self._tape.append((loss.data, mirror.scale if mirror is not None else 1.0))  # no read
+        reads it. On the CPU (``HOST_TAPE_DEVICES``) its value is taken at once instead: ``item()`` is no
+        synchronisation there, costs less than ``.data``, and leaves the log step no tensor op for the losses.
+        (Under a GradScaler this is the scaled loss; the tape keeps the scale beside it.)"""
+        if self._host_tape:
+            try:
+                value = loss.item()
+            except RuntimeError:  # not one value (a manual backward of a vector): tensors from now on, as before
+                self._host_tape = False
+                value = loss.data
+        else:
+            value = loss.data  # no read
+        self._tape.append((value, self._tape_mirror.scale))
 
     def add_loss(self, loss: Tensor) -> None:
         """The lean route's :meth:`backward`: the batch's loss as the framework returned it, already unscaled and
@@ -491,7 +524,13 @@ class StepLedger:
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
         """Read every held step loss, and ``extra`` tensors (scalars, or the cross-rank sums' vector), in ONE
         device-to-host copy; returns ``extra``'s values, flattened. The values are packed with as few ops as
-        possible (one ``cat`` promotes their dtypes): each op is paid at every log step."""
+        possible (one ``cat`` promotes their dtypes): each op is paid at every log step. Losses taken as floats on
+        the host are read with no tensor op (:meth:`_read_host`)."""
+        if self._host_tape and _on_host(extra):
+            head: list[float] = []
+            for t in extra:
+                head.extend(t.reshape(-1).tolist())
+            return self._read_host(head)
         losses = self.losses.stacked()
         if extra:
             device = extra[0].device
@@ -505,14 +544,30 @@ class StepLedger:
             values, n_extra = losses.cpu().tolist(), 0
         else:
             return []
-        losses = self.losses.settle(values[n_extra:])
+        self._settle(values[n_extra:])
+        return values[:n_extra]
+
+    def _read_host(self, head: list[float]) -> list[float]:
+        """:meth:`read_losses` where the losses were taken as floats (the CPU) and ``head`` holds the other values,
+        read: no tensor op. Every value is rounded to float32, as the packed vector's ``float()`` rounds it, so the
+        values are those of the packed read, bit for bit."""
+        losses = self.losses.held()
+        if not losses and not head:
+            return []
+        n = len(head)
+        head.extend(losses)
+        values = array("f", head).tolist()  # float32, as ``cat(...).float().tolist()`` gives them
+        self._settle(values[n:])
+        return values[:n]
+
+    def _settle(self, values: list[float]) -> None:
+        losses = self.losses.settle(values)
         if losses:
             self.unnoted.extend(losses)
             self.recent_losses.extend(losses)
             latest = self._latest_loss
             if latest is None or losses[-1][0] >= latest[0]:
                 self._latest_loss = losses[-1]
-        return values[:n_extra]
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
         """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight."""
@@ -530,6 +585,15 @@ class StepLedger:
             values = self.read_losses(extra)
             return (self.mirror.scale if self.mirror is not None else None), values
         tracker_t = compat.growth_tracker_tensor(scaler)
+        if self._host_tape and tracker_t is not None and _on_host((scale_t, *extra)):
+            # the CPU: the scaler's two values read as they are, with the losses taken as floats, without a ``cat``
+            head = [scale_t.item(), tracker_t.item()]
+            for t in extra:
+                head.extend(t.reshape(-1).tolist())
+            scale, tracker, *values = self._read_host(head)
+            if self.mirror is not None:
+                self.mirror.reconcile(scale, int(tracker))
+            return scale, values
         views = self._scaler_views
         if views is None or views[0] is not scale_t or views[1] is not tracker_t:
             # views (``view``: never a copy) alias the scaler's tensors, read as they are at each log step: no
@@ -548,3 +612,11 @@ class StepLedger:
         counts = (self.log_steps, self.log_skipped, self.log_nonfinite)
         self.log_steps = self.log_skipped = self.log_nonfinite = 0
         return counts
+
+
+def _on_host(tensors: Sequence[Tensor]) -> bool:
+    """Whether every tensor lives on the CPU (its values read with no synchronisation)."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return False
+    return True

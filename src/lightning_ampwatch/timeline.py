@@ -27,6 +27,10 @@ FORMAT_VERSION = 1
 _to_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
+#: The timeline's descriptor: appended to (created if absent), bytes as they are (no newline translation)
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _loss_json(loss: float) -> float | str:
     """Strict JSON has no NaN/inf: non-finite losses are written as the strings ``"nan"``, ``"inf"``."""
     return loss if math.isfinite(loss) else str(loss)
@@ -65,7 +69,7 @@ class Timeline:
         self._previous_anomalous = False
         self._started = False
         self._thinning_noted = False
-        self._file: Any = None
+        self._file: int | None = None  # the file's descriptor, once opened
 
     @property
     def enabled(self) -> bool:
@@ -231,22 +235,38 @@ class Timeline:
             self.record_loss(read_last_loss())
         if not self._buffer:
             return
-        lines = [_to_json(self._encode(row)) for row in self._buffer]
+        lines = list(map(_to_json, map(self._encode, self._buffer)))
+        lines.append("")  # the last row's newline
         self._buffer.clear()
         if self._last_row is not None and self._last_row is not self._held:
             self._last_row = None  # written: a loss read later could not reach the file
-        if self._file is None:  # opened once per fit and kept: an open per log step costs more than the rows
+        fd = self._file
+        if fd is None:  # opened once per fit and kept: an open per log step costs more than the rows
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write("\n".join(lines) + "\n")
-        self._file.flush()  # on disk at every log step, so a crash keeps what led up to it
+            fd = self._file = os.open(self.path, _APPEND, 0o666)
+        # One write of the bytes on the unbuffered descriptor: in the file at every log step, so a crash keeps what
+        # led up to it (no text layer, no buffer to flush)
+        data = "\n".join(lines).encode("utf-8")
+        written = os.write(fd, data)
+        while written < len(data):  # a short write (a full disk raises): the rest
+            data = data[written:]
+            written = os.write(fd, data)
 
     def close(self) -> None:
         """Write what is buffered and let the file go (fit end, teardown). Recording may go on and reopen it."""
         self.flush()
         if self._file is not None:
-            self._file.close()
+            fd, self._file = self._file, None
+            os.close(fd)
+
+    def __del__(self) -> None:  # a timeline let go without ``close``: its descriptor goes with it, as a file's would
+        fd = self.__dict__.get("_file")
+        if fd is not None:
             self._file = None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
