@@ -315,8 +315,14 @@ class StepLedger:
 
     def add_loss(self, loss: Tensor) -> None:
         """The lean route's :meth:`backward`: the batch's loss as the framework returned it, already unscaled and
-        detached (Lightning's own copy), kept unread."""
-        self._tape.append((loss, 1.0))
+        detached (Lightning's own copy): kept unread, or on the CPU taken as a float, as :meth:`backward` does."""
+        value: Any = loss
+        if self._host_tape:
+            try:
+                value = loss.item()
+            except RuntimeError:  # not one value: tensors from now on, as backward does
+                self._host_tape = False
+        self._tape.append((value, 1.0))
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
