@@ -145,3 +145,35 @@ def test_manual_optimization_keeps_every_hook(tmp_path: Path) -> None:
     # backward and the optimizer step stay callable (their calls are how a manual step is seen)
     assert all(flags[3:] == (True, True) for _, flags in calls.callable)
     assert watch.machine is not None and watch.machine.steps_seen == 12
+
+
+class NoneAtTheBoundary(Regressor):
+    """A healthy model, two accumulated batches per step, whose ``training_step`` returns None for the *last* batch of
+    every third step: Lightning then runs no scaler step at all (no ``scaler.step``, no ``scaler.update``), though it
+    counts the step; the first batch's gradients are dropped with it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        if batch_idx % 6 == 5:
+            return None
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_step_the_scaler_never_ran_is_not_counted_as_its_skip(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lean: bool) -> None:
+    if not lean:
+        monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=0)
+    trainer = make_trainer(tmp_path, [watch], "fp16", {"init_scale": 2.0**10, "growth_interval": 10**6},
+                           max_steps=30, accumulate_grad_batches=2, log_every_n_steps=10)
+    trainer.fit(NoneAtTheBoundary(), DataLoader(regression_data(n=2048), batch_size=32))
+    machine = watch.machine
+    assert machine is not None and machine.steps_seen == trainer.global_step == 30
+    # ten steps ran no scaler step: none of them is a skip, and the scale the host follows stays the scaler's
+    assert machine.skipped_total == 0 and watch.diagnoses == []
+    ledger = watch.watcher.ledger
+    scaler = trainer.precision_plugin.scaler
+    if ledger is not None and ledger.mirror is not None:
+        assert ledger.mirror.scale == scaler.get_scale() == 2.0**10

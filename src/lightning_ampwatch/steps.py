@@ -71,7 +71,8 @@ class OpenStep:
     """An optimizer step whose outcome needs more than the fast path: a skip, a flag or a loss still in flight,
     or an episode in progress. Queued until it can be resolved in order."""
 
-    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss", "scale_after")
+    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss", "scale_after",
+                 "unscaled")
 
     def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
                  batches: list[MicroBatch]) -> None:
@@ -80,6 +81,7 @@ class OpenStep:
         self.found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read once landed
         self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
         self.scale_after: float | None = None  # DeepSpeed: its scaler's scale after this step, as it set it
+        self.unscaled = False  # no scaler step ran (see StepLedger.close): the mirror stays as it is
 
 
 @dataclass
@@ -178,6 +180,9 @@ class StepLedger:
         self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
         self._tape_mirror: ScaleMirror | _Unscaled = _UNSCALED  # whose scale the losses handed to backward carry
         self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
+        # A GradScaler's per-optimizer table when the last step was taken in: its update() makes a new one after every
+        # step it runs, skipped or not; the same table means the framework ran no scaler step (see close)
+        self._states_seen: Any = None
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
@@ -247,6 +252,7 @@ class StepLedger:
             scale, tracker = read_scale(scaler)
             self.mirror = ScaleMirror(scale, tracker=tracker, **config)
             self.scaler_config = config
+            self._states_seen = compat.per_optimizer_states(scaler)
         elif loss_scale is not None:  # DeepSpeed: host values, read again after every step (see close)
             config = loss_scale.config()
             self.mirror = ScaleMirror(loss_scale.scale(), **{k: v for k, v in config.items() if k != "loss_scaler"})
@@ -390,6 +396,16 @@ class StepLedger:
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
+        scaler = self.precision.scaler
+        unscaled = False  # no scaler step ran: nothing skipped, nothing for the mirror to follow
+        if scaler is not None:
+            states = compat.per_optimizer_states(scaler)
+            if states is not None:
+                if states is self._states_seen and not taken and found_inf is None:
+                    # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
+                    # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
+                    unscaled = taken = True
+                self._states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
@@ -415,7 +431,9 @@ class StepLedger:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read, no object but the ring's entry.
             tracker = mirror.tracker + 1  # type: ignore[union-attr]  # ScaleMirror.update(False), inline ...
-            if tracker < mirror.growth_interval:  # type: ignore[union-attr]
+            if unscaled:
+                grew = False
+            elif tracker < mirror.growth_interval:  # type: ignore[union-attr]
                 mirror.tracker = tracker  # type: ignore[union-attr]
                 grew = False
             else:  # ... but for a growth
@@ -455,6 +473,7 @@ class StepLedger:
                 opened.found_inf = DeferredRead(found_inf)
             else:
                 opened.skipped = not taken
+                opened.unscaled = unscaled
         else:
             # Without a scaler the loss is the only signal: copy it to the host without waiting.
             opened.loss = DeferredRead(opened.tape.total())
@@ -482,6 +501,8 @@ class StepLedger:
             mirror = self.mirror
             grew = opened.scale_after > (opened.scale or 0.0)
             mirror.reconcile(opened.scale_after, 0 if skipped or grew else mirror.tracker + 1)
+        elif opened.unscaled:
+            grew = False
         else:
             grew = self.mirror.update(skipped) if self.mirror is not None else False
         loss: float | None = opened.loss.value() if opened.loss is not None else None
