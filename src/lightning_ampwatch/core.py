@@ -373,7 +373,8 @@ class RunWatcher(WatchState):
                     ledger.add_loss(loss)
                 if steps_done != self._steps_done:  # an optimizer step ran in this batch (or was skipped by the scaler)
                     self._steps_done = steps_done
-                    ledger.optimizer_step_begins()
+                    ledger.stepped = True  # (optimizer_step_begins, less what the lean route never has: DeepSpeed's
+                    # boundary, a second optimizer's split)
             investigations = self.investigations
             # what a replay needs of this batch (``Investigations.micro_batch``, inline: one is made every batch)
             rng = investigations.batch_rng if investigations is not None else None

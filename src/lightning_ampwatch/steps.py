@@ -183,6 +183,7 @@ class StepLedger:
         # A GradScaler's per-optimizer table when the last step was taken in: its update() makes a new one after every
         # step it runs, skipped or not; the same table means the framework ran no scaler step (see close)
         self._states_seen: Any = None
+        self._table_scaler: Any = None
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
@@ -264,6 +265,8 @@ class StepLedger:
         # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
         self._tape_mirror = self.mirror if scaler is not None and self.mirror is not None else _UNSCALED
         self._loss_scale = loss_scale if self.mirror is not None else None
+        # the GradScaler whose per-optimizer table close() reads (one C call), when it has one
+        self._table_scaler = scaler if scaler is not None and self._states_seen is not None else None
         self._engine = self.precision.engine
 
         self._update_fast_path()
@@ -396,16 +399,15 @@ class StepLedger:
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
-        scaler = self.precision.scaler
+        scaler = self._table_scaler
         unscaled = False  # no scaler step ran: nothing skipped, nothing for the mirror to follow
         if scaler is not None:
-            states = compat.per_optimizer_states(scaler)
-            if states is not None:
-                if states is self._states_seen and not taken and found_inf is None:
-                    # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
-                    # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
-                    unscaled = taken = True
-                self._states_seen = states
+            states = compat.read_per_optimizer_states(scaler)
+            if states is self._states_seen and not taken and found_inf is None:
+                # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
+                # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
+                unscaled = taken = True
+            self._states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
         mirror = self.mirror
