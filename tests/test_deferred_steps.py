@@ -274,3 +274,37 @@ def test_a_fit_is_diagnosed_and_recorded_the_same_with_losses_taken_as_floats_on
     assert floats[2] == tensors[2]  # the machine's state: counts, skips, growths, LR history, loss level
     assert floats[3] == tensors[3]  # the timeline file, byte for byte
     assert floats[2]["reference"] is not None or name != "healthy"  # losses were read and made a level
+
+
+def test_without_snapshots_no_clean_steps_batch_is_held(tmp_path: Path) -> None:
+    """``snapshot_every=0``: nothing replays a clean step, so AmpWatch holds no batch of one after its step, also
+    between log steps, while it defers their bookkeeping (a held batch costs the allocator its reuse on the CPU).
+    With snapshots on, the ring holds them until the next snapshot."""
+    import gc
+    import weakref
+
+    import lightning.pytorch as pl
+
+    class Refs(pl.Callback):
+        def __init__(self) -> None:
+            self.refs: list[tuple[int, weakref.ref[Any]]] = []
+            self.alive_at: list[int] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.refs.append((trainer.global_step, weakref.ref(batch[0])))
+            if trainer.global_step == 45:  # mid-interval: log steps at 10, 20, 30, 40, 50
+                gc.collect()
+                self.alive_at = [step for step, ref in self.refs[:-2] if ref() is not None]
+
+    alive = {}
+    for every in (0, 20):
+        pl.seed_everything(0, verbose=False)
+        refs = Refs()
+        watch = AmpWatch(verbose=False, snapshot_every=every, log_dir=str(tmp_path / f"log{every}"))
+        scenario = SCENARIOS["healthy"]
+        trainer = build_trainer(scenario, [watch, refs], str(tmp_path / str(every)), max_steps=60,
+                                log_every_n_steps=10)
+        trainer.fit(scenario.model(), scenario.dataloader())
+        alive[every] = refs.alive_at
+    assert alive[0] == []
+    assert alive[20] and min(alive[20]) <= 40  # the ring's batches since its newest snapshots

@@ -588,6 +588,8 @@ class RunWatcher(WatchState):
         ledger = self.ledger
         if ledger is None:
             return
+        control = self.trajectory
+        ledger.defer_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
         step = ledger.step_index  # the next step to be closed
         treatment = self.treatment
         if self.disabled or treatment.watch is not None or treatment.due:
