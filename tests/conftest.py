@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -86,3 +87,17 @@ def observations(monkeypatch: pytest.MonkeyPatch) -> list[Observation]:
     monkeypatch.setattr(AmpStateMachine, "observe_clean", recording_clean)
     monkeypatch.setattr(AmpStateMachine, "observe_clean_run", recording_run)
     return seen
+
+
+class FileSizes(pl.Callback):
+    """Runs after AmpWatch: a file's size (the timeline's) at the end of every batch, and the steps it grew after."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sizes: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.sizes.append((trainer.global_step, self.path.stat().st_size if self.path.exists() else 0))
+
+    def grew_at(self) -> list[int]:
+        return [step for (step, size), (_, before) in zip(self.sizes[1:], self.sizes) if size != before]

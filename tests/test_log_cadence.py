@@ -23,7 +23,7 @@ from lightning_ampwatch.cadence import LOG_CADENCE_AFTER, LOG_FRACTION, LOG_MAX_
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.timeline import TIMELINE_NAME
 
-from conftest import make_trainer
+from conftest import FileSizes, make_trainer
 
 # ---------------------------------------------------------------------------------------------- the policy, pure
 
@@ -103,20 +103,6 @@ class ScriptedClock(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.now += 1e-3
-
-
-class FileSizes(pl.Callback):
-    """Runs after AmpWatch: the timeline file's size at the end of every batch."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sizes: list[tuple[int, int]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.sizes.append((trainer.global_step, self.path.stat().st_size if self.path.exists() else 0))
-
-    def grew_at(self) -> list[int]:
-        return [step for (step, size), (_, before) in zip(self.sizes[1:], self.sizes) if size != before]
 
 
 class LateOverflow(Regressor):

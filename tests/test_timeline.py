@@ -16,6 +16,8 @@ from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
 from lightning_ampwatch.summary import RunStats, summary_lines
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline, read_timeline
 
+from conftest import FileSizes
+
 
 def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -143,17 +145,6 @@ def test_a_timeline_without_a_path_records_nothing() -> None:
 
 
 # ---------------------------------------------------------------------------- in a real fp16 run
-
-
-class FileSizes(pl.Callback):
-    """Runs after AmpWatch: the timeline file's size at the end of every batch."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sizes: list[tuple[int, int]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.sizes.append((trainer.global_step, self.path.stat().st_size if self.path.exists() else 0))
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,14 @@ def snapshot_interval(copy_s: float, step_s: float, every: int, fraction: float 
     return min(multiple * every, max_interval - max_interval % every)
 
 
+def _check_interval_and_fraction(every: object, fraction: float) -> None:
+    """What both cadences take: a whole number of steps of at least 1, and a fraction of the training time."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every={every!r}: expected a whole number of steps of at least 1")
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction={fraction!r}: expected a number between 0 and 1")
+
+
 @dataclass
 class SnapshotCadence:
     """The snapshot interval of one run: the one asked for, until the first ``measured`` snapshots have been timed;
@@ -65,10 +73,7 @@ class SnapshotCadence:
     steps: list[float] = field(default_factory=list, init=False)  # seconds per healthy step between snapshots
 
     def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-            raise ValueError(f"every={self.every!r}: expected a whole number of steps of at least 1")
-        if not 0 < self.fraction < 1:
-            raise ValueError(f"fraction={self.fraction!r}: expected a number between 0 and 1")
+        _check_interval_and_fraction(self.every, self.fraction)
         self.asked = self.every
 
     def observe(self, copy_s: float, span_s: float | None, span_steps: int,
@@ -148,10 +153,7 @@ class LogCadence:
     _last: tuple[int, float] | None = field(default=None, init=False)  # (step, end) of the last log step seen
 
     def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
-            raise ValueError(f"every={self.every!r}: expected a whole number of steps of at least 1")
-        if not 0 < self.fraction < 1:
-            raise ValueError(f"fraction={self.fraction!r}: expected a number between 0 and 1")
+        _check_interval_and_fraction(self.every, self.fraction)
         self.interval = self.every
 
     def observe(self, step: int, start_s: float, end_s: float) -> str | None:
