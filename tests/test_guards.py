@@ -427,9 +427,11 @@ def _profile_fit(tmp_path: Any, steps: int) -> tuple[Counter[str], Counter[str]]
             owner = getattr(arg, "__self__", None)
             c_calls[f"{type(owner).__name__}.{arg.__name__}" if owner is not None else arg.__name__] += 1
 
+    pl.seed_everything(0, verbose=False)  # the model's weights too (fit seeds after they are made): the same in every fit
+    model = WatchesClipping()
     sys.setprofile(profiler)
     try:
-        fit(tmp_path / str(steps), WatchesClipping(), gradient_clip_val=1.0, max_steps=steps)
+        fit(tmp_path / str(steps), model, gradient_clip_val=1.0, max_steps=steps)
     finally:
         sys.setprofile(None)
     return python_calls, c_calls
