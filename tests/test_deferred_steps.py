@@ -145,13 +145,8 @@ def test_the_ring_keeps_a_run_as_it_keeps_each_step(seed: int, n: int, held_befo
 # ---------------------------------------------------------------------------------------------- whole fits
 
 
-def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int], *,
-         host_tape: bool = True, trainer_kwargs: dict[str, Any] | None = None, **watch_kwargs: Any) -> tuple[Any, ...]:
-    """The scenario's fit, watched; what a user sees of it: diagnoses, remedies, the machine's checkpointed state,
-    the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
-    accelerator (the CPU takes each one's value as it comes)."""
-    monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
-    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", steps.HOST_TAPE_DEVICES if host_tape else frozenset())
+def _count_hand_overs(monkeypatch: pytest.MonkeyPatch, runs: list[int]) -> None:
+    """``runs`` gets the length of every run of deferred clean steps the watcher takes in."""
     flush = RunWatcher._flush_clean
 
     def counting(self: RunWatcher) -> None:
@@ -160,6 +155,16 @@ def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, ru
         flush(self)
 
     monkeypatch.setattr(RunWatcher, "_flush_clean", counting)
+
+
+def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int], *,
+         host_tape: bool = True, trainer_kwargs: dict[str, Any] | None = None, **watch_kwargs: Any) -> tuple[Any, ...]:
+    """The scenario's fit, watched; what a user sees of it: diagnoses, remedies, the machine's checkpointed state,
+    the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
+    accelerator (the CPU takes each one's value as it comes)."""
+    monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
+    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", steps.HOST_TAPE_DEVICES if host_tape else frozenset())
+    _count_hand_overs(monkeypatch, runs)
     scenario = SCENARIOS[name]
     torch.manual_seed(0)
     random.seed(0)
@@ -209,14 +214,7 @@ def test_no_log_step_still_hands_clean_steps_over_and_the_end_takes_the_rest(
     (``MAX_DEFERRED``); the fit's end takes in what is left, so the machine counts every step."""
     runs: list[int] = []
     monkeypatch.setattr(core, "MAX_DEFERRED", 16)
-    flush = RunWatcher._flush_clean
-
-    def counting(self: RunWatcher) -> None:
-        if self.ledger is not None and self.ledger.deferred:
-            runs.append(len(self.ledger.deferred))
-        flush(self)
-
-    monkeypatch.setattr(RunWatcher, "_flush_clean", counting)
+    _count_hand_overs(monkeypatch, runs)
     import lightning.pytorch as pl
 
     pl.seed_everything(0, verbose=False)

@@ -410,10 +410,7 @@ class AmpWatch(Callback):
             if saved is None:
                 continue  # not managed this fit
             if on:
-                if saved is _ABSENT:
-                    self.__dict__.pop(name, None)
-                else:
-                    setattr(self, name, saved)
+                self._put_back(name, saved)
             else:
                 setattr(self, name, None)
 
@@ -426,12 +423,16 @@ class AmpWatch(Callback):
         saved, self._saved_hooks = self._saved_hooks, {}
         for name, before in saved.items():
             if self.__dict__.get(name, _ABSENT) is None:
-                if before is _ABSENT:
-                    del self.__dict__[name]
-                else:
-                    setattr(self, name, before)
+                self._put_back(name, before)
         self._wanted_seen = None
         self._lean = False
+
+    def _put_back(self, name: str, before: Any) -> None:
+        """A managed hook as it was before the fit: the instance's own attribute, or (``_ABSENT``) the class's."""
+        if before is _ABSENT:
+            self.__dict__.pop(name, None)
+        else:
+            setattr(self, name, before)
 
     def _release_metrics(self) -> None:
         host, reporters = self._host, self.watcher.reporters

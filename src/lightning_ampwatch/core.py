@@ -151,12 +151,11 @@ class RunWatcher(WatchState):
         self.wants_batch_start = False  # an adapter calls ``batch_start`` only while this is True
         self._probing = False  # a live probe is armed for this training step
         # The lean route (:meth:`lean`): the adapter hands each batch's loss and the framework's count of optimizer
-        # steps to ``batch_end``, and calls ``before_backward`` / ``before_optimizer_step`` only while these say so.
+        # steps to ``batch_end``, and calls ``before_backward`` / ``before_optimizer_step`` only while wanted.
         self.lean_route = False
-        self.wants_before_backward = True
-        self.wants_optimizer_step = True
-        #: what the adapter reads after each batch to know which per-step calls are wanted: a new tuple whenever one
-        #: of the three flags may have changed (compared by identity, one compare per batch)
+        #: what the adapter reads after each batch to know which per-step calls are wanted (``batch_start``,
+        #: ``before_backward``, ``before_optimizer_step``): a new tuple whenever one of them may have changed (compared
+        #: by identity, one compare per batch)
         self.wanted_calls: tuple[bool, bool, bool] = (False, True, True)
         self._steps_done = -1  # the lean route: the framework's optimizer-step count at the last batch end
         self.disabled = False
@@ -213,9 +212,7 @@ class RunWatcher(WatchState):
     def _sync_wanted(self) -> None:
         """The per-step calls the adapter must make (see :attr:`wanted_calls`)."""
         lean = self.lean_route and not self.disabled
-        self.wants_before_backward = not lean or self.guards.wants_loss
-        self.wants_optimizer_step = not lean or self._probing
-        self.wanted_calls = (self.wants_batch_start, self.wants_before_backward, self.wants_optimizer_step)
+        self.wanted_calls = (self.wants_batch_start, not lean or self.guards.wants_loss, not lean or self._probing)
 
     def lean(self, host: Host, steps_done: int) -> bool:
         """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
@@ -599,7 +596,6 @@ class RunWatcher(WatchState):
         judge_every = self._judge_every
         stretched = judge_every != self._log_every and MAX_DEFERRED and judge_every > MAX_DEFERRED
         limit = step + (judge_every if stretched else MAX_DEFERRED)
-        control = self.trajectory
         if control is not None:
             every = control.defer_limit
             if every is not None:

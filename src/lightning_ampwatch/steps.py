@@ -320,26 +320,20 @@ class StepLedger:
         reads it. On the CPU (``HOST_TAPE_DEVICES``) its value is taken at once instead: ``item()`` is no
         synchronisation there, costs less than ``.data``, and leaves the log step no tensor op for the losses.
         (Under a GradScaler this is the scaled loss; the tape keeps the scale beside it.)"""
+        self.add_loss(loss if self._host_tape else loss.data, self._tape_mirror.scale)
+
+    def add_loss(self, loss: Tensor, scale: float = 1.0) -> None:
+        """A loss joins the tape beside the scale it carries: kept unread (a tensor without its graph), or on the
+        CPU taken as a float. The lean route hands the batch's loss as the framework returned it, already unscaled
+        and detached (Lightning's own copy)."""
+        value: Any = loss
         if self._host_tape:
             try:
                 value = loss.item()
             except RuntimeError:  # not one value (a manual backward of a vector): tensors from now on, as before
                 self._host_tape = False
-                value = loss.data
-        else:
-            value = loss.data  # no read
-        self._tape.append((value, self._tape_mirror.scale))
-
-    def add_loss(self, loss: Tensor) -> None:
-        """The lean route's :meth:`backward`: the batch's loss as the framework returned it, already unscaled and
-        detached (Lightning's own copy): kept unread, or on the CPU taken as a float, as :meth:`backward` does."""
-        value: Any = loss
-        if self._host_tape:
-            try:
-                value = loss.item()
-            except RuntimeError:  # not one value: tensors from now on, as backward does
-                self._host_tape = False
-        self._tape.append((value, 1.0))
+                value = loss.data  # never the graph
+        self._tape.append((value, scale))
 
     def keep_batch(self, micro_batch: MicroBatch | tuple[Any, ...]) -> None:
         """The batch joins its step's batches (kept by reference, read only if the step turns out faulty)."""
@@ -564,10 +558,7 @@ class StepLedger:
         possible (one ``cat`` promotes their dtypes): each op is paid at every log step. Losses taken as floats on
         the host are read with no tensor op (:meth:`_read_host`)."""
         if self._host_tape and _on_host(extra):
-            head: list[float] = []
-            for t in extra:
-                head.extend(t.reshape(-1).tolist())
-            return self._read_host(head)
+            return self._read_host([], extra)
         losses = self.losses.stacked()
         if extra:
             device = extra[0].device
@@ -584,10 +575,12 @@ class StepLedger:
         self._settle(values[n_extra:])
         return values[:n_extra]
 
-    def _read_host(self, head: list[float]) -> list[float]:
-        """:meth:`read_losses` where the losses were taken as floats (the CPU) and ``head`` holds the other values,
-        read: no tensor op. Every value is rounded to float32, as the packed vector's ``float()`` rounds it, so the
-        values are those of the packed read, bit for bit."""
+    def _read_host(self, head: list[float], extra: Sequence[Tensor]) -> list[float]:
+        """:meth:`read_losses` where the losses were taken as floats (the CPU): ``head`` (values already read) and
+        ``extra`` (host tensors) first, read with no packing op. Every value is rounded to float32, as the packed
+        vector's ``float()`` rounds it, so the values are those of the packed read, bit for bit."""
+        for t in extra:
+            head.extend(t.reshape(-1).tolist())
         losses = self.losses.held()
         if not losses and not head:
             return []
@@ -624,10 +617,7 @@ class StepLedger:
         tracker_t = compat.growth_tracker_tensor(scaler)
         if self._host_tape and tracker_t is not None and _on_host((scale_t, *extra)):
             # the CPU: the scaler's two values read as they are, with the losses taken as floats, without a ``cat``
-            head = [scale_t.item(), tracker_t.item()]
-            for t in extra:
-                head.extend(t.reshape(-1).tolist())
-            scale, tracker, *values = self._read_host(head)
+            scale, tracker, *values = self._read_host([scale_t.item(), tracker_t.item()], extra)
             if self.mirror is not None:
                 self.mirror.reconcile(scale, int(tracker))
             return scale, values
