@@ -347,8 +347,10 @@ class AmpWatch(Callback):
                            batch_idx: int) -> None:
         watcher = self.watcher
         if self._lean:  # Lightning's own detached copy of the loss, and its count of optimizer steps
-            watcher.batch_end(batch, batch_idx, outputs.get("loss") if isinstance(outputs, dict) else None,
-                              compat.optimizer_steps_done(trainer))
+            loss = outputs.get("loss") if isinstance(outputs, dict) else None
+            if loss is not None and watcher.express(loss, batch, batch_idx):
+                return  # a healthy step in one call (nothing about the hooks can have changed)
+            watcher.batch_end(batch, batch_idx, loss, compat.optimizer_steps_done(trainer))
         else:
             watcher.batch_end(batch, batch_idx)
         if watcher.wanted_calls is not self._wanted_seen:  # (see _sync_hooks)

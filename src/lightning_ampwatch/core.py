@@ -401,6 +401,43 @@ class RunWatcher(WatchState):
             raise
         except Exception as err:  # noqa: BLE001
             self.internal_failure("batch_end", err)
+        finally:
+            self._open_lane()
+
+    def express(self, loss: Any, batch: Any, batch_idx: int) -> bool:
+        """The lean route's express lane: a healthy batch end in one call, with no framework count to read. Taken
+        when the batch ran one optimizer step, which the scaler took, and nothing but its bookkeeping is due (the
+        ledger's :meth:`StepLedger.express`; the lane is opened, up to a step, at the end of every other batch end:
+        :meth:`_open_lane`). Returns False, having changed nothing, otherwise: the adapter then calls
+        :meth:`batch_end` with the framework's count, as for any batch. ``loss``: the batch's (unscaled) loss."""
+        ledger = self.ledger
+        if ledger is None or self._probing or self.disabled:
+            return False
+        try:
+            investigations = self.investigations
+            rng = investigations.batch_rng if investigations is not None else None
+            if ledger.express(loss, (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)):
+                self._steps_done += 1  # (the framework counted this step: one optimizer step per batch here)
+                return True
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("express", err)
+        return False
+
+    def _open_lane(self) -> None:
+        """After a batch end: up to which step the express lane may take the next batches (none unless the lean
+        route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
+        Nothing the lane takes changes any of this; anything that does runs through a batch end, which comes here."""
+        ledger, machine, treatment = self.ledger, self.machine, self.treatment
+        if ledger is None:
+            return
+        try:
+            if (self.lean_route and not self.disabled and machine is not None and machine.quiet
+                    and not treatment.due and treatment.watch is None):
+                ledger.open_lane(self._log_every)
+                return
+        except Exception as err:  # noqa: BLE001
+            self.internal_failure("the express lane", err)
+        ledger.express_until = 0
 
     def _log_step(self) -> None:
         """A framework log step: the log step's work (:meth:`_at_log_step`), or, on the steps the log cadence passes

@@ -223,12 +223,15 @@ class StepLedger:
         # is not free on the CPU: the allocator cannot hand its memory to the next batch, which then lands in memory
         # the cache has not seen (a plain torch loop holding 240 toy batches ran 6-15 us a step slower)
         self.defer_batches = True
+        #: the express lane (:meth:`express`) takes steps below this one (0: closed); set by :meth:`open_lane`
+        self.express_until = 0
 
     # ------------------------------------------------------------------ set-up
 
     def start(self, trainer: Any, log_every: int) -> None:
         """At train start: the optimizers' hooks, the LRs, and one read of the scaler (restored by now)."""
         self.step_index = trainer.global_step
+        self.express_until = 0
         self.taken.attach(trainer.optimizers)
         self.read_param_groups(trainer.optimizers)
         self._lrs = current_lrs(trainer.optimizers)
@@ -243,7 +246,7 @@ class StepLedger:
         self._batches = []
         self._clean.batches = []
         self.deferred = []
-        self.defer_until = 0
+        self.defer_until = self.express_until = 0
         self._tape = LossTape()
         self.losses.entries = []
 
@@ -353,6 +356,62 @@ class StepLedger:
         return not self.taken.taken
 
     # ------------------------------------------------------------------ the per-step path
+
+    def open_lane(self, log_every: int) -> None:
+        """Set :attr:`express_until`: the steps :meth:`express` may take from now on, given the core's leave (a quiet
+        machine, nothing due). None while an earlier micro-batch's loss or batch waits, a step is in flight, a clean
+        step cannot take the fast path, there is no per-optimizer table to tell a scaler step by, or the LRs are not
+        one plain number; else up to (not including) the first of: the step the deferral stops at, the step before a
+        log step, the step the losses' ring fills at, the step the scale grows at."""
+        mirror = self.mirror
+        if (self._tape or self._batches or self._pending or not self._fast_path or self._table_scaler is None
+                or self._one_group is None or self._loss_scale is not None or mirror is None):
+            self.express_until = 0
+            return
+        step = self.step_index
+        until = self.defer_until
+        if log_every:
+            until = min(until, -(-(step + 1) // log_every) * log_every - 1)
+        losses = self.losses
+        self.express_until = min(until, step + losses.capacity - 1 - len(losses.entries),
+                                 step + mirror.growth_interval - 1 - mirror.tracker)
+
+    def express(self, loss: Tensor, micro_batch: MicroBatch | tuple[Any, ...]) -> bool:
+        """The express lane: what :meth:`add_loss` then :meth:`close` do for a healthy step they would defer, for a
+        batch below :attr:`express_until` (:meth:`open_lane`) whose one optimizer step the scaler ran and took.
+        Returns False, having changed nothing, for any other batch. Reads only what a lean step must: the step
+        hook's flag, the scaler's per-optimizer table (a new one after each update), the LR, the loss."""
+        step = self.step_index
+        if step >= self.express_until:
+            return False
+        taken_hook = self.taken
+        if not taken_hook.taken:
+            return False  # the scaler skipped the step, or none ran
+        states = compat.read_per_optimizer_states(self._table_scaler)
+        if states is self._states_seen:
+            return False  # no scaler step ran in this batch
+        if self._host_tape:
+            try:
+                value: Any = loss.item()
+            except RuntimeError:  # not one value: add_loss decides what to keep
+                return False
+        else:
+            value = loss
+        # as close() leaves a clean step it defers (open_lane ruled out a growth)
+        taken_hook.taken = False
+        self._states_seen = states
+        mirror = self.mirror
+        mirror.tracker += 1  # type: ignore[union-attr]
+        self.step_index = step + 1
+        lrs = self._lrs  # the LRs this step ran with; the next step's read now
+        lr = self._one_group["lr"]  # type: ignore[index]
+        if lrs[0] != lr:
+            self._lrs = (lr,)
+        self.log_steps += 1
+        self.losses.entries.append((step, LossTape(((value, 1.0),))))
+        self.deferred.append((step, [micro_batch] if self.defer_batches else _NO_BATCHES,  # type: ignore[list-item]
+                              mirror.scale, False, lrs))  # type: ignore[union-attr]
+        return True
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
