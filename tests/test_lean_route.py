@@ -201,3 +201,29 @@ def test_a_step_the_scaler_never_ran_is_not_counted_as_its_skip(
     scaler = trainer.precision_plugin.scaler
     if ledger is not None and ledger.mirror is not None:
         assert ledger.mirror.scale == scaler.get_scale() == 2.0**10
+
+
+def test_an_express_lane_that_raises_is_closed_and_the_run_watched_the_usual_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    usual = _fit("gradient_overflow", tmp_path / "usual", True, monkeypatch, snapshot_every=6)
+    assert usual[4] > 0
+    monkeypatch.undo()
+    calls = []
+
+    def broken(ledger: StepLedger, *args: Any) -> bool:  # a fault in the lane's own work, once it is open
+        if ledger.step_index >= ledger.express_until:
+            return False
+        calls.append(ledger.step_index)
+        raise RuntimeError("a fault in the express lane")
+
+    monkeypatch.setattr(StepLedger, "express", broken)
+    scenario = SCENARIOS["gradient_overflow"]
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, log_dir=str(tmp_path / "broken" / "log"), snapshot_every=6)
+    trainer = build_trainer(scenario, [watch], str(tmp_path / "broken"), max_steps=scenario.max_steps + 90,
+                            log_every_n_steps=10)
+    with pytest.warns(RuntimeWarning, match="internal error in express .*a fault in the express lane"):
+        trainer.fit(scenario.model(), scenario.dataloader())
+    assert len(calls) == 1  # tried once, then closed for the run
+    assert not watch.watcher.disabled
+    assert [d.to_dict() for d in watch.diagnoses] == usual[0]  # every step still taken in, the same diagnoses

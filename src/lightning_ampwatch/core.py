@@ -158,6 +158,7 @@ class RunWatcher(WatchState):
         #: by identity, one compare per batch)
         self.wanted_calls: tuple[bool, bool, bool] = (False, True, True)
         self._steps_done = -1  # the lean route: the framework's optimizer-step count at the last batch end
+        self._lane_failed = False  # the express lane raised once: closed for the rest of the run
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
@@ -421,6 +422,8 @@ class RunWatcher(WatchState):
                 return True
         except Exception as err:  # noqa: BLE001
             self.internal_failure("express", err)
+            self._lane_failed = True  # the usual way from now on
+            ledger.express_until = 0
         return False
 
     def _open_lane(self) -> None:
@@ -428,7 +431,10 @@ class RunWatcher(WatchState):
         route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
         Nothing the lane takes changes any of this; anything that does runs through a batch end, which comes here."""
         ledger, machine, treatment = self.ledger, self.machine, self.treatment
-        if ledger is None:
+        if ledger is None or not (self.lean_route or ledger.express_until):  # (the full route: never opened)
+            return
+        if self._lane_failed:
+            ledger.express_until = 0
             return
         try:
             if (self.lean_route and not self.disabled and machine is not None and machine.quiet
