@@ -4,7 +4,7 @@ Run it from the repository root, on a quiet machine (other load inflates every w
 
     python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
     python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
-    python benchmarks/overhead.py --pairs 60 --strict   # more pairs; exit 1 if over budget, 2 if inconclusive
+    python benchmarks/overhead.py --pairs 300 --strict  # more pairs; exit 1 if over budget, 2 if inconclusive
     python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
     python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
     python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
@@ -101,6 +101,12 @@ DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go 
 SETTLE_STEPS = 700  # at most this many steps for the "auto" cadence to choose, before anything is timed
 BUDGET = 1.01  # AmpWatch() on a healthy run: at most 1% slower per step than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
+#: With no ``--pairs``: as many on/off pairs per verdict as take about this many seconds of blocks at the workload's
+#: step (the watched run's median step, as the hooks' timer saw it), at least ``MIN_PAIRS`` and at most ``MAX_PAIRS``.
+#: The interval of the median narrows as one over the square root of the pairs: on the toy's sub-millisecond step
+#: thirty pairs left it about 4 points wide, two hundred about 1.5.
+PAIR_SECONDS = 15.0
+MIN_PAIRS, MAX_PAIRS = 30, 300
 BASELINE = "bare"
 WATCHED = "AmpWatch()"
 
@@ -388,6 +394,12 @@ class BlockToggle(pl.Callback):
         self.starts: list[tuple[float, float]] = []  # per block: (wall clock, CPU time) after its switch
         self.ends: list[tuple[float, float]] = []  # per block: the same before the next block's switch
         self.on: list[bool] = []  # per block: was AmpWatch on
+        #: Python's garbage collections during the timed blocks, by side (on, off): how many, and the seconds they
+        #: took. AmpWatch's hooks time none of them: a collection runs wherever an allocation crosses the threshold,
+        #: mostly in Lightning's and torch's code, but the objects a watched step keeps bring it on sooner.
+        self.gc_runs = {True: 0, False: 0}
+        self.gc_s = {True: 0.0, False: 0.0}
+        self._gc_start: float | None = None
 
     def _set(self, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
         switch_watch(self.watch, trainer, pl_module, on and not self.null)
@@ -412,6 +424,18 @@ class BlockToggle(pl.Callback):
         self.on.append(on)
         self.starts.append((time.perf_counter(), time.process_time()))
 
+    def on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        """A ``gc.callbacks`` entry: counts and times each collection in a timed block, for the block's side."""
+        if not self.on or len(self.ends) >= len(self.starts):  # not inside a timed block
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            side = self.on[-1]
+            self.gc_runs[side] += 1
+            self.gc_s[side] += time.perf_counter() - self._gc_start
+            self._gc_start = None
+
     def pair_ratios(self, skip_blocks: int, clock: int) -> list[float]:
         """Watched block time over its neighbour's, per pair; ``clock`` 0 is the wall clock, 1 CPU time."""
         times = [(end[clock] - start[clock], on) for start, end, on in zip(self.starts, self.ends, self.on)]
@@ -430,6 +454,9 @@ class PairedRatios:
     wall: list[float]
     cpu: list[float]
     bare_step_s: float = float("nan")  # the median off block's time per step (wall clock)
+    #: garbage collections per 1000 steps and their time per step (seconds), in the on blocks and in the off blocks
+    gc_per_1000: tuple[float, float] = (float("nan"), float("nan"))
+    gc_s_per_step: tuple[float, float] = (float("nan"), float("nan"))
 
 
 def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
@@ -499,11 +526,19 @@ def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workloa
     with tempfile.TemporaryDirectory(prefix="ampwatch-pairs-") as root:
         trainer = healthy_trainer(root, total, [toggle, watch], log_every_n_steps=block)
         gc.collect()
-        workload.fit(trainer, seed)
+        gc.callbacks.append(toggle.on_gc)
+        try:
+            workload.fit(trainer, seed)
+        finally:
+            gc.callbacks.remove(toggle.on_gc)
     off = [(end[0] - start[0]) / block for start, end, on in zip(toggle.starts, toggle.ends, toggle.on)
            if not on][warm_blocks // 2:]
+    timed = {side: block * sum(on == side for on in toggle.on[: len(toggle.ends)]) for side in (True, False)}
+    per_1000 = tuple(1000 * toggle.gc_runs[side] / timed[side] if timed[side] else float("nan")
+                     for side in (True, False))
+    per_step = tuple(toggle.gc_s[side] / timed[side] if timed[side] else float("nan") for side in (True, False))
     return PairedRatios(toggle.pair_ratios(warm_blocks, 0), toggle.pair_ratios(warm_blocks, 1),
-                        statistics.median(off) if off else float("nan"))
+                        statistics.median(off) if off else float("nan"), per_1000, per_step)  # type: ignore[arg-type]
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -785,6 +820,14 @@ class _HookTimer:
     def _batch(self) -> int:
         assert self.clock is not None
         return len(self.clock.stamps) - 1
+
+    def step_s(self) -> float:
+        """The watched run's median step (wall clock, batch start to batch start) over the window; NaN if none."""
+        if self.clock is None or self.start is None:
+            return float("nan")
+        stamps = self.clock.stamps[self.start: self.end]
+        steps = [b - a for a, b in zip(stamps, stamps[1:])]
+        return statistics.median(steps) if steps else float("nan")
 
     def _in_window(self, batch: int) -> bool:
         if self.start is None:
@@ -1210,6 +1253,11 @@ class WorkloadCost:
                       f"    CPU time        {describe_ratios(paired.cpu)}",
                       f"    verdict         {self.verdict(snapshots)} (budget {BUDGET:.2f}; {CONFIDENCE:.0%} CI, "
                       "both clocks)"]
+            (runs_on, runs_off), (gc_on, gc_off) = paired.gc_per_1000, paired.gc_s_per_step
+            if math.isfinite(runs_on) and math.isfinite(runs_off):
+                lines.append(f"    garbage         Python's collections: {runs_on:.1f} per 1000 steps on, "
+                             f"{runs_off:.1f} off; {gc_on * 1e6:.2f} against {gc_off * 1e6:.2f} us a step (in the "
+                             "blocks' times above; no hook's own: they run where an allocation tips the count)")
         if self.null is not None:
             null_cis = [median_interval(self.null.wall), median_interval(self.null.cpu)]
             lines += [f"  {'null run':<17} {len(self.null.wall)} pairs of blocks, both bare (what the machine "
@@ -1237,12 +1285,23 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
 
-def measure_workload(workload: Workload, pairs: int, steps: int, warmup: int, seed: int,
+def auto_pairs(step_s: float, block: int = LOG_EVERY_N_STEPS) -> int:
+    """The on/off pairs per verdict when ``--pairs`` is not given: about ``PAIR_SECONDS`` of blocks at a step of
+    ``step_s`` seconds, within ``MIN_PAIRS``..``MAX_PAIRS`` (``MIN_PAIRS`` when the step is unknown)."""
+    if not (math.isfinite(step_s) and step_s > 0):
+        return MIN_PAIRS
+    return max(MIN_PAIRS, min(MAX_PAIRS, round(PAIR_SECONDS / (2 * block * step_s))))
+
+
+def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: int, seed: int,
                      anatomy: bool = False, block: int = LOG_EVERY_N_STEPS) -> tuple[WorkloadCost, "_HookTimer"]:
     """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
-    The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for."""
+    The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for.
+    ``pairs``: on/off pairs per verdict; None: :func:`auto_pairs` at the step the hooks' timer saw."""
     # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
     timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
+    if pairs is None:
+        pairs = auto_pairs(timer.step_s(), block)
     hooks_s, saw_log = timer.per_step()
     end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0, "metrics": 0.0})
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
@@ -1336,15 +1395,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         + f" (the name with or without its '()' or '=True'; {BASELINE!r} is always included)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a verdict is 'over the budget', 2 when "
                         "one is inconclusive (the defaults' verdicts, snapshots on)")
-    parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for each verdict (default 30; "
-                        "--quick 10)")
+    parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for each verdict (default: about "
+                        f"{PAIR_SECONDS:.0f} s of blocks per verdict at the workload's step, {MIN_PAIRS} to {MAX_PAIRS} "
+                        "pairs; --quick 10)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (20 if args.quick else 30)
-    pairs = args.pairs if args.pairs is not None else (10 if args.quick else 30)
+    pairs = args.pairs if args.pairs is not None else (10 if args.quick else None)  # None: per workload
     for flag, value, low in (("--steps", steps, 1), ("--rounds", rounds, 1), ("--warmup", warmup, 0),
-                             ("--pairs", pairs, 1)):
+                             ("--pairs", 1 if pairs is None else pairs, 1)):
         if value < low:
             parser.error(f"{flag}={value} is not valid; use an integer >= {low}")
     names = list(CONFIGURATIONS) if args.only is None else [BASELINE] + [n for n in args.only if n != BASELINE]
@@ -1366,7 +1426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=120, highlight=False)
     console.print(f"torch {torch.__version__}, lightning {pl.__version__}, 1 thread, {args.device}; "
                   f"{len(names)} configurations, {rounds} rounds x {steps} steps (+{warmup} warm-up); "
-                  f"{pairs} on/off pairs per verdict; workloads: {', '.join(w.name for w in workloads)}")
+                  f"{pairs or 'auto'} on/off pairs per verdict; workloads: {', '.join(w.name for w in workloads)}")
     with_toy = TOY in workloads or not args.model
     if with_toy:
         results = measure(steps, rounds, warmup, args.seed, names, console)

@@ -72,6 +72,11 @@ def test_snapshots_on_and_off_each_get_a_verdict(toy_cost: object) -> None:
     for label in ("snapshots on ", "snapshots off"):
         assert f"  {label}" in lines
     assert lines.count("verdict ") == 2 and cost.verdict(False).startswith(VERDICTS)
+    # the garbage collections in each side's timed blocks, which no hook's own time includes
+    for paired in (cost.snapshots_on, cost.snapshots_off):
+        (on, off), (on_s, off_s) = paired.gc_per_1000, paired.gc_s_per_step
+        assert min(on, off, on_s, off_s) >= 0
+        assert f"collections: {on:.1f} per 1000 steps on, {off:.1f} off" in lines
     assert cost.hooks_us > cost.ordinary_us > 0 and cost.saw_log_step  # log and snapshot steps spread in
 
 
@@ -106,6 +111,16 @@ def test_only_takes_the_names_with_or_without_parentheses(overhead: ModuleType) 
     assert overhead.configuration_name("detect_anomaly") == "detect_anomaly=True"
     with pytest.raises(argparse.ArgumentTypeError, match="'AmpWatch\\(\\)'"):
         overhead.configuration_name("ampwatch")
+
+
+def test_pairs_default_to_about_the_same_time_per_verdict_on_any_step(overhead: ModuleType) -> None:
+    # a sub-millisecond step gets enough pairs for an interval of about a point and a half; a slow step the floor
+    assert overhead.auto_pairs(0.0007, 50) == 214
+    assert overhead.auto_pairs(0.014, 50) == overhead.MIN_PAIRS == 30
+    assert overhead.auto_pairs(0.00005, 50) == overhead.MAX_PAIRS
+    assert overhead.auto_pairs(float("nan"), 50) == overhead.MIN_PAIRS
+    with pytest.raises(SystemExit):  # an explicit count below one is refused, as before
+        overhead.main(["--pairs", "0"])
 
 
 def test_model_takes_a_module_a_class_or_a_factory(overhead: ModuleType) -> None:
