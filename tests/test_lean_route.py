@@ -227,3 +227,33 @@ def test_an_express_lane_that_raises_is_closed_and_the_run_watched_the_usual_way
     assert len(calls) == 1  # tried once, then closed for the run
     assert not watch.watcher.disabled
     assert [d.to_dict() for d in watch.diagnoses] == usual[0]  # every step still taken in, the same diagnoses
+
+
+class Warmup:
+    """A learning rate that changes at every step: a linear warmup over the first 60 steps (picklable)."""
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / 60)
+
+
+def test_an_lr_that_changes_every_step_is_recorded_the_same_by_the_express_lane(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for lean in (False, True):
+        if not lean:
+            monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+        else:
+            monkeypatch.undo()
+        express = ExpressCount(monkeypatch)
+        pl.seed_everything(0, verbose=False)
+        log = tmp_path / str(lean) / "log"
+        watch = AmpWatch(verbose=False, log_dir=str(log), snapshot_every=16)
+        trainer = make_trainer(tmp_path / str(lean), [watch], "fp16", max_steps=100, log_every_n_steps=25)
+        trainer.fit(Regressor(lr_lambda=Warmup()), DataLoader(regression_data(n=2048), batch_size=32))
+        assert watch.machine is not None
+        timeline = (log / "ampwatch" / "timeline.jsonl").read_text()
+        seen[lean] = ([d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), timeline, express.taken)
+    assert seen[True][:3] == seen[False][:3]  # diagnoses, machine state (its LR history) and timeline, byte for byte
+    assert seen[False][3] == 0 and seen[True][3] > 50  # most steps by the lane, each with its own LR
+    lrs = {line.split('"lrs":')[1] for line in seen[True][2].splitlines() if '"lrs":' in line}
+    assert len(lrs) > 30  # the timeline holds many of the warmup's LRs: the comparison covers them
