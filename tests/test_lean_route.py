@@ -257,3 +257,35 @@ def test_an_lr_that_changes_every_step_is_recorded_the_same_by_the_express_lane(
     assert seen[False][3] == 0 and seen[True][3] > 50  # most steps by the lane, each with its own LR
     lrs = {line.split('"lrs":')[1] for line in seen[True][2].splitlines() if '"lrs":' in line}
     assert len(lrs) > 30  # the timeline holds many of the warmup's LRs: the comparison covers them
+
+
+class ClipsOnceTooEarly(Regressor):
+    """A healthy model that, at step 40 only, clips its gradients in ``on_after_backward``: before the scaler has
+    unscaled them (a recipe mistake the guard reports from inside the step, while the express lane is open)."""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 40:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+
+def test_a_recipe_mistake_in_the_middle_of_a_healthy_stretch_is_seen_the_same_by_the_lean_route(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for lean in (False, True):
+        if not lean:
+            monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+        else:
+            monkeypatch.undo()
+        express = ExpressCount(monkeypatch)
+        pl.seed_everything(0, verbose=False)
+        log = tmp_path / str(lean) / "log"
+        watch = AmpWatch(verbose=False, log_dir=str(log), snapshot_every=16, remediate=True)
+        trainer = make_trainer(tmp_path / str(lean), [watch], "fp16", max_steps=80, log_every_n_steps=25)
+        trainer.fit(ClipsOnceTooEarly(), DataLoader(regression_data(n=4096), batch_size=32))
+        assert watch.machine is not None
+        timeline = (log / "ampwatch" / "timeline.jsonl").read_text()
+        seen[lean] = ([d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), timeline, express.taken)
+    assert seen[True][:3] == seen[False][:3]
+    found = [d for d in seen[True][0] if d["finding"] == "CLIP_BEFORE_UNSCALE"]
+    assert len(found) == 1 and found[0]["step"] == 40  # reported at its step, once
+    assert seen[True][3] > 40  # the lane took the healthy steps around it

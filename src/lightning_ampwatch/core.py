@@ -429,7 +429,9 @@ class RunWatcher(WatchState):
     def _open_lane(self) -> None:
         """After a batch end: up to which step the express lane may take the next batches (none unless the lean
         route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
-        Nothing the lane takes changes any of this; anything that does runs through a batch end, which comes here."""
+        Nothing the lane takes changes any of this. On the lean route the machine changes only inside a batch end
+        (and at the fit's end), a remedy becomes due only through :meth:`_emit`, which closes the lane, and a probe
+        is checked at each lane call."""
         ledger, machine, treatment = self.ledger, self.machine, self.treatment
         if ledger is None or not (self.lean_route or ledger.express_until):  # (the full route: never opened)
             return
@@ -705,6 +707,8 @@ class RunWatcher(WatchState):
         since a treatment is a decision every rank must take together."""
         self._flush_clean()  # the steps before it taken in: the timeline dates its marker by them
         ledger = self.ledger
+        if ledger is not None:  # closed until the next batch end has looked (a recipe guard emits from inside a step)
+            ledger.express_until = 0
         if self.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
             diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
                 f"{self._ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
