@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import pytest
@@ -229,6 +229,25 @@ def test_an_express_lane_that_raises_is_closed_and_the_run_watched_the_usual_way
     assert [d.to_dict() for d in watch.diagnoses] == usual[0]  # every step still taken in, the same diagnoses
 
 
+def _fit_model(root: Path, lean: bool, monkeypatch: pytest.MonkeyPatch, model: Callable[[], Regressor],
+               max_steps: int, **watch_kwargs: Any) -> tuple[Any, ...]:
+    """One fit of a model of the test's own (built after the seed) on the lean route or the full one, as ``_fit``:
+    its diagnoses, the machine's state, the timeline file and the steps the express lane took."""
+    if not lean:
+        monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
+    else:
+        monkeypatch.undo()
+    express = ExpressCount(monkeypatch)
+    pl.seed_everything(0, verbose=False)
+    log = root / "log"
+    watch = AmpWatch(verbose=False, log_dir=str(log), **watch_kwargs)
+    trainer = make_trainer(root, [watch], "fp16", max_steps=max_steps, log_every_n_steps=25)
+    trainer.fit(model(), DataLoader(regression_data(n=4096), batch_size=32))
+    assert watch.machine is not None
+    timeline = (log / "ampwatch" / "timeline.jsonl").read_text()
+    return [d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), timeline, express.taken
+
+
 class Warmup:
     """A learning rate that changes at every step: a linear warmup over the first 60 steps (picklable)."""
 
@@ -238,21 +257,8 @@ class Warmup:
 
 def test_an_lr_that_changes_every_step_is_recorded_the_same_by_the_express_lane(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {}
-    for lean in (False, True):
-        if not lean:
-            monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
-        else:
-            monkeypatch.undo()
-        express = ExpressCount(monkeypatch)
-        pl.seed_everything(0, verbose=False)
-        log = tmp_path / str(lean) / "log"
-        watch = AmpWatch(verbose=False, log_dir=str(log), snapshot_every=16)
-        trainer = make_trainer(tmp_path / str(lean), [watch], "fp16", max_steps=100, log_every_n_steps=25)
-        trainer.fit(Regressor(lr_lambda=Warmup()), DataLoader(regression_data(n=2048), batch_size=32))
-        assert watch.machine is not None
-        timeline = (log / "ampwatch" / "timeline.jsonl").read_text()
-        seen[lean] = ([d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), timeline, express.taken)
+    seen = {lean: _fit_model(tmp_path / str(lean), lean, monkeypatch, lambda: Regressor(lr_lambda=Warmup()), 100,
+                             snapshot_every=16) for lean in (False, True)}
     assert seen[True][:3] == seen[False][:3]  # diagnoses, machine state (its LR history) and timeline, byte for byte
     assert seen[False][3] == 0 and seen[True][3] > 50  # most steps by the lane, each with its own LR
     lrs = {line.split('"lrs":')[1] for line in seen[True][2].splitlines() if '"lrs":' in line}
@@ -270,21 +276,8 @@ class ClipsOnceTooEarly(Regressor):
 
 def test_a_recipe_mistake_in_the_middle_of_a_healthy_stretch_is_seen_the_same_by_the_lean_route(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {}
-    for lean in (False, True):
-        if not lean:
-            monkeypatch.setattr(compat, "skips_uncallable_hooks", lambda: False)
-        else:
-            monkeypatch.undo()
-        express = ExpressCount(monkeypatch)
-        pl.seed_everything(0, verbose=False)
-        log = tmp_path / str(lean) / "log"
-        watch = AmpWatch(verbose=False, log_dir=str(log), snapshot_every=16, remediate=True)
-        trainer = make_trainer(tmp_path / str(lean), [watch], "fp16", max_steps=80, log_every_n_steps=25)
-        trainer.fit(ClipsOnceTooEarly(), DataLoader(regression_data(n=4096), batch_size=32))
-        assert watch.machine is not None
-        timeline = (log / "ampwatch" / "timeline.jsonl").read_text()
-        seen[lean] = ([d.to_dict() for d in watch.diagnoses], watch.machine.state_dict(), timeline, express.taken)
+    seen = {lean: _fit_model(tmp_path / str(lean), lean, monkeypatch, ClipsOnceTooEarly, 80, snapshot_every=16,
+                             remediate=True) for lean in (False, True)}
     assert seen[True][:3] == seen[False][:3]
     found = [d for d in seen[True][0] if d["finding"] == "CLIP_BEFORE_UNSCALE"]
     assert len(found) == 1 and found[0]["step"] == 40  # reported at its step, once
