@@ -426,8 +426,9 @@ class BlockToggle(pl.Callback):
 
     def on_gc(self, phase: str, info: dict[str, Any]) -> None:
         """A ``gc.callbacks`` entry: counts and times each collection in a timed block, for the block's side."""
-        if not self.on or len(self.ends) >= len(self.starts):  # not inside a timed block
-            return
+        if not self.on or len(self.ends) >= len(self.starts) or (self.blocks is not None
+                                                                 and len(self.ends) >= self.blocks):
+            return  # not inside a timed block (the run's last, begun as it stops, is never timed)
         if phase == "start":
             self._gc_start = time.perf_counter()
         elif self._gc_start is not None:

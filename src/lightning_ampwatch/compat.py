@@ -295,7 +295,7 @@ def skips_uncallable_hooks() -> bool:
 def optimizer_steps_done(trainer: Any) -> int:
     """The optimizer steps Lightning's automatic optimization has run in this fit, skipped ones included (it counts
     each ``optimizer_step`` call; a GradScaler's skip happens inside it): ``global_step`` without its property
-    chain, read at every batch's end on the lean route."""
+    chain, read on the lean route at every batch end the express lane does not take."""
     return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed
 
 

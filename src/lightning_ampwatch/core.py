@@ -433,13 +433,10 @@ class RunWatcher(WatchState):
         (and at the fit's end), a remedy becomes due only through :meth:`_emit`, which closes the lane, and a probe
         is checked at each lane call."""
         ledger, machine, treatment = self.ledger, self.machine, self.treatment
-        if ledger is None or not (self.lean_route or ledger.express_until):  # (the full route: never opened)
-            return
-        if self._lane_failed:
-            ledger.express_until = 0
+        if ledger is None or not self.lean_route:  # (the full route: never opened)
             return
         try:
-            if (self.lean_route and not self.disabled and machine is not None and machine.quiet
+            if (not self._lane_failed and not self.disabled and machine is not None and machine.quiet
                     and not treatment.due and treatment.watch is None):
                 ledger.open_lane(self._log_every)
                 return
