@@ -5,6 +5,7 @@ Run it from the repository root, on a quiet machine (other load inflates every w
     python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
     python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
     python benchmarks/overhead.py --pairs 300 --strict  # more pairs; exit 1 if over budget, 2 if inconclusive
+    python benchmarks/overhead.py --workloads mlp --verdict-seconds 600 --verdicts on  # a verdict on the slow step
     python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
     python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
     python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
@@ -28,7 +29,11 @@ What it prints, from the least to the most robust on a busy machine:
    neighbouring blocks, which drift barely touches. The median ratio comes with its quartiles and a 95%
    confidence interval (order statistics, no assumption about the noise); the verdict is "within the budget"
    only when the interval lies below the budget on both clocks, "over the budget" when it lies above it on
-   either, and otherwise "inconclusive on this machine (spread too wide)".
+   either, and otherwise "inconclusive on this machine (spread too wide)". A third run, the null run, has both
+   sides of every pair bare: how far this machine alone spreads the ratios. Each run takes about 15 s of blocks
+   (``--verdict-seconds``; ``--pairs`` fixes the count instead); on a several-millisecond step that leaves the
+   interval about three points wide, and a verdict against a 1% budget needs about ten minutes, which
+   ``--verdicts on`` spends on the defaults' run alone.
 3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
    steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
    (a snapshot step's hooks over an ordinary step's, less the deferred clean steps' bookkeeping the snapshot
@@ -107,6 +112,10 @@ CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdi
 #: thirty pairs left it about 4 points wide, two hundred about 1.5.
 PAIR_SECONDS = 15.0
 MIN_PAIRS, MAX_PAIRS = 30, 300
+#: The paired runs a verdict block can hold: ``on`` (AmpWatch's defaults against bare: the verdict, always made),
+#: ``off`` (snapshots off against bare) and ``null`` (both sides bare: the machine's own spread). ``--verdicts``
+#: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times.
+VERDICT_RUNS = ("on", "off", "null")
 BASELINE = "bare"
 WATCHED = "AmpWatch()"
 
@@ -1176,7 +1185,7 @@ class WorkloadCost:
     snapshot_copy_ms: float | None  # one snapshot as the ring takes it (copy and bookkeeping); None: none taken
     snapshot_bytes: int | None
     snapshots_on: PairedRatios  # AmpWatch() with its defaults against off, in one run
-    snapshots_off: PairedRatios  # AmpWatch(snapshot_every=0) against off, in another
+    snapshots_off: PairedRatios | None  # AmpWatch(snapshot_every=0) against off, in another; None: not run
     saw_log_step: bool
     #: the deferred clean steps' bookkeeping a snapshot step takes in before its snapshot (the hooks' own time,
     #: in ``hooks_us``; not in ``snapshot_copy_ms``); None: no snapshot taken
@@ -1214,6 +1223,8 @@ class WorkloadCost:
 
     def verdict(self, snapshots: bool = True) -> str:
         paired = self.snapshots_on if snapshots else self.snapshots_off
+        if paired is None:
+            return "not measured (--verdicts)"
         return verdict([median_interval(paired.wall), median_interval(paired.cpu)])
 
     def lines(self) -> list[str]:
@@ -1249,6 +1260,8 @@ class WorkloadCost:
                              "hooks' line above), not the snapshot's")
         for label, paired, snapshots in (("snapshots on", self.snapshots_on, True),
                                          ("snapshots off", self.snapshots_off, False)):
+            if paired is None:
+                continue
             lines += [f"  {label:<17} {len(paired.wall)} pairs of on/off blocks, watched/bare:",
                       f"    wall clock      {describe_ratios(paired.wall)}",
                       f"    CPU time        {describe_ratios(paired.cpu)}",
@@ -1286,36 +1299,42 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
 
-def auto_pairs(step_s: float, block: int = LOG_EVERY_N_STEPS) -> int:
-    """The on/off pairs per verdict when ``--pairs`` is not given: about ``PAIR_SECONDS`` of blocks at a step of
-    ``step_s`` seconds, within ``MIN_PAIRS``..``MAX_PAIRS`` (``MIN_PAIRS`` when the step is unknown)."""
+def auto_pairs(step_s: float, block: int = LOG_EVERY_N_STEPS, seconds: float = PAIR_SECONDS) -> int:
+    """The on/off pairs per verdict when ``--pairs`` is not given: about ``seconds`` of blocks (``--verdict-seconds``)
+    at a step of ``step_s`` seconds, at least ``MIN_PAIRS`` and at most ``MAX_PAIRS`` per ``PAIR_SECONDS`` asked for
+    (``MIN_PAIRS`` when the step is unknown)."""
     if not (math.isfinite(step_s) and step_s > 0):
         return MIN_PAIRS
-    return max(MIN_PAIRS, min(MAX_PAIRS, round(PAIR_SECONDS / (2 * block * step_s))))
+    most = max(MIN_PAIRS, round(MAX_PAIRS * seconds / PAIR_SECONDS))
+    return max(MIN_PAIRS, min(most, round(seconds / (2 * block * step_s))))
 
 
 def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: int, seed: int,
-                     anatomy: bool = False, block: int = LOG_EVERY_N_STEPS) -> tuple[WorkloadCost, "_HookTimer"]:
+                     anatomy: bool = False, block: int = LOG_EVERY_N_STEPS, seconds: float = PAIR_SECONDS,
+                     verdicts: Sequence[str] = VERDICT_RUNS) -> tuple[WorkloadCost, "_HookTimer"]:
     """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
     The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for.
-    ``pairs``: on/off pairs per verdict; None: :func:`auto_pairs` at the step the hooks' timer saw."""
+    ``pairs``: on/off pairs per verdict; None: :func:`auto_pairs` over ``seconds`` at the step the hooks' timer
+    saw. ``verdicts``: the paired runs made besides the defaults' (``"on"``, always made): ``"off"`` (snapshots
+    off) and ``"null"`` (both sides bare)."""
     # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
     timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
     if pairs is None:
-        pairs = auto_pairs(timer.step_s(), block)
+        pairs = auto_pairs(timer.step_s(), block, seconds)
     hooks_s, saw_log = timer.per_step()
     end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0, "metrics": 0.0})
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
     on = paired_blocks(pairs, seed, block, workload)
-    off = paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
-    null = paired_blocks(pairs, seed, block, workload, null=True)
+    off = (paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
+           if "off" in verdicts else None)
+    null = paired_blocks(pairs, seed, block, workload, null=True) if "null" in verdicts else None
     copy_s = timer.snapshot_copy_s()
     handover_s = timer.snapshot_handover_s()
     count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
     added_s = timer.added_count_s()
     every = timer.snapshot_interval()
     sizes = [nbytes for _, nbytes in timer.snapshots]
-    bare = on.bare_step_s if math.isfinite(on.bare_step_s) else off.bare_step_s
+    bare = on.bare_step_s if math.isfinite(on.bare_step_s) or off is None else off.bare_step_s
     cost = WorkloadCost(workload.name, workload.describe, bare * 1e3, hooks_s * 1e6, ordinary * 1e6,
                         (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
                         None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
@@ -1397,8 +1416,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a verdict is 'over the budget', 2 when "
                         "one is inconclusive (the defaults' verdicts, snapshots on)")
     parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for each verdict (default: about "
-                        f"{PAIR_SECONDS:.0f} s of blocks per verdict at the workload's step, {MIN_PAIRS} to {MAX_PAIRS} "
-                        "pairs; --quick 10)")
+                        f"--verdict-seconds of blocks per verdict at the workload's step, {MIN_PAIRS} to {MAX_PAIRS} "
+                        f"pairs per {PAIR_SECONDS:.0f} s; --quick 10)")
+    parser.add_argument("--verdict-seconds", type=float, default=PAIR_SECONDS, metavar="S",
+                        help=f"seconds of on/off blocks per verdict when --pairs is not given (default "
+                        f"{PAIR_SECONDS:.0f}); the interval narrows as one over the square root of the time: on a "
+                        "several-millisecond step a verdict against a 1%% budget needs about ten minutes")
+    parser.add_argument("--verdicts", nargs="+", choices=VERDICT_RUNS, default=list(VERDICT_RUNS), metavar="RUN",
+                        help="the paired runs to make per workload: 'on' (the defaults against bare: the verdict, "
+                        "always made), 'off' (snapshots off against bare), 'null' (both sides bare: what the "
+                        "machine alone spreads) (default: all three)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
@@ -1408,6 +1435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              ("--pairs", 1 if pairs is None else pairs, 1)):
         if value < low:
             parser.error(f"{flag}={value} is not valid; use an integer >= {low}")
+    if not (math.isfinite(args.verdict_seconds) and args.verdict_seconds > 0):
+        parser.error(f"--verdict-seconds={args.verdict_seconds} is not valid; use a number of seconds above 0")
+    verdicts = ["on", *(run for run in VERDICT_RUNS if run != "on" and run in args.verdicts)]
     names = list(CONFIGURATIONS) if args.only is None else [BASELINE] + [n for n in args.only if n != BASELINE]
     if args.workloads is not None:
         workloads = [WORKLOADS[n] for n in args.workloads]
@@ -1427,14 +1457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=120, highlight=False)
     console.print(f"torch {torch.__version__}, lightning {pl.__version__}, 1 thread, {args.device}; "
                   f"{len(names)} configurations, {rounds} rounds x {steps} steps (+{warmup} warm-up); "
-                  f"{pairs or 'auto'} on/off pairs per verdict; workloads: {', '.join(w.name for w in workloads)}")
+                  f"{pairs or f'about {args.verdict_seconds:.0f} s of'} on/off pairs per verdict "
+                  f"({', '.join(verdicts)}); workloads: {', '.join(w.name for w in workloads)}")
     with_toy = TOY in workloads or not args.model
     if with_toy:
         results = measure(steps, rounds, warmup, args.seed, names, console)
         print_table(results, steps, rounds, console)
     costs = []
     for workload in workloads:
-        cost, timer = measure_workload(workload, pairs, hook_steps, warmup, args.seed, anatomy=args.anatomy)
+        cost, timer = measure_workload(workload, pairs, hook_steps, warmup, args.seed, anatomy=args.anatomy,
+                                       seconds=args.verdict_seconds, verdicts=verdicts)
         costs.append(cost)
         console.print(f"[dim]{workload.name} measured[/dim]")
         if args.profile:

@@ -5,6 +5,7 @@ printed lines are asserted, never timings: the budget is shown by the benchmark 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -121,6 +122,26 @@ def test_pairs_default_to_about_the_same_time_per_verdict_on_any_step(overhead: 
     assert overhead.auto_pairs(float("nan"), 50) == overhead.MIN_PAIRS
     with pytest.raises(SystemExit):  # an explicit count below one is refused, as before
         overhead.main(["--pairs", "0"])
+
+
+def test_verdict_seconds_buy_a_longer_verdict_and_verdicts_pick_the_runs(overhead: ModuleType, toy_cost: object,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # ten minutes of blocks on a 15.5 ms step: the 400-odd pairs a verdict against 1% needs there; the cap grows
+    # with the time asked for, the floor does not move
+    assert overhead.auto_pairs(0.0155, 50, seconds=600) == 387
+    assert overhead.auto_pairs(0.00005, 50, seconds=600) == 40 * overhead.MAX_PAIRS
+    assert overhead.auto_pairs(0.014, 50, seconds=1) == overhead.MIN_PAIRS
+    for bad in (["--verdict-seconds", "0"], ["--verdict-seconds", "nan"], ["--verdicts", "bare"]):
+        with pytest.raises(SystemExit):
+            overhead.main(bad)
+    assert "--verdict-seconds" in capsys.readouterr().err
+    # a workload measured with the defaults' run alone: its block says nothing of the runs not made
+    only_on = dataclasses.replace(toy_cost, snapshots_off=None, null=None)
+    lines = "\n".join(only_on.lines())
+    assert "  snapshots on " in lines and "snapshots off" not in lines and "null run" not in lines
+    assert lines.count("verdict ") == 1 and only_on.verdict() == toy_cost.verdict()
+    assert only_on.verdict(False) == "not measured (--verdicts)"
+    assert overhead.print_summary([only_on], None, []) == toy_cost.verdict()
 
 
 def test_model_takes_a_module_a_class_or_a_factory(overhead: ModuleType) -> None:
