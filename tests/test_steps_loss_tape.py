@@ -85,6 +85,40 @@ def test_a_log_steps_read_of_floats_is_the_packed_read_of_tensors(
     assert _bits([v for _, v in losses_f]) == _bits([v for _, v in losses_t])
 
 
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(steps_=st.lists(st.lists(st.tuples(_VALUES, st.sampled_from(DTYPES), _SCALES), min_size=1, max_size=3),
+                       min_size=1, max_size=60),
+       plain=st.lists(st.booleans(), min_size=60, max_size=60), host=st.booleans(), with_extra=st.booleans())
+def test_a_lane_steps_loss_held_alone_reads_as_its_one_loss_tape(
+        steps_: list[list[tuple[float, torch.dtype, float]]], plain: list[bool], host: bool,
+        with_extra: bool) -> None:
+    """The express lane holds a step's one unscaled loss alone, not in a tape: among tapes of one or several losses,
+    scaled or not, it reads (returned values, per-step losses settled) bit for bit as the one-loss tape it stands
+    for, on the host path and the packed one, with or without other values in the read."""
+    lane = [keep and len(tape) == 1 for keep, tape in zip(plain, steps_)]
+    steps_ = [[(tape[0][0], tape[0][1], 1.0)] if alone else tape for alone, tape in zip(lane, steps_)]
+    extra = [torch.tensor([2.0**16], dtype=torch.float32), torch.tensor([7], dtype=torch.int32)] if with_extra else []
+
+    def read(as_lane: bool) -> tuple[list[float], list[tuple[int, float]]]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
+            ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
+        ring = LossRing()
+        for i, (alone, entries) in enumerate(zip(lane, steps_)):
+            tensors, floats = _both(entries)
+            tape = floats if host else tensors
+            ring.entries.append((1000 + i, tape[0][0] if alone and as_lane else tape))
+        ledger.losses = ring
+        values = ledger.read_losses(extra)
+        assert ring.entries == []
+        return values, ledger.take_unnoted()
+
+    (values_t, losses_t), (values_l, losses_l) = read(False), read(True)
+    assert _bits(values_l) == _bits(values_t)
+    assert [s for s, _ in losses_l] == [s for s, _ in losses_t] == list(range(1000, 1000 + len(steps_)))
+    assert _bits([v for _, v in losses_l]) == _bits([v for _, v in losses_t])
+
+
 def test_the_cpu_takes_each_loss_as_a_float_and_an_accelerator_keeps_the_tensor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass
 from operator import itemgetter, truediv
 from typing import Any, Sequence
@@ -65,6 +66,7 @@ class _Unscaled:
 
 _UNSCALED = _Unscaled()
 _first, _second = itemgetter(0), itemgetter(1)
+_UNSCALED_ONE = ((None, 1.0),)  # a lane step's one loss, read as a tape's (its value comes from the read)
 
 
 #: a deferred step's batches when nothing will hold them (see ``StepLedger.defer_batches``)
@@ -116,7 +118,9 @@ class ClosedStep:
 
 class LossRing:
     """The losses of recent steps, as ``(step, tape)`` pairs of unread device tensors (or, on the CPU, the floats
-    taken as they came); read all at once."""
+    taken as they came); read all at once. A step the express lane took holds its one unscaled loss in place of
+    the tape, ``(step, loss)``: the tape's three objects a step saved (garbage collections come on with every
+    object a step keeps)."""
 
     def __init__(self, capacity: int = LOSS_RING_STEPS) -> None:
         self.capacity = capacity
@@ -132,9 +136,12 @@ class LossRing:
     def held(self) -> list[Tensor | float]:
         """Every held loss, in order, as held (tensors, or floats taken on the host)."""
         tapes = list(map(_second, self.entries))
-        if sum(map(len, tapes)) == len(tapes):  # one backward per step, the usual case: each tape's first loss (C)
+        kinds = set(map(type, tapes))
+        if LossTape not in kinds:  # every step the express lane's: its loss itself
+            return tapes
+        if len(kinds) == 1 and sum(map(len, tapes)) == len(tapes):  # one backward per step: each tape's first (C)
             return list(map(_first, map(_first, tapes)))
-        return [loss for tape in tapes for loss, _ in tape]
+        return [loss for tape in tapes for loss in (map(_first, tape) if type(tape) is LossTape else (tape,))]
 
     def stacked(self) -> Tensor | None:
         """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
@@ -155,15 +162,22 @@ class LossRing:
     def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
         """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
         entries = self.entries
-        if len(values) == len(entries):  # one backward per step, the usual case: (step, value / its scale), in C
+        if len(values) == len(entries):  # one loss per step, the usual case: (step, value / its scale), in C
+            kinds = set(map(type, map(_second, entries)))
+            scales: Any
+            if LossTape not in kinds:  # the express lane's steps: unscaled losses
+                scales = repeat(1.0)
+            elif len(kinds) == 1:
+                scales = map(_second, map(_first, map(_second, entries)))
+            else:  # the lane's steps among tapes of one loss each
+                scales = [tape[0][1] if type(tape) is LossTape else 1.0 for tape in map(_second, entries)]
             self.entries = []
-            scales = map(_second, map(_first, map(_second, entries)))
             return list(zip(map(_first, entries), map(truediv, values, scales)))
         out: list[tuple[int, float]] = []
         i = 0
         for step, tape in entries:
             total = 0.0
-            for _, scale in tape:
+            for _, scale in (tape if type(tape) is LossTape else _UNSCALED_ONE):
                 total += values[i] / scale
                 i += 1
             out.append((step, total))
@@ -408,7 +422,7 @@ class StepLedger:
         if lrs[0] != lr:
             self._lrs = (lr,)
         self.log_steps += 1
-        self.losses.entries.append((step, LossTape(((value, 1.0),))))
+        self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
         self.deferred.append((step, [micro_batch] if self.defer_batches else _NO_BATCHES,  # type: ignore[list-item]
                               mirror.scale, False, lrs))  # type: ignore[union-attr]
         return True
