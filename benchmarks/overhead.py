@@ -1396,7 +1396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
                         help="built-in workloads to measure AmpWatch() on: " + "; ".join(
                             f"{w.name}: {w.describe}" for w in WORKLOADS.values())
-                        + " (default: all; --quick: toy; with --model: none unless named)")
+                        + " (default: all; --quick: toy; with --model: none unless named); the table of separate "
+                        "runs, the host reads and the armed probes' cost come with the toy")
     parser.add_argument("--model", metavar="MODULE:ATTR", default=None,
                         help="measure your own LightningModule (the built-in workloads too only if --workloads "
                         "names them): MODULE:ATTR names an instance, its class or a function of no arguments "
@@ -1459,7 +1460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{len(names)} configurations, {rounds} rounds x {steps} steps (+{warmup} warm-up); "
                   f"{pairs or f'about {args.verdict_seconds:.0f} s of'} on/off pairs per verdict "
                   f"({', '.join(verdicts)}); workloads: {', '.join(w.name for w in workloads)}")
-    with_toy = TOY in workloads or not args.model
+    with_toy = TOY in workloads  # the separate runs' table, the host reads and the armed cost are the toy's
     if with_toy:
         results = measure(steps, rounds, warmup, args.seed, names, console)
         print_table(results, steps, rounds, console)
