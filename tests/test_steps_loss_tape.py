@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,31 @@ def _both(entries: list[tuple[float, torch.dtype, float]]) -> tuple[LossTape, Lo
     return LossTape(tensors), LossTape([(t.item(), scale) for t, scale in tensors])
 
 
+def _read(host: bool, held: list[tuple[int, Any]],
+          extra: list[torch.Tensor]) -> tuple[list[float], list[tuple[int, float]]]:
+    """A ledger's read (the host path, or the packed one of an accelerator) of ``held``, the loss ring's entries
+    (``(step, tape)``, or ``(step, loss)`` as the express lane holds it), with ``extra`` values: the values returned
+    and the per-step losses settled."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
+        ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
+    assert ledger._host_tape is host
+    ring = LossRing()
+    ring.entries.extend(held)
+    ledger.losses = ring
+    values = ledger.read_losses(extra)
+    assert ring.entries == []
+    return values, ledger.take_unnoted()
+
+
+def _assert_same_reads(one: tuple[list[float], list[tuple[int, float]]],
+                       other: tuple[list[float], list[tuple[int, float]]], steps_read: int) -> None:
+    (values_a, losses_a), (values_b, losses_b) = one, other
+    assert _bits(values_a) == _bits(values_b)
+    assert [s for s, _ in losses_a] == [s for s, _ in losses_b] == list(range(1000, 1000 + steps_read))
+    assert _bits([v for _, v in losses_a]) == _bits([v for _, v in losses_b])
+
+
 @settings(max_examples=400, deadline=None, derandomize=True, database=None)
 @given(entries=st.lists(st.tuples(_VALUES, st.sampled_from(DTYPES), _SCALES), min_size=1, max_size=4))
 def test_a_float_tape_reads_and_totals_as_its_tensors(entries: list[tuple[float, torch.dtype, float]]) -> None:
@@ -65,24 +91,10 @@ def test_a_log_steps_read_of_floats_is_the_packed_read_of_tensors(
     extra = [torch.tensor([scale], dtype=torch.float32), torch.tensor([tracker], dtype=torch.int32),
              torch.tensor([3.0, 0.1, 7e40], dtype=torch.float64)]
 
-    def read(host: bool) -> tuple[list[float], list[tuple[int, float]]]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
-            ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
-        assert ledger._host_tape is host
-        ring = LossRing()
-        for i, entries in enumerate(steps_):
-            tensors, floats = _both(entries)
-            ring.append(1000 + i, floats if host else tensors)
-        ledger.losses = ring
-        values = ledger.read_losses(extra)
-        assert ring.entries == []
-        return values, ledger.take_unnoted()
+    def held(host: bool) -> list[tuple[int, LossTape]]:
+        return [(1000 + i, _both(entries)[1 if host else 0]) for i, entries in enumerate(steps_)]
 
-    (values_t, losses_t), (values_f, losses_f) = read(False), read(True)
-    assert _bits(values_f) == _bits(values_t)
-    assert [s for s, _ in losses_f] == [s for s, _ in losses_t] == list(range(1000, 1000 + len(steps_)))
-    assert _bits([v for _, v in losses_f]) == _bits([v for _, v in losses_t])
+    _assert_same_reads(_read(True, held(True), extra), _read(False, held(False), extra), len(steps_))
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
@@ -99,24 +111,12 @@ def test_a_lane_steps_loss_held_alone_reads_as_its_one_loss_tape(
     steps_ = [[(tape[0][0], tape[0][1], 1.0)] if alone else tape for alone, tape in zip(lane, steps_)]
     extra = [torch.tensor([2.0**16], dtype=torch.float32), torch.tensor([7], dtype=torch.int32)] if with_extra else []
 
-    def read(as_lane: bool) -> tuple[list[float], list[tuple[int, float]]]:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
-            ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
-        ring = LossRing()
-        for i, (alone, entries) in enumerate(zip(lane, steps_)):
-            tensors, floats = _both(entries)
-            tape = floats if host else tensors
-            ring.entries.append((1000 + i, tape[0][0] if alone and as_lane else tape))
-        ledger.losses = ring
-        values = ledger.read_losses(extra)
-        assert ring.entries == []
-        return values, ledger.take_unnoted()
+    def held(as_lane: bool) -> list[tuple[int, Any]]:
+        tapes = [_both(entries)[1 if host else 0] for entries in steps_]
+        return [(1000 + i, tape[0][0] if alone and as_lane else tape)
+                for i, (alone, tape) in enumerate(zip(lane, tapes))]
 
-    (values_t, losses_t), (values_l, losses_l) = read(False), read(True)
-    assert _bits(values_l) == _bits(values_t)
-    assert [s for s, _ in losses_l] == [s for s, _ in losses_t] == list(range(1000, 1000 + len(steps_)))
-    assert _bits([v for _, v in losses_l]) == _bits([v for _, v in losses_t])
+    _assert_same_reads(_read(host, held(True), extra), _read(host, held(False), extra), len(steps_))
 
 
 def test_the_cpu_takes_each_loss_as_a_float_and_an_accelerator_keeps_the_tensor(
