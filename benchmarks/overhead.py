@@ -5,7 +5,8 @@ Run it from the repository root, on a quiet machine (other load inflates every w
     python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
     python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
     python benchmarks/overhead.py --pairs 300 --strict  # more pairs; exit 1 if over budget, 2 if inconclusive
-    python benchmarks/overhead.py --workloads mlp --verdict-seconds 600 --verdicts on  # a verdict on the slow step
+    python benchmarks/overhead.py --workloads mlp --verdict-seconds 1200 --verdicts on  # a verdict on the slow step
+    python benchmarks/overhead.py --workloads toy --verdict-seconds 210 --verdicts on null noop minimal  # + the floor
     python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
     python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
     python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
@@ -33,7 +34,9 @@ What it prints, from the least to the most robust on a busy machine:
    sides of every pair bare: how far this machine alone spreads the ratios. Each run takes about 15 s of blocks
    (``--verdict-seconds``; ``--pairs`` fixes the count instead); on a several-millisecond step that leaves the
    interval about three points wide, and a verdict against a 1% budget needs about ten minutes, which
-   ``--verdicts on`` spends on the defaults' run alone.
+   ``--verdicts on`` spends on the defaults' run alone. ``--verdicts noop minimal`` adds two floor runs, callbacks
+   of the benchmark's own against bare in the same blocks (one hook doing nothing; that hook taking the loss and
+   keeping the latest batches): what any watch costs the step before AmpWatch's own work.
 3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
    steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
    (a snapshot step's hooks over an ordinary step's, less the deferred clean steps' bookkeeping the snapshot
@@ -70,7 +73,7 @@ import tempfile
 import time
 import tracemalloc
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -114,8 +117,16 @@ PAIR_SECONDS = 15.0
 MIN_PAIRS, MAX_PAIRS = 30, 300
 #: The paired runs a verdict block can hold: ``on`` (AmpWatch's defaults against bare: the verdict, always made),
 #: ``off`` (snapshots off against bare) and ``null`` (both sides bare: the machine's own spread). ``--verdicts``
-#: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times.
-VERDICT_RUNS = ("on", "off", "null")
+#: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times;
+#: the floor runs (below) are made only when asked for.
+VERDICT_RUNS = ("on", "off", "null", "noop", "minimal")
+DEFAULT_VERDICTS = ("on", "off", "null")
+#: The floor runs among them: callbacks of the benchmark's own, toggled like AmpWatch against bare, for what any
+#: watch costs the workload's step before AmpWatch's work: ``noop`` a callback with one hook that does nothing,
+#: ``minimal`` that hook taking the loss and keeping the latest ``FLOOR_HELD`` batches (the least a replay needs).
+FLOOR_RUNS = {"noop": "a one-hook callback that does nothing",
+              "minimal": "that hook taking the loss and keeping the batches"}
+FLOOR_HELD = 100
 BASELINE = "bare"
 WATCHED = "AmpWatch()"
 
@@ -521,15 +532,58 @@ def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
     return int(ring.every), [(s.step, s.nbytes) for s in ring.snapshots]
 
 
+class FloorWatch(pl.Callback):
+    """A floor run's watch: ``on_train_batch_end`` only (Lightning's other per-step hooks set to None on the
+    instance, as AmpWatch leaves them), doing nothing, or (``keep``) taking the loss as a float and keeping the
+    latest ``FLOOR_HELD`` batches with it, as a replay from a snapshot needs them."""
+
+    IDLE = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+            "on_before_zero_grad")
+
+    def __init__(self, keep: bool) -> None:
+        for name in self.IDLE:
+            setattr(self, name, None)
+        self.keep = keep
+        self.held: deque[tuple[float, Any]] = deque(maxlen=FLOOR_HELD)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.keep:
+            self.held.append((outputs["loss"].item(), batch))
+
+
+def floor_toggle(watch: FloorWatch, block: int, blocks: int) -> "BlockToggle":
+    """A :class:`BlockToggle` for a :class:`FloorWatch`: switched in and out of the trainer's callbacks, with no
+    cadence to wait for (the blocks start at once)."""
+    toggle = BlockToggle(watch, block, blocks)  # type: ignore[arg-type]
+    toggle.settled_at = 0
+
+    def switch(trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
+        callbacks = trainer.callbacks
+        if on and watch not in callbacks:
+            callbacks.append(watch)
+        elif not on and watch in callbacks:
+            callbacks.remove(watch)
+
+    toggle._set = switch  # type: ignore[method-assign]
+    return toggle
+
+
 def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workload: Workload = TOY,
                   make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False),
-                  null: bool = False) -> PairedRatios:
+                  null: bool = False, floor: str | None = None) -> PairedRatios:
     """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step.
     ``null``: the same run with AmpWatch off in every block after the settling (a bare/bare run: how far the pair
-    ratios of this machine spread when nothing differs between the two sides)."""
-    watch = make_watch()
+    ratios of this machine spread when nothing differs between the two sides). ``floor``: a floor run instead
+    (``"noop"`` or ``"minimal"``, :data:`FLOOR_RUNS`): a :class:`FloorWatch` on against off."""
     warm_blocks = 2
-    toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)
+    watch: Any
+    if floor is not None:
+        watch = FloorWatch(keep=floor == "minimal")
+        toggle = floor_toggle(watch, block, 2 * pairs + warm_blocks)
+    else:
+        watch = make_watch()
+        toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)
     # the cadence's choice first (about 80 steps of a healthy run), then the blocks; the toggle stops the run
     total = (2 * pairs + warm_blocks) * block + 1 + SETTLE_STEPS
     pl.seed_everything(seed, verbose=False)
@@ -1203,6 +1257,8 @@ class WorkloadCost:
     #: the held batches' bytes taken as they were added, per snapshot interval (at the hand-overs: the hooks' own
     #: time, in ``hooks_us``, not in ``snapshot_copy_ms``); None: not measured
     added_count_ms: float | None = None
+    #: the floor runs made (``--verdicts noop minimal``), by name: what any watch costs this step
+    floors: dict[str, PairedRatios] = field(default_factory=dict)
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -1290,6 +1346,11 @@ class WorkloadCost:
                              f"{low:.3f}: the blocks alone differ by more than the budget's {BUDGET - 1:.0%} here, so "
                              "the ratios above can be off by as much either way; the parts above say where the time "
                              "goes")
+        for name, paired in self.floors.items():
+            lines += [f"  floor: {name:<10} {len(paired.wall)} pairs, {FLOOR_RUNS[name]}, against bare (what "
+                      "any watch costs this step):",
+                      f"    wall clock      {describe_ratios(paired.wall)}",
+                      f"    CPU time        {describe_ratios(paired.cpu)}"]
         if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
             lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
         return lines
@@ -1311,12 +1372,12 @@ def auto_pairs(step_s: float, block: int = LOG_EVERY_N_STEPS, seconds: float = P
 
 def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: int, seed: int,
                      anatomy: bool = False, block: int = LOG_EVERY_N_STEPS, seconds: float = PAIR_SECONDS,
-                     verdicts: Sequence[str] = VERDICT_RUNS) -> tuple[WorkloadCost, "_HookTimer"]:
+                     verdicts: Sequence[str] = DEFAULT_VERDICTS) -> tuple[WorkloadCost, "_HookTimer"]:
     """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
     The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for.
     ``pairs``: on/off pairs per verdict; None: :func:`auto_pairs` over ``seconds`` at the step the hooks' timer
     saw. ``verdicts``: the paired runs made besides the defaults' (``"on"``, always made): ``"off"`` (snapshots
-    off) and ``"null"`` (both sides bare)."""
+    off), ``"null"`` (both sides bare), and the floor runs ``"noop"`` and ``"minimal"`` (:data:`FLOOR_RUNS`)."""
     # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
     timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
     if pairs is None:
@@ -1328,6 +1389,7 @@ def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: 
     off = (paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
            if "off" in verdicts else None)
     null = paired_blocks(pairs, seed, block, workload, null=True) if "null" in verdicts else None
+    floors = {name: paired_blocks(pairs, seed, block, workload, floor=name) for name in FLOOR_RUNS if name in verdicts}
     copy_s = timer.snapshot_copy_s()
     handover_s = timer.snapshot_handover_s()
     count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
@@ -1341,7 +1403,8 @@ def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: 
                         None if copy_s is None or handover_s is None else handover_s * 1e3,
                         *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)),
                         judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6,
-                        null=null, added_count_ms=None if copy_s is None or added_s is None else added_s * 1e3)
+                        null=null, added_count_ms=None if copy_s is None or added_s is None else added_s * 1e3,
+                        floors=floors)
     return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
                   if anatomy else timer)
 
@@ -1423,10 +1486,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"seconds of on/off blocks per verdict when --pairs is not given (default "
                         f"{PAIR_SECONDS:.0f}); the interval narrows as one over the square root of the time: on a "
                         "several-millisecond step a verdict against a 1%% budget needs about ten minutes")
-    parser.add_argument("--verdicts", nargs="+", choices=VERDICT_RUNS, default=list(VERDICT_RUNS), metavar="RUN",
+    parser.add_argument("--verdicts", nargs="+", choices=VERDICT_RUNS, default=list(DEFAULT_VERDICTS), metavar="RUN",
                         help="the paired runs to make per workload: 'on' (the defaults against bare: the verdict, "
                         "always made), 'off' (snapshots off against bare), 'null' (both sides bare: what the "
-                        "machine alone spreads) (default: all three)")
+                        "machine alone spreads); the floor runs, what any watch costs the step: 'noop' (a callback "
+                        "with one hook doing nothing), 'minimal' (that hook taking the loss and keeping the latest "
+                        f"{FLOOR_HELD} batches) (default: on, off, null)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)

@@ -239,3 +239,23 @@ def test_the_on_off_blocks_start_once_the_cadence_has_chosen(overhead: ModuleTyp
     assert all(settled for batch, _, settled in seen if batch >= toggle.settled_at)
     assert any(off for _, off, _ in seen)  # and toggled after it
     assert len(toggle.ends) == 6 and len(seen) < 400  # the run stopped once its blocks were timed
+
+
+def test_the_floor_runs_toggle_watches_of_the_benchmarks_own(overhead: ModuleType, toy_cost: object) -> None:
+    """``--verdicts noop minimal``: what any watch costs the step, against bare in the same on/off blocks. The
+    minimal watch takes each loss as a float and keeps the latest batches; neither has another per-step hook for
+    Lightning to call."""
+    watch = overhead.FloorWatch(keep=True)
+    assert all(getattr(watch, name) is None for name in overhead.FloorWatch.IDLE)
+    batches = [[torch.full((2,), float(i))] for i in range(overhead.FLOOR_HELD + 20)]
+    for i, batch in enumerate(batches):
+        watch.on_train_batch_end(None, None, {"loss": torch.tensor(float(i))}, batch, i)
+    assert len(watch.held) == overhead.FLOOR_HELD
+    assert watch.held[0] == (20.0, batches[20]) and watch.held[-1][1] is batches[-1]
+    floors = {name: overhead.paired_blocks(6, 0, 10, overhead.TOY, floor=name) for name in overhead.FLOOR_RUNS}
+    for paired in floors.values():
+        assert len(paired.wall) == len(paired.cpu) == 6 and min(paired.wall + paired.cpu) > 0
+    lines = "\n".join(dataclasses.replace(toy_cost, floors=floors).lines())
+    for name, what in overhead.FLOOR_RUNS.items():
+        assert f"  floor: {name:<10} 6 pairs, {what}, against bare (what any watch costs this step):" in lines
+    assert "floor:" not in "\n".join(toy_cost.lines())  # made only when asked for
