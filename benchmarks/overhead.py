@@ -89,6 +89,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.callback import IDLE_STEP_HOOKS, WANTED_STEP_HOOKS
 from lightning_ampwatch.cadence import MAX_INTERVAL
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
@@ -406,9 +407,15 @@ class BlockToggle(pl.Callback):
     at. ``blocks``: once that many blocks are timed, the run is asked to stop.
     """
 
-    def __init__(self, watch: AmpWatch, block: int, blocks: int | None = None, null: bool = False) -> None:
+    def __init__(self, watch: Any, block: int, blocks: int | None = None, null: bool = False,
+                 switch: Callable[[Any, pl.Trainer, pl.LightningModule, bool], None] | None = None,
+                 settled: Callable[[Any], bool] | None = None) -> None:
         self.watch, self.block, self.blocks = watch, block, blocks
         self.null = null  # the null run: the "on" blocks are switched off too (both sides of each pair bare)
+        # how the watch is switched, and whether its cadences have chosen: AmpWatch's (switch_watch,
+        # cadence_settled), or a floor run's plain callback (switch_callback, settled at once)
+        self._switch = switch if switch is not None else switch_watch
+        self._settled = settled if settled is not None else cadence_settled
         self.steps = 0
         self.settled_at: int | None = None
         self.starts: list[tuple[float, float]] = []  # per block: (wall clock, CPU time) after its switch
@@ -422,13 +429,13 @@ class BlockToggle(pl.Callback):
         self._gc_start: float | None = None
 
     def _set(self, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-        switch_watch(self.watch, trainer, pl_module, on and not self.null)
+        self._switch(self.watch, trainer, pl_module, on and not self.null)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         step, self.steps = self.steps, self.steps + 1
         if self.settled_at is None:
-            if step < SETTLE_STEPS and not cadence_settled(self.watch):
+            if step < SETTLE_STEPS and not self._settled(self.watch):
                 return  # (a run that stays unsettled that long, with skips say, is timed as it is)
             self.settled_at = step
         step -= self.settled_at
@@ -533,12 +540,11 @@ def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
 
 
 class FloorWatch(pl.Callback):
-    """A floor run's watch: ``on_train_batch_end`` only (Lightning's other per-step hooks set to None on the
-    instance, as AmpWatch leaves them), doing nothing, or (``keep``) taking the loss as a float and keeping the
-    latest ``FLOOR_HELD`` batches with it, as a replay from a snapshot needs them."""
+    """A floor run's watch: ``on_train_batch_end`` only (the per-step hooks AmpWatch can leave idle set to None on
+    the instance, as it does on a healthy step), doing nothing, or (``keep``) taking the loss as a float and keeping
+    the latest ``FLOOR_HELD`` batches with it, as a replay from a snapshot needs them."""
 
-    IDLE = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-            "on_before_zero_grad")
+    IDLE = IDLE_STEP_HOOKS + WANTED_STEP_HOOKS
 
     def __init__(self, keep: bool) -> None:
         for name in self.IDLE:
@@ -552,21 +558,14 @@ class FloorWatch(pl.Callback):
             self.held.append((outputs["loss"].item(), batch))
 
 
-def floor_toggle(watch: FloorWatch, block: int, blocks: int) -> "BlockToggle":
-    """A :class:`BlockToggle` for a :class:`FloorWatch`: switched in and out of the trainer's callbacks, with no
-    cadence to wait for (the blocks start at once)."""
-    toggle = BlockToggle(watch, block, blocks)  # type: ignore[arg-type]
-    toggle.settled_at = 0
-
-    def switch(trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-        callbacks = trainer.callbacks
-        if on and watch not in callbacks:
-            callbacks.append(watch)
-        elif not on and watch in callbacks:
-            callbacks.remove(watch)
-
-    toggle._set = switch  # type: ignore[method-assign]
-    return toggle
+def switch_callback(watch: pl.Callback, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
+    """A floor run's switch: the plain callback in or out of the trainer's callbacks (it has no hooks of its own
+    to remove and no cadence to wait for)."""
+    callbacks = trainer.callbacks
+    if on and watch not in callbacks:
+        callbacks.append(watch)
+    elif not on and watch in callbacks:
+        callbacks.remove(watch)
 
 
 def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workload: Workload = TOY,
@@ -580,7 +579,8 @@ def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workloa
     watch: Any
     if floor is not None:
         watch = FloorWatch(keep=floor == "minimal")
-        toggle = floor_toggle(watch, block, 2 * pairs + warm_blocks)
+        toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, switch=switch_callback,
+                             settled=lambda _: True)
     else:
         watch = make_watch()
         toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)

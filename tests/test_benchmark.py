@@ -9,6 +9,8 @@ import dataclasses
 import importlib.util
 import math
 import sys
+import tempfile
+from collections import deque
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
@@ -252,6 +254,15 @@ def test_the_floor_runs_toggle_watches_of_the_benchmarks_own(overhead: ModuleTyp
         watch.on_train_batch_end(None, None, {"loss": torch.tensor(float(i))}, batch, i)
     assert len(watch.held) == overhead.FLOOR_HELD
     assert watch.held[0] == (20.0, batches[20]) and watch.held[-1][1] is batches[-1]
+    # the toggle switches the plain callback in and out, in on/off, off/on pairs: it sees the on blocks' steps only
+    # (eight 10-step blocks, four of them on, then the ninth's first step, on, as the run stops)
+    seen = overhead.FloorWatch(keep=True)
+    seen.held = deque(maxlen=None)
+    toggle = overhead.BlockToggle(seen, 10, 8, switch=overhead.switch_callback, settled=lambda _: True)
+    with tempfile.TemporaryDirectory() as root:
+        overhead.TOY.fit(overhead.healthy_trainer(root, 200, [toggle], log_every_n_steps=10), 0)
+    assert toggle.on == [True, False, False, True, True, False, False, True, True]
+    assert len(seen.held) == 41 and all(type(loss) is float for loss, _ in seen.held)
     floors = {name: overhead.paired_blocks(6, 0, 10, overhead.TOY, floor=name) for name in overhead.FLOOR_RUNS}
     for paired in floors.values():
         assert len(paired.wall) == len(paired.cpu) == 6 and min(paired.wall + paired.cpu) > 0
