@@ -39,6 +39,7 @@ def test_demo_remediate_applies_the_remedy_and_says_what_it_could_verify(
            "reference to compare the loss with" in out
     assert "recovery verified" not in out
     assert "less than the 20% a decisive fall needs" in out
+    assert "recovery: there is no healthy reference" not in out  # the reason is said once, in the Remedy line
     # the run is twice the scenario's length, to show the recovery: the demo's own line and the summary agree
     assert "Precision: fp16 on the CPU, 16 optimizer steps, logs in" in out
     assert "AmpWatch summary: 16 optimizer steps" in out

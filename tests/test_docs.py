@@ -127,3 +127,19 @@ def test_cli_help_has_no_rst_markup(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             main(argv)
         assert "``" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scenario, finding", [("forward_overflow", "FORWARD_OVERFLOW"),
+                                               ("gradient_overflow", "GRADIENT_OVERFLOW")])
+def test_remediation_page_shows_the_step_zero_demos_as_printed(
+        scenario: str, finding: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The page's blocks for the step-0 remedies are the demo's own lines after the run, whole and in order."""
+    page = (ROOT / "docs" / "remediation.md").read_text(encoding="utf-8")
+    match = re.search(rf"```\n(Remedy for {finding} at step 0.*?)```", page, flags=re.S)
+    assert match is not None, f"no block of the {scenario} demo on the page"
+    block = match.group(1)
+    assert main(["demo", scenario, "--remediate", "--root-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    start = printed.index(f"Remedy for {finding} at step 0")
+    said = printed[start:printed.index("Event log:", start)]
+    assert said == block, f"the page:\n{block}\nthe demo:\n{said}"

@@ -82,7 +82,7 @@ def test_panel_shows_the_rows_its_finding_rests_on(scenario: str, tmp_path: Path
     left_out = len([k for k in diagnosis.evidence if k != "batch_control_verdict"]) - len(keys)
     if left_out:
         flat = " ".join(text.replace("│", " ").split())
-        assert f"{left_out} more evidence row" in flat and f"ampwatch report {tmp_path}" in flat
+        assert f"{left_out} more row" in flat and f"ampwatch report {tmp_path} --full" in flat
         assert 'AmpWatch(verbose="full")' in flat
 
 
@@ -158,3 +158,39 @@ def test_applied_line_says_what_the_remedy_changed(tmp_path: Path, capsys: pytes
     # a rollback to before the rise brought the LR back: it is held there (a ceiling), not scaled
     ceiling = applied.details["ceiling"][0]
     assert f"Applied: reduce_lr: learning rates held at or under {ceiling:g} (the LR before the rise)" in out, out
+
+
+def test_the_command_the_hint_names_shows_the_rows_left_out(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The panel's last line names a command for the rows it leaves out; that command prints every one of them."""
+    from lightning_ampwatch.cli import main
+
+    watch = run_scenario("lr_schedule", str(tmp_path), AmpWatch())
+    out = capsys.readouterr().out
+    (alarm,) = [d for d in watch.diagnoses if d.is_alarm]
+    flat = " ".join(out.replace("│", " ").split())
+    hint = re.search(r"\d+ more rows?: ampwatch report (\S+) --full", flat)
+    assert hint is not None, out
+    assert main(["report", hint.group(1), "--full"]) == 0
+    report = capsys.readouterr().out
+    keys = re.findall(r"^│ ([a-z][a-z0-9_]*)\s{2,}", report, flags=re.M)
+    shown_in_run = set(first_panel(out, Finding.LR_SCHEDULE)[0])
+    left_out = [k for k in alarm.evidence if k != "batch_control_verdict" and k not in shown_in_run]
+    assert left_out, "the panel left nothing out: the test shows nothing"
+    for key in left_out:
+        assert key in keys, f"{key} not in the report's full panel:\n{report}"
+
+
+def test_a_remedy_whose_recovery_cannot_be_verified_says_so_in_its_update(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fault from the first step has no healthy level to judge a remedy against: the update panel ends with an
+    Outcome line saying the recovery was not verified and why, never a silent panel or a "fixed"."""
+    watch = run_scenario("forward_overflow", str(tmp_path), AmpWatch(remediate=True), max_steps=40)
+    out = capsys.readouterr().out
+    island = next(d for d in watch.diagnoses if d.remedy == "fp32_island")
+    assert island.outcome is None and island.evidence["recovery"]["reason"].startswith("there is no healthy")
+    updates = [text for title, _, text in panels(out) if "FORWARD_OVERFLOW" in title and "(update)" in title]
+    assert updates, out
+    flat = " ".join(updates[-1].replace("│", " ").split())
+    assert "Outcome: fp32_island applied; recovery not verified: there is no healthy reference" in flat, flat
+    assert "fixed with" not in flat and flat.count("there is no healthy reference") == 1, flat

@@ -128,7 +128,10 @@ def test_html_page_fits_leads_with_the_rows_that_matter_and_names_itself_once(tm
     first_key = re.search(r'<table class="evidence"><tr><td>([a-z_0-9]+)</td>', body)
     assert first_key is not None and first_key.group(1) == "lr_event"
     assert body.index("<td>control_verdict</td>") < body.index("<td>batch_idx</td>")  # not alphabetical
-    assert "<details><summary>all evidence" in body
+    # the fold's count is the rows inside it
+    folds = re.findall(r'<details><summary>the other evidence \((\d+) rows?\)</summary><table class="evidence">(.*?)'
+                       r'</table></details>', body)
+    assert folds and all(int(n) == rows.count("<tr>") for n, rows in folds), folds
     alarm = next(d for d in diagnoses.shown if d.is_alarm)
     assert html.escape(alarm.advice) in body  # the fix whole
 

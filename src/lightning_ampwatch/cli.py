@@ -94,15 +94,15 @@ def _say_recovery(watch: object, console: Console) -> None:
             console.print(f"{d.finding.value} at step {d.step}: no remedy; {why}.",
                           markup=False, soft_wrap=True)
             continue
-        console.print(f"Remedy for {d.finding.value} at step {d.step}: {remedy_outcome(d)}.", markup=False,
-                      soft_wrap=True)
+        said = remedy_outcome(d)
+        console.print(f"Remedy for {d.finding.value} at step {d.step}: {said}.", markup=False, soft_wrap=True)
         for earlier in d.evidence.get("remedies_tried", []):
             console.print(f"  before it: {earlier.get('remedy')}, {earlier.get('outcome')}: {earlier.get('reason')}",
                           markup=False, soft_wrap=True)
         for key in ("rollback", "recovery"):
             value = d.evidence.get(key)
             text = value.get("reason") if isinstance(value, dict) else value
-            if text:
+            if text and text not in said:  # a recovery not verified: its reason is already in the line above
                 console.print(f"  {key}: {text}", markup=False, soft_wrap=True)
 
 
@@ -123,7 +123,7 @@ def _report(args: argparse.Namespace, console: Console) -> int:
         errors.print(f"ampwatch report: warning: {warning.message}", markup=False)
     if not console.is_terminal:
         console = Console(highlight=False, width=120)  # piped or captured: a table wider than the 80 default
-    print_report(files, diagnoses, timeline, console)
+    print_report(files, diagnoses, timeline, console, full=args.full)
     if (args.plot or args.html) and (timeline is None or not timeline.steps):
         errors.print(f"ampwatch report: {files.directory} has no {'steps in its ' if timeline else ''}timeline.jsonl "
                      "to draw (the callback writes it beside diagnoses.jsonl)", markup=False)
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="summarise a run's diagnoses; draw its timeline with --plot/--html")
     report.add_argument("path", help="a run or log directory, an ampwatch/ directory, or a diagnoses.jsonl")
     report.add_argument("--plot", metavar="FILE.png", help="draw the timeline to this image (.png, .svg, .pdf)")
+    report.add_argument("--full", action="store_true",
+                        help="after the table, each diagnosis's panel with every evidence row")
     report.add_argument("--html", metavar="FILE.html", help="write a self-contained page: summary, plot, table")
     return parser
 

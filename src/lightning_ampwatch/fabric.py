@@ -67,6 +67,8 @@ class FabricWatch:
     Every other keyword is :class:`~lightning_ampwatch.AmpWatch`'s, with the same meaning and the same checks.
     ``log_dir`` defaults to the first logger's ``log_dir``, else the working directory (``./ampwatch/``).
     With ``on_unrecoverable="stop"`` the watch sets :attr:`should_stop`; the loop ends when it sees it.
+    ``watch.steps`` counts the optimizer steps taken in (:meth:`step` calls, on from a resumed checkpoint's count);
+    ``Diagnosis.step`` counts the same steps from 0.
 
     Example:
         ```python

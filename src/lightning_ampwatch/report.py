@@ -251,13 +251,20 @@ def report_lines(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
 
 
 def print_report(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: TimelineData | None,
-                 console: Console) -> None:
+                 console: Console, full: bool = False) -> None:
+    """The header and the episode table; with ``full``, then each shown diagnosis as the console's panel with every
+    evidence row (``AmpWatch(verbose="full")``'s panel), in step order."""
     for line in report_lines(files, diagnoses, timeline):
         console.print(line, markup=False, highlight=False)
     if diagnoses.total:
         console.print(episodes_table(report_episodes(diagnoses, timeline)))
         if diagnoses.hidden:
             console.print(more_line(diagnoses, files), markup=False, highlight=False)
+        if full:
+            from lightning_ampwatch.reporters import diagnosis_panel
+
+            for d in sorted(diagnoses.shown, key=lambda d: d.step):
+                console.print(diagnosis_panel(d, verbose="full"))
     else:
         console.print("  No diagnoses were made.", markup=False)
 
@@ -413,7 +420,7 @@ def _evidence_html(d: Diagnosis) -> str:
     rest = [(k, v) for k, v in d.evidence.items() if k not in shown]
     out = f'<table class="evidence">{rows(key)}</table>' if key else ""
     if rest:
-        out += (f"<details><summary>all evidence ({len(d.evidence)} rows)</summary>"
+        out += (f"<details><summary>the other evidence ({len(rest)} row{'s' if len(rest) != 1 else ''})</summary>"
                 f'<table class="evidence">{rows(rest)}</table></details>')
     return out
 

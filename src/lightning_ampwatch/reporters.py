@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lightning_ampwatch import compat, distributed
-from lightning_ampwatch.summary import RunStats, remedy_outcome, summary_lines
+from lightning_ampwatch.summary import RunStats, judged, remedy_outcome, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
@@ -122,9 +122,13 @@ def _title(diagnosis: Diagnosis, tail: str = "") -> Text:
     return Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}{tail}")
 
 
+def _outcome_colour(diagnosis: Diagnosis) -> str:
+    """Green for a verified recovery, red for none, yellow for an outcome that could not be judged."""
+    return {"recovered": "green", "not_recovered": "red"}.get(diagnosis.outcome or "", "yellow")
+
+
 def _outcome_line(diagnosis: Diagnosis) -> Text:
-    return Text(f"Outcome: {remedy_outcome(diagnosis)}",
-                style="green" if diagnosis.outcome == "recovered" else "red")
+    return Text(f"Outcome: {remedy_outcome(diagnosis)}", style=_outcome_colour(diagnosis))
 
 
 def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: str | None = None) -> Panel:
@@ -140,12 +144,12 @@ def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: s
     parts.append(Text("Fix: " + diagnosis.advice))
     if diagnosis.remedy:
         parts.append(Text(f"Applied: {applied_text(diagnosis.remedy, diagnosis.evidence)}", style="green"))
-    if diagnosis.outcome is not None:
+    if judged(diagnosis):
         parts.append(_outcome_line(diagnosis))
     left_out = sum(1 for k in diagnosis.evidence if k not in SUPERSEDED) - len(rows)
     if not full and left_out > 0:
-        where = f"ampwatch report {more_at}" if more_at else "Diagnosis.evidence"
-        parts.append(Text(f"{left_out} more evidence row{'s' if left_out != 1 else ''}: {where}, "
+        where = f"ampwatch report {more_at} --full" if more_at else "Diagnosis.evidence"
+        parts.append(Text(f"{left_out} more row{'s' if left_out != 1 else ''}: {where}, "
                           'or AmpWatch(verbose="full")', style="dim"))
     return Panel(Group(*parts), title=_title(diagnosis), title_align="left",
                  border_style="red" if diagnosis.is_alarm else "blue", expand=False)
@@ -172,17 +176,19 @@ def update_panel(before: Diagnosis, after: Diagnosis) -> Panel:
     if after.remedy != before.remedy and after.remedy:
         parts.append(Text(f"Applied: {applied_text(after.remedy, after.evidence)}"
                           + (f" (after {before.remedy})" if before.remedy else ""), style="green"))
+    # a recovery not verified is all in its Outcome line: its reason, not a row saying the same beside it
+    unsaid = ("remedy_details",) if after.outcome is not None else ("remedy_details", "recovery")
     changed = [(k, v) for k, v in after.evidence.items()
-               if k not in SUPERSEDED and before.evidence.get(k) != v and k not in ("remedy_details",)]
+               if k not in SUPERSEDED and before.evidence.get(k) != v and k not in unsaid]
     if changed:
         parts.append(_evidence_table(changed))
     if after.advice != before.advice:
         parts.append(Text("Fix: " + after.advice))
-    if after.outcome is not None:
+    if judged(after):
         parts.append(_outcome_line(after))
     if not parts:
         parts.append(Text("updated (see the event log)", style="dim"))
-    colour = ("green" if after.outcome == "recovered" else "red") if after.is_alarm else "blue"
+    colour = (_outcome_colour(after) if judged(after) else "red") if after.is_alarm else "blue"
     return Panel(Group(*parts), title=_title(after, " (update)"), title_align="left",
                  border_style=colour, expand=False)
 
@@ -201,7 +207,7 @@ def diagnosis_markdown(diagnosis: Diagnosis) -> str:
     lines += ["", f"Fix: {diagnosis.advice}"]
     if diagnosis.remedy:
         lines.append(f"Applied: {applied_text(diagnosis.remedy, diagnosis.evidence)}")
-    if diagnosis.outcome is not None:
+    if judged(diagnosis):
         lines.append(f"Outcome: {remedy_outcome(diagnosis)}")
     return "\n".join(lines)
 

@@ -44,6 +44,12 @@ def counts_line(stats: RunStats) -> str:
     return ", ".join(parts)
 
 
+def judged(d: Diagnosis) -> bool:
+    """Whether a remedied diagnosis's watch is over: recovered, not recovered, or ended with its recovery not verified
+    (the outcome None, the reason in ``evidence["recovery"]``); False while the remedy is still watched."""
+    return d.remedy is not None and (d.outcome is not None or isinstance(d.evidence.get("recovery"), dict))
+
+
 def remedy_outcome(d: Diagnosis) -> str:
     """What a remedy did, in the words the summary and the report use: "fixed" only for a verified recovery."""
     recovery = d.evidence.get("recovery") if isinstance(d.evidence.get("recovery"), dict) else {}

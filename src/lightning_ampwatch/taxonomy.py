@@ -181,15 +181,19 @@ class Diagnosis:
         return self.finding.summary
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as plain data: one line of the event log (``diagnoses.jsonl``) before it is encoded."""
         return {"finding": self.finding.value, "step": self.step, "location": self.location,
                 "evidence": copy.deepcopy(self.evidence), "advice": self.advice, "remedy": self.remedy,
                 "outcome": self.outcome}
 
     def to_json(self) -> str:
+        """The record as one JSON line, as the event log holds it."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Diagnosis":
+        """The record back from :meth:`to_dict`'s data, e.g. a parsed event-log line (keys it does not know are
+        left out, so a newer log reads)."""
         known = {k: data[k] for k in ("finding", "step", "location", "evidence", "advice", "remedy", "outcome")
                  if k in data}
         return cls(**known)
