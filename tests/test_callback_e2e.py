@@ -228,6 +228,38 @@ def test_manual_optimization_fault_is_detected(tmp_path: Path, capsys: pytest.Ca
     assert "AmpWatch: GRADIENT_OVERFLOW at step 0" in capsys.readouterr().out
 
 
+class TwoOptimizerRegressor(Regressor):
+    """Manual optimization with two optimizers stepped in turn on each batch, as a GAN steps its two."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self(x), y))
+            opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.encoder.parameters(), lr=self.lr),
+                torch.optim.SGD(self.head.parameters(), lr=self.lr))
+
+
+@pytest.mark.parametrize("remediate", [False, True])
+def test_a_nan_batch_under_two_optimizers_is_the_datas_fault(tmp_path: Path, remediate: bool) -> None:
+    """The first optimizer's step of a batch is judged with that batch: its NaN rows are named, the finding is the
+    data's, and no precision remedy is applied or called a fix (it once read as a FORWARD_OVERFLOW, which
+    bf16_fallback was then said to fix)."""
+    watch = AmpWatch(verbose=False, remediate=remediate)
+    fit_scenario("nan_data", tmp_path, watch, model=TwoOptimizerRegressor(), max_steps=24)
+    found = alarms(watch)
+    assert found and all(d.finding is Finding.DATA_NONFINITE for d in found), [d.finding for d in found]
+    assert found[0].evidence["nonfinite_where"].startswith("batch[0] rows")
+    assert watch.applied == [] and all(d.remedy is None and d.outcome is None for d in watch.diagnoses)
+
+
 class DictRegressor(Regressor):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         return {"loss": super().training_step(batch, batch_idx), "batch_idx": torch.tensor(batch_idx)}

@@ -456,9 +456,11 @@ class StepLedger:
                 del tape[mark:]
             else:
                 self._tape = LossTape(tape)
+            # the batch is handed over at its end, to the step that closes it: this one shares its list, so that it
+            # too is judged with the batch it ran on (a NaN in the data is the data's, not the first optimizer's)
         else:
             self._tape = LossTape()
-        self._batches = []
+            self._batches = []
         step = self.step_index
         self.step_index = step + 1
         lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...
@@ -555,6 +557,8 @@ class StepLedger:
             # Without a scaler the loss is the only signal: copy it to the host without waiting.
             opened.loss = DeferredRead(opened.tape.total())
         self._pending.append(opened)
+        if split:  # resolved with the step that closes the batch, once the batch is in the list the two share
+            return ClosedStep(step, batches, False, scale, False, lrs, None, [])
         # Under DDP a skipped step is agreed across ranks by a collective, so every rank must resolve it at the
         # same point: wait for an in-flight flag there rather than let ranks resolve it at different steps.
         return ClosedStep(step, batches, False, scale, False, lrs, None, self.drain(force=self.world_size > 1))
