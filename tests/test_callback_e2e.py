@@ -260,6 +260,44 @@ def test_a_nan_batch_under_two_optimizers_is_the_datas_fault(tmp_path: Path, rem
     assert watch.applied == [] and all(d.remedy is None and d.outcome is None for d in watch.diagnoses)
 
 
+class MaskedRegressor(Regressor):
+    """Each batch carries an additive attention-style mask whose masked entries are -inf, as transformer batches
+    do; the model uses it through a softmax, so it never makes anything non-finite, in any precision."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, mask = batch
+        return super().training_step((x * torch.softmax(mask, -1) * x.shape[-1], y), batch_idx)
+
+
+def _masked(data: torch.utils.data.TensorDataset) -> torch.utils.data.DataLoader:
+    x, y = data.tensors
+    mask = torch.zeros_like(x)
+    mask[:, ::3] = float("-inf")
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, mask), batch_size=32)
+
+
+@pytest.mark.parametrize("scenario, model, finding", [
+    ("gradient_overflow", lambda: MaskedRegressor(lr=1e-4, reduction="sum"), Finding.GRADIENT_OVERFLOW),
+    ("forward_overflow", lambda: MaskedRegressor(attention=True), Finding.FORWARD_OVERFLOW),
+])
+def test_a_minus_inf_mask_in_the_batch_does_not_make_an_amp_fault_the_datas(
+        tmp_path: Path, scenario: str, model: Any, finding: Finding) -> None:
+    """-inf entries that never reach the loss are not what went wrong: a finite loss that overflowed its gradients
+    is a gradient overflow, and a loss that went non-finite only at float16, the float32 control finite on the same
+    batch, is a forward overflow in the module that did it (both once read as DATA_NONFINITE, "changing the
+    precision will not help")."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = build_trainer(SCENARIOS[scenario], [watch], str(tmp_path), max_steps=12)
+    trainer.fit(model(), _masked(SCENARIOS[scenario].dataloader().dataset))
+    first = alarms(watch)[0]
+    assert first.finding is finding, (first.finding, first.evidence)
+    assert not any(d.finding is Finding.DATA_NONFINITE for d in watch.diagnoses)
+    if finding is Finding.FORWARD_OVERFLOW:
+        assert first.location == "attention"
+        assert "control finite although the batch holds non-finite values" in first.evidence["control_verdict"]
+
+
 class DictRegressor(Regressor):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         return {"loss": super().training_step(batch, batch_idx), "batch_idx": torch.tensor(batch_idx)}

@@ -23,6 +23,18 @@ def judge(finding: Finding, control_loss: float | None, grads_finite: bool | Non
     return result.finding, result.reason
 
 
+def test_data_nonfinite_with_a_finite_control_is_an_amp_fault_only_where_the_amp_replay_failed() -> None:
+    """The batch's NaN/inf did not reach the float32 loss: where the run's precision went non-finite on the same
+    batch, that is the fault; where it did not either, the data finding stands with the control as evidence."""
+    def data(amp_nonfinite: bool, control_loss: float = 2.0) -> tuple[Finding, str]:
+        r = control_result(Finding.DATA_NONFINITE, control_loss=control_loss, control_grads_finite=True,
+                           batch_nonfinite=True, loss_level=1.0, amp_nonfinite=amp_nonfinite)
+        return r.finding, r.verdict
+    assert data(True) == (Finding.FORWARD_OVERFLOW, ControlVerdict.AMP_FAULT)
+    assert data(False) == (Finding.DATA_NONFINITE, ControlVerdict.FINITE)
+    assert data(True, math.nan) == (Finding.DATA_NONFINITE, ControlVerdict.FAILED)  # fails in float32 too: the data
+
+
 def test_no_control_leaves_the_finding() -> None:
     assert judge(Finding.FORWARD_OVERFLOW, None) == (Finding.FORWARD_OVERFLOW, "control not run")
 

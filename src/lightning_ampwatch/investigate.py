@@ -145,7 +145,7 @@ class Investigator:
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
-            level_origin=record.loss_level_origin,
+            level_origin=record.loss_level_origin, amp_nonfinite=_replay_went_nonfinite(record),
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
@@ -253,6 +253,12 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
             ev["safe_scale_from"] = (f"half the scale the replay's gradients overflowed at ({format_pow2(replayed_at)}"
                                      f"; its largest parameter gradient, {absmax:.4g}, would have allowed more)")
     return finding
+
+
+def _replay_went_nonfinite(record: ReplayRecord) -> bool:
+    """Whether the replay at the run's own precision went non-finite: a module's output, or the loss."""
+    loss = record.evidence.get("replay_loss")
+    return record.module is not None or (isinstance(loss, float) and not math.isfinite(loss))
 
 
 def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:

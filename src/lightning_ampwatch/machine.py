@@ -532,7 +532,10 @@ class AmpStateMachine:
         batch = obs.batch
         if batch is not None and batch.nonfinite:
             ev["nonfinite_where"] = batch.nonfinite_where
-            return self._make(Finding.DATA_NONFINITE, obs.step, ev)
+            if obs.loss_finite is not True:
+                return self._make(Finding.DATA_NONFINITE, obs.step, ev)
+            # a finite loss from a batch that holds NaN/inf: they never reached it (an additive -inf attention mask,
+            # a column the model does not read), so they are not what went wrong; the evidence keeps where they are
 
         first = self._first_sign(obs.step)
         climb = s.climb if s.climb is not None and s.climb.steps >= t.climb_steps else None

@@ -58,9 +58,10 @@ class ControlResult:
 
 def control_result(finding: Finding, *, control_loss: float | None, control_grads_finite: bool | None,
                    batch_nonfinite: bool, loss_level: float | None,
-                   level_origin: LevelOrigin = LevelOrigin.HEALTHY) -> ControlResult:
+                   level_origin: LevelOrigin = LevelOrigin.HEALTHY, amp_nonfinite: bool = False) -> ControlResult:
     """What the FP32 control says about a finding. ``level_origin`` says what ``loss_level`` is (the run's healthy
-    level, or its first loss when there is no healthy level yet).
+    level, or its first loss when there is no healthy level yet). ``amp_nonfinite``: the replay of the same batch
+    at the run's precision went non-finite.
 
     A control that fails too clears AMP: the data (if the batch holds NaN/inf) or the optimisation is at fault.
     A control that is finite but orders of magnitude above the run's usual loss reads as divergence, not AMP.
@@ -72,6 +73,12 @@ def control_result(finding: Finding, *, control_loss: float | None, control_grad
     if control_loss is None:
         return result(finding, ControlVerdict.NOT_RUN, "control not run")
     control_failed = not math.isfinite(control_loss) or control_grads_finite is False
+    if finding is Finding.DATA_NONFINITE and not control_failed and amp_nonfinite:
+        # the batch's NaN/inf do not reach the loss in float32, while the same batch goes non-finite at the run's
+        # precision: the reduced precision did it (the non-finite values are a mask, or a column never read)
+        return result(Finding.FORWARD_OVERFLOW, ControlVerdict.AMP_FAULT,
+                      "control finite although the batch holds non-finite values, which never reach the loss in "
+                      "float32; at the run's precision the same batch goes non-finite: an AMP fault")
     if finding not in AMP_BLAMING:
         return result(finding, ControlVerdict.FAILED, "control failed too") if control_failed else \
             result(finding, ControlVerdict.FINITE, "control finite")
