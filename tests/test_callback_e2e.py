@@ -298,6 +298,53 @@ def test_a_minus_inf_mask_in_the_batch_does_not_make_an_amp_fault_the_datas(
         assert "control finite although the batch holds non-finite values" in first.evidence["control_verdict"]
 
 
+class _ExpAttention(nn.Module):
+    """Attention that takes exp() of raw scores, returning (output, weights) as many attention modules do."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = (self.q(x).unsqueeze(2) * self.k(x).unsqueeze(1) + mask).exp()  # a float32 mask: exp in float32
+        w = w / w.sum(-1, keepdim=True)
+        return (w @ self.v(x).unsqueeze(-1)).squeeze(-1), w
+
+
+class _AttentionRegressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.attn, self.head = _ExpAttention(16), nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.attn(self.enc(x), torch.zeros(16, 16))[0]
+        return nn.functional.mse_loss(self.head(h).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def test_a_withdrawn_normal_scaling_names_the_alarm_as_published(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A skip at step 1 is called normal scaling; an alarm begins within the window and the FP32 control renames
+    it: the withdrawal names the alarm by the name it was published with, and the summary says it was withdrawn
+    (it once named the machine's first guess, and the summary still called the skip "normal")."""
+    torch.manual_seed(0)
+    watch = AmpWatch(remediate=True)
+    trainer = build_trainer(SCENARIOS["forward_overflow"], [watch], str(tmp_path), max_steps=30)
+    trainer.fit(_AttentionRegressor(), torch.utils.data.DataLoader(regression_data(n=256, x_scale=18.0),
+                                                                  batch_size=32))
+    out = " ".join(capsys.readouterr().out.split())
+    (call,) = [d for d in watch.diagnoses if d.finding is Finding.NORMAL_SCALING]
+    assert call.withdrawn
+    published = {(d.finding.value, d.step) for d in alarms(watch)}
+    assert (call.evidence["withdrawn_by"], call.evidence["withdrawn_at"]) in published, (call.evidence, published)
+    assert call.evidence["withdrawn_by"] != "FORWARD_OVERFLOW"  # the control renamed the machine's first guess
+    assert f"step {call.step} NORMAL_SCALING (withdrawn: a {call.evidence['withdrawn_by']} episode followed)" in out
+
+
 class DictRegressor(Regressor):
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         return {"loss": super().training_step(batch, batch_idx), "batch_idx": torch.tensor(batch_idx)}

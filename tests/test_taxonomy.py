@@ -181,8 +181,11 @@ def test_withdrawn_normal_scaling_says_so_in_headline_and_advice() -> None:
         advice=advise(Finding.NORMAL_SCALING, {"withdrawn": True, "withdrawn_by": "GROWTH_OVERFLOW",
                                                "withdrawn_at": 32}))
     assert withdrawn.withdrawn and not withdrawn.is_alarm
-    assert withdrawn.headline() == ("NORMAL_SCALING at step 10: withdrawn at step 32: the skip was the start of a "
-                                    "GROWTH_OVERFLOW episode, not dynamic scaling doing its job")
+    assert withdrawn.headline() == ("NORMAL_SCALING at step 10: withdrawn at step 32: a GROWTH_OVERFLOW episode "
+                                    "began, so the skip may have been its first sign, not dynamic scaling doing "
+                                    "its job")
+    dated = dataclasses.replace(withdrawn, evidence={**withdrawn.evidence, "alarm_onset": 25})
+    assert "a GROWTH_OVERFLOW episode began 15 steps after this skip, so the skip may have been" in dated.summary
     assert withdrawn.advice.startswith("The earlier 'normal scaling' call was premature")
     assert not Diagnosis(Finding.NORMAL_SCALING, 10).withdrawn
 

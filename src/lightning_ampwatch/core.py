@@ -84,7 +84,7 @@ from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
 from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding, withdrawn_by
 from lightning_ampwatch.trajectory import SnapshotRing, retrain
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
@@ -675,6 +675,7 @@ class RunWatcher(WatchState):
                 self._note_agreement()
             if investigations is not None:
                 investigations.before_observe(step, agreed)
+            renamed_alarm: tuple[str, Finding] | None = None  # (as the machine named it, as the controls did)
             for diagnosis in machine.observe(obs):
                 if diagnosis.is_alarm and investigations is not None:
                     refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
@@ -684,7 +685,12 @@ class RunWatcher(WatchState):
                         machine.revise(renamed)  # the FP32 control renamed the open episode's finding
                     if refined is None:
                         continue  # published after the next step, with what its live probe saw
+                    if refined.finding is not diagnosis.finding:
+                        renamed_alarm = (diagnosis.finding.value, refined.finding)
                     diagnosis = refined
+                elif diagnosis.withdrawn and renamed_alarm is not None \
+                        and diagnosis.evidence.get("withdrawn_by") == renamed_alarm[0]:
+                    diagnosis = withdrawn_by(diagnosis, renamed_alarm[1])  # the alarm as it was published
                 self._emit(diagnosis)
 
     def _take_divergences(self) -> None:

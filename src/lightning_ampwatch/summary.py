@@ -79,6 +79,8 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
         elif d.is_alarm:
             why = (why_unfixed or {}).get((d.finding, d.step))
             outcome = "not fixed: see the advice above" + (f"; {why}" if why else "")
+        elif d.withdrawn:
+            outcome = f"withdrawn: a {d.evidence.get('withdrawn_by')} episode followed"
         else:
             outcome = "normal"
         lines.append(f"  step {d.step:>6}  {d.finding.value}{where} ({outcome})")

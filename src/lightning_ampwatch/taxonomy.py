@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Mapping
 
@@ -171,8 +171,12 @@ class Diagnosis:
     def summary(self) -> str:
         """The finding's meaning in plain words, narrowed to what this diagnosis measured."""
         if self.withdrawn:
-            return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: the skip was the start of a "
-                    f"{self.evidence.get('withdrawn_by')} episode, not dynamic scaling doing its job")
+            onset = self.evidence.get("alarm_onset")
+            after = f" {onset - self.step} steps after this skip" if isinstance(onset, int) and onset > self.step \
+                else " right after this skip" if onset == self.step else ""
+            return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: a {self.evidence.get('withdrawn_by')} "
+                    f"episode began{after}, so the skip may have been its first sign, not dynamic scaling doing its "
+                    "job")
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
             return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
                     "the optimisation is diverging, not AMP")
@@ -376,12 +380,19 @@ def _advice_input(ev: Mapping[str, Any]) -> str:
     )
 
 
+def withdrawn_by(call: Diagnosis, finding: Finding) -> Diagnosis:
+    """A withdrawn ``NORMAL_SCALING`` call naming the alarm that withdrew it as published (``finding``: the name the
+    controls gave it), its advice to match."""
+    evidence = {**call.evidence, "withdrawn_by": finding.value}
+    return replace(call, evidence=evidence, advice=advise(Finding.NORMAL_SCALING, evidence))
+
+
 def _advice_normal(ev: Mapping[str, Any]) -> str:
     if ev.get("withdrawn") is True:
         return (
-            f"The earlier 'normal scaling' call was premature: the skip it was about turned out to be the start of "
-            f"a {ev.get('withdrawn_by')} episode (raised at step {ev.get('withdrawn_at')}). Follow that "
-            "diagnosis's advice instead."
+            f"The earlier 'normal scaling' call was premature: a {ev.get('withdrawn_by')} episode (raised at step "
+            f"{ev.get('withdrawn_at')}) began soon after the skip it was about, which may have been its first sign. "
+            "Follow that diagnosis's advice instead."
         )
     return (
         "Nothing to fix: GradScaler skips a step now and then to find the largest safe scale. "
