@@ -212,3 +212,38 @@ def test_a_gans_summary_counts_every_optimizers_steps_as_lightning_does(
     out = report_out(tmp_path, capsys)
     assert f"  {summary};" in out, out  # the report says what the summary said
     assert [d.finding for d in watch.diagnoses if d.is_alarm] == [Finding.FORWARD_OVERFLOW]
+
+
+def test_a_run_resumed_into_a_new_directory_reports_the_alarms_its_checkpoint_brought_back(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint brings the first part's diagnoses back into the watch; the new directory's event log gets them
+    too, so that ``ampwatch report`` on it counts the alarms the resumed run's summary counts (it once said "no
+    alarm: a healthy run" for a run whose summary had one)."""
+    from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
+
+    scenario = SCENARIOS["lr_schedule"]
+    seed_everything(0, verbose=False)
+    model = scenario.model()
+    first = build_trainer(scenario, [AmpWatch(verbose=False)], str(tmp_path / "a"))
+    first.fit(model, scenario.dataloader())
+    ckpt = tmp_path / "a.ckpt"
+    first.save_checkpoint(str(ckpt))
+    watch = AmpWatch()
+    build_trainer(scenario, [watch], str(tmp_path / "b"), max_steps=70).fit(
+        scenario.model(), scenario.dataloader(), ckpt_path=str(ckpt))
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("AmpWatch summary"))
+    alarms = [d for d in watch.diagnoses if d.is_alarm]
+    assert alarms and alarms[0].finding is Finding.LR_SCHEDULE and alarms[0].step == 31
+    assert f"; {len(alarms)} alarm" in summary, summary
+    out = report_out(tmp_path / "b", capsys)
+    assert f"; {len(alarms)} alarm" in out and "LR_SCHEDULE" in out and "healthy run" not in out, out
+    assert main(["report", str(tmp_path / "b")]) == 0  # a second run of the report: nothing written twice
+    assert capsys.readouterr().out.count("LR_SCHEDULE") == out.count("LR_SCHEDULE")
+
+
+def test_a_fit_with_no_optimizer_step_is_not_called_healthy(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run_scenario("healthy", str(tmp_path), AmpWatch(), max_steps=0)
+    out = capsys.readouterr().out
+    assert "AmpWatch: no optimizer step was seen, so nothing was judged." in out
+    assert "Healthy run" not in out

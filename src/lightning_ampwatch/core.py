@@ -253,6 +253,8 @@ class RunWatcher(WatchState):
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, remedies=config.remedies, say=self._say)
         self._timeline = self.reporters.timeline
+        if loaded is not None:
+            self.reporters.carry_over(self.diagnoses)
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
         investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
                                     localize=config.localize, control=config.control_replay,

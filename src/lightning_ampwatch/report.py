@@ -245,7 +245,14 @@ def report_lines(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
         if timeline is not None else None
     if fallback is not None:
         counts += f", bf16 from step {fallback['step']} on (bf16_fallback dropped the scaler)"
-    verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}" if alarms else "no alarm: a healthy run"
+    if alarms:
+        verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}"
+    elif stats is not None and stats.steps == 0:
+        verdict = "no optimizer step: nothing was judged"
+    elif stats is not None and stats.nonfinite:
+        verdict = "no alarm in the event log"  # yet non-finite losses were counted: not called healthy
+    else:
+        verdict = "no alarm: a healthy run"
     lines.append(f"  {counts}; {verdict}.")
     return lines
 

@@ -369,6 +369,22 @@ class Reporters:
             if writer is not None:
                 self.sink(type(logger).__name__, lambda: writer(logger, diagnosis))  # noqa: B023 - called at once
 
+    def carry_over(self, diagnoses: Sequence[Diagnosis]) -> None:
+        """Rank zero, at the start of a resumed run: the diagnoses its checkpoint brought back, written to this run's
+        event log where it does not hold them yet (a resumed run that logs to a new directory), so that the log and
+        ``ampwatch report`` count the whole run as its summary does. Never raises."""
+        if not (self.is_global_zero and self.writable and diagnoses):
+            return
+
+        def write() -> None:
+            path = self.event_log.path
+            held = set(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else set()
+            for d in diagnoses:
+                if d.to_json() not in held:
+                    self.event_log.append(d)
+
+        self.sink("event log", write, self.event_log.path)
+
     def _print(self, diagnosis: Diagnosis) -> None:
         key = (diagnosis.finding, diagnosis.step)
         before = self._printed.get(key)

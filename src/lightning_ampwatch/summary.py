@@ -67,6 +67,8 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
     """The end-of-fit summary: one line for a healthy run, a few for one that had trouble, in step order.
     ``why_unfixed`` says, per (finding, step) of an alarm without a remedy, why it got none."""
     alarms = [d for d in diagnoses if d.is_alarm]
+    if not alarms and stats.steps == 0:
+        return ["AmpWatch: no optimizer step was seen, so nothing was judged."]
     if not alarms:
         if any(d.finding is Finding.NORMAL_SCALING for d in diagnoses):
             return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]
