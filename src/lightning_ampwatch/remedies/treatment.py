@@ -166,8 +166,22 @@ class Treatment:
         if no_checkpoint is not None:  # the strategy's reason, not "no file was found"
             return None, Rollback(RollbackKind.NONE, now, why=f"{why}, and {no_checkpoint}; the remedy is applied "
                                                                   "in place"), []
+        passed = getattr(host, "rollback_passed_over", None)  # optional on a host
+        passed_over = passed() if callable(passed) else None
+        if passed_over is not None:  # files were there, but none this fit's with its whole training state
+            return None, Rollback(RollbackKind.NONE, now, why=(
+                f"{why} and no checkpoint file from before it could be rolled back to (passed over: {passed_over}), "
+                "so the remedy is applied in place")), []
         return None, Rollback(RollbackKind.NONE, now, why=f"{why} and no checkpoint file from before it was found, "
                                                               "so the remedy is applied in place"), []
+
+    def rollback_failed(self, diagnosis: Diagnosis, err: Exception) -> Diagnosis:
+        """The rollback raised: the alarm is published without a remedy (one applied to a state the failed rollback
+        may have left partly restored would be judged on nothing known), its evidence saying what failed."""
+        self._retry = None
+        said = str(err) if hasattr(err, "put_back") else f"{type(err).__name__}: {err}"  # compat.RollbackFailed
+        return replace(diagnosis, evidence={**diagnosis.evidence,
+                                            "rollback": f"failed: {said}; no remedy was applied"})
 
     # ------------------------------------------------------------------ applying and watching
 
