@@ -803,7 +803,8 @@ class RunWatcher(WatchState):
 
     def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
         """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
-        comes back with the remedy (and its rollback), or unchanged without one."""
+        comes back with the remedy (and its rollback), or unchanged without one; after a rollback that failed,
+        without a remedy, its evidence saying what failed."""
         treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
         assert machine is not None and ledger is not None and host is not None
         if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
