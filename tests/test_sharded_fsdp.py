@@ -574,3 +574,24 @@ def _rank1_judged_alone_in_a_child(tmp_path: Path, fit: str) -> None:
     assert (d["finding"], d["step"]) == (Finding.DATA_NONFINITE.value, 2)
     assert d["evidence"]["replay"].startswith("not run: the model is sharded")
     assert any(r["evidence"].get("reported_from_rank") == 1 and r["step"] == 2 for r in rank0)
+
+
+def test_fsdp1_a_weights_only_sharded_checkpoint_is_passed_over_and_the_live_state_put_back(tmp_path: Path) -> None:
+    # a newer weights-only directory (step 18) is loaded into the live model before it can be checked: the live
+    # state goes back as it was, and the full one at step 14 is the one rolled back to, on both ranks alike
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    weights_only = ModelCheckpoint(dirpath=str(tmp_path / "weights"), save_weights_only=True, every_n_train_steps=3,
+                                   save_top_k=-1)
+    full = ModelCheckpoint(dirpath=str(tmp_path / "full"), every_n_train_steps=7, save_top_k=-1)
+    rank0, rank1 = _fit_fsdp1_lr_jump(tmp_path, cpu_fsdp1(state_dict_type="sharded"), snapshot_every=0,
+                                      callbacks=[weights_only, full], enable_checkpointing=True)
+    assert rank0["diagnoses"] == rank1["diagnoses"]
+    d = next(d for d in rank0["diagnoses"] if d.get("remedy") == "reduce_lr")
+    rollback = d["evidence"]["rollback"]
+    assert f"(the checkpoint file {tmp_path / 'full'}" in rollback and "step=14.ckpt" in rollback, rollback
+    assert any(p.name.endswith("step=18.ckpt") for p in (tmp_path / "weights").iterdir())
+    assert d["outcome"] == "recovered"
+    weights = [torch.load(tmp_path / f"weights{r}.pt")["weights"] for r in range(2)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]) and torch.isfinite(weights[0][name]).all()

@@ -54,6 +54,8 @@ class LightningHost:
         # the default snapshot budget is the node's, shared by the processes training on it
         self.processes_per_node = max(1, int(getattr(trainer, "num_devices", 1) or 1))
         self._metrics: compat.StepMetrics | None = None
+        # the checkpoint files in the folders now are not this fit's to roll back to (only the one it resumed from)
+        self._checkpoints = compat.FitCheckpoints(trainer)
 
     @property
     def global_step(self) -> int:
@@ -111,19 +113,25 @@ class LightningHost:
         return None
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
-        """A sharded strategy loads a checkpoint (a sharded directory included) into the live model before its step
-        can be checked: the live state is kept on the host meanwhile and put back when it turns out too new."""
+        """Only a file this fit wrote, or the one it resumed from, holding the whole training state
+        (:class:`~lightning_ampwatch.compat.FitCheckpoints`). A sharded strategy loads a checkpoint (a sharded
+        directory included) into the live model before it can be checked: the live state is kept on the host
+        meanwhile and put back when it turns out too new, or unfit."""
         if self.rollback_unavailable() is not None:
             return None, None
         state = TrainState.from_trainer(self.trainer, self.module)
         if not sharding.replay_needs_all_ranks(state.root):
-            return compat.rollback_to_checkpoint(self.trainer, before)
+            return self._checkpoints.roll_back(before)
 
         def keep_live() -> Any:
             live = Snapshot.take(state, -1)
             return lambda: live.restore(state)
 
-        return compat.rollback_to_checkpoint(self.trainer, before, keep_live=keep_live)
+        return self._checkpoints.roll_back(before, keep_live=keep_live)
+
+    def rollback_passed_over(self) -> str | None:
+        """The checkpoint files the latest rollback passed over, and why (None: none was)."""
+        return self._checkpoints.passed_over_sentence()
 
     def broadcast(self, value: Any) -> Any:
         return self.trainer.strategy.broadcast(value, src=0)

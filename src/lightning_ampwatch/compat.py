@@ -341,40 +341,192 @@ class StepMetrics:
             del self.connector.log_metrics  # the class's own method again
 
 
-def rollback_to_checkpoint(trainer: Any, before: int, keep_live: Callable[[], Callable[[], None]] | None = None
-                           ) -> tuple[str | None, int | None]:
-    """Load the newest checkpoint (a file, or a sharded checkpoint's directory) that a ``ModelCheckpoint`` wrote
-    before step ``before`` ran, through Lightning's own checkpoint connector: weights, precision plugin (the scaler),
-    optimizers and schedulers; not the loops, so ``global_step`` stays monotonic. Returns (path, the step it was
-    written at), or (None, None).
+class FitCheckpoints:
+    """The checkpoint files one fit may roll back to, and the search for the newest of them from before a step.
 
-    A sharded strategy (FSDP, ModelParallelStrategy) loads a checkpoint into the live model inside
-    ``load_checkpoint``, before its step can be checked: ``keep_live()`` is called before each load and returns what
-    puts the live state back, called when the checkpoint turns out to be too new."""
+    A file is this fit's when a ``ModelCheckpoint`` wrote it during the fit: it was not in the checkpoint folders (or
+    among the callbacks' known paths) when the fit began, or it was rewritten since (its inode, size or modification
+    time changed: a comparison of the file with itself, never with a clock). The file the fit resumed from
+    (``ckpt_path``) is also its own: a resumed fit continues that state. The older files of the run it resumed are
+    not: nothing in a file says which run wrote it, and a folder an unrelated run wrote to holds files just like
+    them. Made at fit start (after ``setup``, where ``ModelCheckpoint`` settles its folder); it never raises: what it
+    cannot read counts as not this fit's."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.passed_over: dict[str, int] = {}  # why -> how many files the latest search passed over for it
+        try:
+            self.before_fit: dict[str, tuple[int, int, int] | None] | None = {
+                path: _signature(path) for path in _checkpoint_paths(trainer)}
+        except Exception:  # noqa: BLE001 - unreadable folders: no file can be told apart, none is taken
+            self.before_fit = None
+        try:
+            resumed = trainer.ckpt_path
+            self.resumed_from = os.path.realpath(resumed) if isinstance(resumed, (str, os.PathLike)) \
+                and os.path.exists(resumed) else None
+        except Exception:  # noqa: BLE001
+            self.resumed_from = None
+
+    def written_by_this_fit(self, path: str) -> bool:
+        if path == self.resumed_from:
+            return True
+        if self.before_fit is None:
+            return False
+        return path not in self.before_fit or self.before_fit[path] != _signature(path)
+
+    def roll_back(self, before: int, keep_live: Callable[[], Callable[[], None]] | None = None
+                  ) -> tuple[str | None, int | None]:
+        """Load the newest checkpoint of this fit (a file, or a sharded checkpoint's directory) written before step
+        ``before`` ran that holds the whole training state, through Lightning's own checkpoint connector: weights,
+        precision plugin (the scaler), optimizers and schedulers; not the loops, so ``global_step`` stays monotonic.
+        Returns (path, the step it was written at), or (None, None); :meth:`passed_over_sentence` then says which
+        files were passed over and why.
+
+        A file is read once, to the CPU, and checked before anything live is touched: one that holds only the
+        weights (``save_weights_only=True``), or whose weights' names and shapes, optimizers or schedulers are not
+        this run's, is passed over. A sharded strategy (FSDP, ModelParallelStrategy) loads a checkpoint into the
+        live model inside ``load_checkpoint``, before it can be checked: ``keep_live()`` is called before each load
+        and returns what puts the live state back, called when the checkpoint is passed over or fails to restore.
+        A restore that still fails raises :class:`RollbackFailed`, saying whether the live state was put back."""
+        self.passed_over = {}
+        paths = [p for p in _checkpoint_paths(self.trainer) if os.path.exists(p)]
+        own = [p for p in paths if self.written_by_this_fit(p)]
+        if len(own) < len(paths):
+            self._pass("foreign", len(paths) - len(own))
+        trainer = self.trainer
+        connector = trainer._checkpoint_connector
+        for path in sorted(own, key=os.path.getmtime, reverse=True):
+            put_back = keep_live() if keep_live is not None else None
+            try:
+                checkpoint = trainer.strategy.load_checkpoint(path)
+            except Exception:  # noqa: BLE001 - a file that cannot be read is passed over, like any unfit one
+                if put_back is not None:
+                    put_back()
+                self._pass("unreadable")
+                continue
+            step = checkpoint.get("global_step")
+            unfit = None if not isinstance(step, int) or step > before else \
+                _unfit(trainer, checkpoint, weights_loaded=keep_live is not None)
+            if not isinstance(step, int) or step > before or unfit is not None:
+                # (too new: written after `step` steps, so before step `step` ran)
+                if put_back is not None:
+                    put_back()
+                if unfit is not None:
+                    self._pass(unfit)
+                continue
+            connector._loaded_checkpoint = checkpoint
+            restored: list[str] = []
+            try:
+                for part, restore in (("the weights", connector.restore_model),
+                                      ("the precision plugin (the scaler)", connector.restore_precision_plugin_state),
+                                      ("the optimizers and schedulers", connector.restore_optimizers_and_schedulers)):
+                    restore()
+                    restored.append(part)
+            except Exception as err:
+                if put_back is not None:
+                    put_back()
+                raise RollbackFailed(path, err, restored, put_back=put_back is not None) from err
+            finally:
+                connector._loaded_checkpoint = {}
+            return path, step
+        return None, None
+
+    def _pass(self, why: str, count: int = 1) -> None:
+        self.passed_over[why] = self.passed_over.get(why, 0) + count
+
+    def passed_over_sentence(self) -> str | None:
+        """The files the latest search passed over, by why (None: none was), e.g. ``1 file that holds only the
+        weights (save_weights_only=True)``."""
+        if not self.passed_over:
+            return None
+        return " and ".join(f"{n} file{'' if n == 1 else 's'} that {_PASSED[why][n != 1]}"
+                            for why, n in self.passed_over.items())
+
+
+#: Why a checkpoint file was passed over (the singular and the plural).
+_PASSED = {
+    "foreign": ("was already there when this fit began", "were already there when this fit began"),
+    "weights": ("holds only the weights, written with save_weights_only=True",
+                "hold only the weights, written with save_weights_only=True"),
+    "mismatch": ("does not match this run's model, optimizers or schedulers",
+                 "do not match this run's model, optimizers or schedulers"),
+    "no_scaler": ("holds no loss-scaler state", "hold no loss-scaler state"),
+    "unreadable": ("could not be read", "could not be read"),
+}
+
+
+class RollbackFailed(RuntimeError):
+    """Restoring a checkpoint that passed every check still failed (a user hook, a device error)."""
+
+    def __init__(self, path: str, err: Exception, restored: list[str], put_back: bool) -> None:
+        if put_back:
+            state = "the live state was put back as it was"
+        elif restored:
+            state = f"{' and '.join(restored)} had been restored from it, the rest is the live run's"
+        else:
+            state = "nothing had been restored from it yet"
+        super().__init__(f"restoring the checkpoint file {path} failed ({type(err).__name__}: {err}); {state}")
+        self.path = path
+        self.put_back = put_back
+
+
+def _checkpoint_paths(trainer: Any) -> set[str]:
+    """Every checkpoint path the trainer's ``ModelCheckpoint`` callbacks know of or whose folders hold (real
+    paths)."""
     candidates: set[str] = set()
     for cb in getattr(trainer, "checkpoint_callbacks", []):
         candidates.update(p for p in (getattr(cb, "last_model_path", ""), *getattr(cb, "best_k_models", {})) if p)
         dirpath = getattr(cb, "dirpath", None)
         if dirpath and os.path.isdir(dirpath):
             candidates.update(os.path.join(dirpath, f) for f in os.listdir(dirpath) if f.endswith(".ckpt"))
-    connector = trainer._checkpoint_connector
-    for path in sorted((p for p in candidates if os.path.exists(p)), key=os.path.getmtime, reverse=True):
-        put_back = keep_live() if keep_live is not None else None
-        checkpoint = trainer.strategy.load_checkpoint(path)
-        step = checkpoint.get("global_step")
-        if not isinstance(step, int) or step > before:  # written after `step` steps: before step `step` ran
-            if put_back is not None:
-                put_back()
-            continue
-        connector._loaded_checkpoint = checkpoint
-        try:
-            connector.restore_model()
-            connector.restore_precision_plugin_state()
-            connector.restore_optimizers_and_schedulers()
-        finally:
-            connector._loaded_checkpoint = {}
-        return path, step
-    return None, None
+    return {os.path.realpath(p) for p in candidates}
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    """What changes when a file is written again: its inode, size and modification time (None: no such file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _unfit(trainer: Any, checkpoint: dict[str, Any], weights_loaded: bool) -> str | None:
+    """Why a checkpoint cannot restore this run's whole training state (a key of :data:`_PASSED`), or None when it
+    can. ``weights_loaded``: a
+    sharded strategy loaded its weights (and optimizer states) already, into the live model."""
+    strategy = trainer.strategy
+    restores_optimizers = bool(strategy.lightning_restore_optimizer)
+    if "lr_schedulers" not in checkpoint or (restores_optimizers and "optimizer_states" not in checkpoint):
+        return "weights"
+    mismatch = "mismatch"
+    if restores_optimizers:
+        states = checkpoint["optimizer_states"]
+        if not isinstance(states, (list, tuple)) or len(states) != len(trainer.optimizers):
+            return mismatch
+        for optimizer, state in zip(trainer.optimizers, states):
+            groups = state.get("param_groups") if isinstance(state, dict) else None
+            if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups) or any(
+                    len(saved.get("params", ())) != len(live["params"])
+                    for saved, live in zip(groups, optimizer.param_groups)):
+                return mismatch
+    if len(checkpoint["lr_schedulers"]) != len(trainer.lr_scheduler_configs):
+        return mismatch
+    plugin = trainer.precision_plugin
+    if getattr(plugin, "scaler", None) is not None and type(plugin).__qualname__ not in checkpoint \
+            and "native_amp_scaling_state" not in checkpoint:
+        return "no_scaler"
+    if not weights_loaded:
+        module = trainer.lightning_module
+        saved, live = checkpoint.get("state_dict"), module.state_dict()
+        if not isinstance(saved, dict):
+            return mismatch
+        if module.strict_loading and set(saved) != set(live):
+            return mismatch
+        if any(k in live and getattr(v, "shape", None) is not None and tuple(v.shape) != tuple(live[k].shape)
+               for k, v in saved.items()):
+            return mismatch
+    return None
 
 
 def set_trainer_precision(trainer: Any, precision: str, device_type: str) -> None:

@@ -752,7 +752,15 @@ class RunWatcher(WatchState):
                                   "not remedy them under DDP; it reports them.")
                 self._publish(diagnosis)
                 continue
-            self._publish(self._treat(diagnosis))
+            try:
+                treated = self._treat(diagnosis)
+            except AmpWatchError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the alarm is published all the same, saying what failed
+                self.internal_failure("a remedy", err)
+                treated = replace(diagnosis, evidence={**diagnosis.evidence,
+                                                       "treatment_failed": f"{type(err).__name__}: {err}"})
+            self._publish(treated)
         if treatment.judgement_due(machine.steps_seen):
             self._read_losses()  # once per remedy: the steps since it are all read
             if self.host is not None:  # when no healthy level exists (every rank here: judged together)
@@ -803,7 +811,8 @@ class RunWatcher(WatchState):
 
     def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
         """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
-        comes back with the remedy (and its rollback), or unchanged without one."""
+        comes back with the remedy (and its rollback), or unchanged without one; after a rollback that failed,
+        without a remedy, its evidence saying what failed."""
         treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
         assert machine is not None and ledger is not None and host is not None
         if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
@@ -819,9 +828,15 @@ class RunWatcher(WatchState):
         control = self.trajectory
         untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
             and machine.untouched_since(diagnosis.step, now - 1)
-        snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
-                                                          decide=self._decide, host=host, untouched=untouched,
-                                                          gather=distributed.gather)
+        try:
+            snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
+                                                              decide=self._decide, host=host, untouched=untouched,
+                                                              gather=distributed.gather)
+        except AmpWatchError:
+            raise
+        except Exception as err:  # noqa: BLE001 - published without a remedy, the evidence saying why
+            self.internal_failure("a rollback", err)
+            return treatment.rollback_failed(diagnosis, err)
         then = None  # the level where a rollback took the run back to, if that stretch was healthy
         if rollback.resumed_at is not None:
             self._after_remedy(ROLLED_BACK)

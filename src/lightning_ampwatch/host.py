@@ -80,8 +80,10 @@ class Host(Protocol):
         for the bf16 fallback (None: ``trainer`` is a Lightning Trainer, whose plugin is replaced)."""
 
     def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
-        """Load the newest checkpoint file written before step ``before`` ran (weights, scaler, optimizers,
-        schedulers; not the loop): (its path, its step), or (None, None) when there is none."""
+        """Load the newest checkpoint file this fit wrote (or resumed from) before step ``before`` ran that holds the
+        whole training state (weights, scaler, optimizers, schedulers; not the loop): (its path, its step), or
+        (None, None) when there is none. A file is checked before the live state is touched; a restore that still
+        fails raises (the caller publishes the alarm with the failure)."""
 
     def broadcast(self, value: Any) -> Any:
         """Rank zero's ``value`` on every rank (only called where every rank is at the same step)."""
@@ -101,3 +103,5 @@ class Host(Protocol):
     #     FSDP2 module): a replay asks it whether its forward talks to every rank and in which dtype FSDP computes.
     # ``processes_per_node: int``: the processes training on this host, which share the default snapshot budget.
     # ``rollback_unavailable() -> str | None``: why no checkpoint can be rolled back to in this run, if none can.
+    # ``rollback_passed_over() -> str | None``: the checkpoint files the latest ``rollback_to_checkpoint`` passed
+    #     over, counted by why (``1 file that holds only the weights, ...``), or None.

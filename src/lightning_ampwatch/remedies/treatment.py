@@ -5,7 +5,8 @@ longer skips (one probe aside) and whose loss is back near its level before the 
 remedy that does not recover gives way to the next rung of its ladder, and with no rung left, to
 ``on_unrecoverable``. A remedy applied to weights that had already diverged silences the NaNs without fixing
 anything, so before it is applied the run goes back to the newest snapshot from before the onset (or the newest
-checkpoint file from before it), and the episode's batches are skipped.
+checkpoint file of this fit from before it that holds the whole training state), and the episode's batches are
+skipped. A rollback that fails leaves the alarm published without a remedy, its evidence saying why.
 """
 
 from __future__ import annotations
@@ -120,8 +121,10 @@ class Treatment:
                   host: Any, untouched: bool = False,
                   gather: Callable[[Any], list[Any]] = lambda v: [v]) -> tuple[Any, Rollback, list[Any]]:
         """Go back to the newest state from before the onset: a held snapshot, else a checkpoint file from before
-        it. Returns the snapshot (kept for a later rung), the :class:`Rollback` record, and, with
-        ``replay_episode``, the episode's held batches. ``decide`` is rank zero's value on every rank; ``gather``
+        it (``host.rollback_to_checkpoint``: one this fit wrote, or resumed from, holding the whole training state;
+        the host's optional ``rollback_passed_over()`` says which files it passed over, for the evidence). Returns
+        the snapshot (kept for a later rung), the :class:`Rollback` record, and, with ``replay_episode``, the
+        episode's held batches. ``decide`` is rank zero's value on every rank; ``gather``
         every rank's value (several ranks roll back together, under a scaler): the ranks go back to a snapshot only
         where every rank holds one from the same step (each ring keeps and drops on its own budget, and a rank that
         lacks it would otherwise load a checkpoint, a collective under a sharded strategy, alone); else every rank
@@ -166,8 +169,22 @@ class Treatment:
         if no_checkpoint is not None:  # the strategy's reason, not "no file was found"
             return None, Rollback(RollbackKind.NONE, now, why=f"{why}, and {no_checkpoint}; the remedy is applied "
                                                                   "in place"), []
+        passed = getattr(host, "rollback_passed_over", None)  # optional on a host
+        passed_over = passed() if callable(passed) else None
+        if passed_over is not None:  # files were there, but none this fit's with its whole training state
+            return None, Rollback(RollbackKind.NONE, now, why=(
+                f"{why} and no checkpoint file from before it could be rolled back to (passed over: {passed_over}), "
+                "so the remedy is applied in place")), []
         return None, Rollback(RollbackKind.NONE, now, why=f"{why} and no checkpoint file from before it was found, "
                                                               "so the remedy is applied in place"), []
+
+    def rollback_failed(self, diagnosis: Diagnosis, err: Exception) -> Diagnosis:
+        """The rollback raised: the alarm is published without a remedy (one applied to a state the failed rollback
+        may have left partly restored would be judged on nothing known), its evidence saying what failed."""
+        self._retry = None
+        said = str(err) if hasattr(err, "put_back") else f"{type(err).__name__}: {err}"  # compat.RollbackFailed
+        return replace(diagnosis, evidence={**diagnosis.evidence,
+                                            "rollback": f"failed: {said}; no remedy was applied"})
 
     # ------------------------------------------------------------------ applying and watching
 
