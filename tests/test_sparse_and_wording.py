@@ -121,3 +121,85 @@ def test_a_sparse_gradient_is_read_coalesced() -> None:
     assert not bool(torch.isfinite(stored_values(grad)).all())
     dense = torch.tensor([[1.0], [-3.0]])
     assert stored_values(dense) is not None and torch.equal(stored_values(dense), dense)
+
+
+class _RoundsToZero(pl.LightningModule):
+    """-log(1 - sigmoid(z)) with z around 9: finite in float32 (about 9), but 1 - sigmoid(z) rounds to 0 in float16
+    and in bfloat16, and the log goes to inf. No value comes anywhere near float16's range limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.enc(x)).squeeze(-1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        z = self(x) * 2.0 + 9.0
+        return -torch.log(1 - torch.sigmoid(z)).mean() * 0.01 + nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class _Diverges(_RoundsToZero):
+    """A plain regression with a learning rate far too high: the loss climbs, then goes non-finite."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=5.0)
+
+
+def _first_alarm(model: pl.LightningModule, root: Path, steps: int, **precision: Any) -> Diagnosis:
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
+                         callbacks=[watch], **precision)
+    trainer.fit(model, DataLoader(regression_data(), batch_size=32))
+    return next(d for d in watch.diagnoses if d.is_alarm)
+
+
+def test_a_float16_rounding_fault_is_not_called_an_overflow_and_bf16_is_not_promised_to_fix_it(
+        tmp_path: Path) -> None:
+    alarm = _first_alarm(_RoundsToZero(), tmp_path, 4, plugins=[true_fp16_plugin()])
+    assert alarm.finding is Finding.FORWARD_OVERFLOW and alarm.evidence["precision"] == "fp16"
+    assert max(65504.0 / 2.0 ** h for h in alarm.evidence["fp16_headroom_log2"].values()) < 100  # far from 65504
+    assert "went non-finite under float16 autocast" in alarm.summary
+    assert "went past what float16 can hold" not in alarm.headline()
+    assert "No float16 module output came near float16's limit" in alarm.advice
+    assert "lifts float16's range limit but not the rounding" in alarm.advice
+    assert "removes this overflow class" not in alarm.advice
+
+
+def test_a_bf16_fault_is_told_in_bfloat16_terms(tmp_path: Path) -> None:
+    alarm = _first_alarm(_RoundsToZero(), tmp_path, 2, precision="bf16-mixed")
+    assert alarm.finding is Finding.FORWARD_OVERFLOW and alarm.evidence["precision"] == "bf16"
+    assert "under bfloat16" in alarm.summary and "float16 can hold" not in alarm.summary
+    assert "not an overflow" in alarm.summary
+    assert alarm.advice.startswith("bfloat16 has float32's range")
+
+
+def test_a_divergence_at_full_precision_does_not_blame_reduced_precision(tmp_path: Path) -> None:
+    alarm = _first_alarm(_Diverges(), tmp_path, 12, precision="32-true")
+    assert alarm.finding is Finding.FP32_UNSTABLE and alarm.evidence["precision"] == "fp32"
+    assert "reduced precision" not in alarm.advice and "AMP" not in alarm.summary
+    assert "in a run at full precision" in alarm.advice
+
+
+def test_the_wording_follows_the_evidence_when_read_back() -> None:
+    """The event log has no typed facts: the meaning line is rebuilt from the evidence it holds."""
+    near = {"precision": "fp16", "fp16_headroom_log2": {"attention.q": 0.5}}
+    diagnosis = Diagnosis(Finding.FORWARD_OVERFLOW, 3, location="attention", evidence=near,
+                          advice=advise(Finding.FORWARD_OVERFLOW, near))
+    again = Diagnosis.from_dict(diagnosis.to_dict())
+    assert again.summary == diagnosis.summary and "most likely past what float16 can hold" in again.summary
+    assert "rounds more coarsely than float16" in diagnosis.advice
+    half = Diagnosis(Finding.FORWARD_OVERFLOW, 3, evidence={"precision": "half"})
+    assert "in float16 (16-true)" in half.summary
+    assert "torch.autocast" not in advise(Finding.FORWARD_OVERFLOW, {"precision": "half"})
