@@ -180,7 +180,8 @@ class Diagnosis:
                     "the optimisation is diverging" + ("" if full else ", not AMP"))
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
             if full:
-                return "the loss diverged before it went non-finite, in a run at full precision: the optimisation is at fault"
+                return ("the loss diverged before it went non-finite, in a run at full precision: the optimisation "
+                        "is at fault")
             return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
         if self.finding is Finding.FP32_UNSTABLE and full:
             return "the loss went non-finite in a run at full precision: the optimisation is at fault"
@@ -223,7 +224,8 @@ def _fp16_nearest(ev: Mapping[str, Any]) -> tuple[str, float] | None:
     headroom = ev.get("fp16_headroom_log2")
     if not isinstance(headroom, Mapping):
         return None
-    rooms = [(str(k), float(v)) for k, v in headroom.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    rooms = [(str(k), float(v)) for k, v in headroom.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return min(rooms, key=lambda kv: kv[1]) if rooms else None
 
 
@@ -391,7 +393,8 @@ def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False, against
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against {against} of {level:.3g}: "
                f"training is diverging and {reduced} merely went non-finite first. ")
     elif full:
-        why = "The loss went non-finite in a run at full precision, so no loss-scale or precision setting is involved. "
+        why = ("The loss went non-finite in a run at full precision, so no loss-scale or precision setting is "
+               "involved. ")
     else:
         why = "The loss is non-finite at full precision as well, so reduced precision is not the cause. "
     return why + (
