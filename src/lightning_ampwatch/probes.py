@@ -96,9 +96,9 @@ class ForwardProbe:
             return
         ins = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]  # keyword tensors are inputs too
         with torch.no_grad():
-            out_finite = torch.stack([torch.isfinite(t).all() for t in outs]).all()
+            out_finite = torch.stack([_all_finite(t) for t in outs]).all()
             out_absmax = torch.stack([_finite_absmax(t) for t in outs]).max()
-            in_finite = torch.stack([torch.isfinite(t).all() for t in ins]).all() if ins else out_finite.new_ones(())
+            in_finite = torch.stack([_all_finite(t) for t in ins]).all() if ins else out_finite.new_ones(())
             record = torch.stack([out_finite.float(), out_absmax.float(), in_finite.float()])
         name = self._names.get(module, type(module).__name__)
         self._records.append((name, record, any(t.dtype == torch.float16 for t in outs)))
@@ -121,8 +121,28 @@ class ForwardProbe:
         return first, [(n, round(v, 2)) for n, v in nearest]
 
 
-def _finite_absmax(t: Tensor) -> Tensor:
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored_values(t: Tensor) -> Tensor:
+    """The values a tensor holds, as a dense tensor: a sparse gradient's (``nn.Embedding(sparse=True)``) stored
+    values, coalesced first so that an index the batch repeats counts once, as the sum it stands for (two finite
+    halves can sum past the format's range); a dense tensor itself. Checks on these say what they say of the whole
+    tensor: the implicit zeros are finite and add nothing to a largest magnitude."""
     t = t.detach()
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout in _SPARSE_COMPRESSED:
+        return t.values()
+    return t
+
+
+def _all_finite(t: Tensor) -> Tensor:
+    return torch.isfinite(stored_values(t)).all()
+
+
+def _finite_absmax(t: Tensor) -> Tensor:
+    t = stored_values(t)
     if t.numel() == 0:
         return torch.zeros((), device=t.device)
     return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype, device=t.device)).abs().amax().float()
@@ -284,7 +304,7 @@ class Replayer:
                                             "computes with gathered copies of them)")
             if present:
                 result.grads_finite, result.unscaled_grads_finite = True, True
-                values = torch.stack([torch.stack([torch.isfinite(s).all().float(), torch.isfinite(u).all().float(),
+                values = torch.stack([torch.stack([_all_finite(s).float(), _all_finite(u).float(),
                                                    _finite_absmax(u)]) for _, s, u in present]).cpu().tolist()
                 bad = [name for (name, _, _), (ok, _, _) in zip(present, values) if not ok]
                 result.grads_finite = not bad
@@ -393,7 +413,7 @@ def _grad_flags(grad: Tensor | None, device: torch.device) -> Tensor:
     """[present, non-finite, largest finite magnitude] of this rank's shard of a gradient (zeros when absent)."""
     if grad is None:
         return torch.zeros(3, device=device)
-    g = sharding.local(grad).detach()
+    g = stored_values(sharding.local(grad))
     if g.numel() == 0:  # this rank holds no part of it
         return torch.tensor([1.0, 0.0, 0.0], device=g.device)
     return torch.stack([torch.ones((), device=g.device), (~torch.isfinite(g)).any().float(), _finite_absmax(g)])
@@ -445,7 +465,7 @@ class LiveProbe:
 
     def _note(self, named_grads: list[tuple[str, Tensor]]) -> None:
         if self._forward is not None and named_grads:
-            flags = torch.stack([torch.isfinite(g).all() for _, g in named_grads])
+            flags = torch.stack([_all_finite(g) for _, g in named_grads])
             self._grads.append(([n for n, _ in named_grads], flags))
 
     def finish(self) -> tuple[str | None, str | None, list[tuple[str, float]]]:

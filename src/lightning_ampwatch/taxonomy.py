@@ -94,7 +94,8 @@ _SUMMARIES: dict[Finding, str] = {
     Finding.CLIP_BEFORE_UNSCALE: "gradients are clipped while they are still multiplied by the loss scale",
     Finding.STEP_OUTSIDE_SCALER: "the optimizer stepped without going through the GradScaler",
     Finding.MANUAL_PRESCALE: "the loss was multiplied by hand before the GradScaler multiplied it again",
-    Finding.FORWARD_OVERFLOW: "a float16 value in the forward pass went past what float16 can hold",
+    Finding.FORWARD_OVERFLOW: "a value in the forward pass went non-finite in reduced precision: past float16's "
+                              "range, or rounded to a value the next operation cannot take",
     Finding.INPUT_RANGE: "inputs or targets are larger than float16 holds comfortably",
     Finding.GRADIENT_OVERFLOW: "the scaled gradients overflow float16, so the scaler keeps skipping steps",
     Finding.GROWTH_OVERFLOW: "every time the scaler doubles the loss scale, the very next steps overflow",
@@ -177,11 +178,19 @@ class Diagnosis:
             return (f"withdrawn at step {self.evidence.get('withdrawn_at')}: a {self.evidence.get('withdrawn_by')} "
                     f"episode began{after}, so the skip may have been its first sign, not dynamic scaling doing its "
                     "job")
+        full = self.evidence.get("precision") == "fp32"  # a run without reduced precision: AMP is not in it
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
             return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
-                    "the optimisation is diverging, not AMP")
+                    "the optimisation is diverging" + ("" if full else ", not AMP"))
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
+            if full:
+                return ("the loss diverged before it went non-finite, in a run at full precision: the optimisation "
+                        "is at fault")
             return "the loss diverged before any overflow: the optimisation is at fault, not AMP"
+        if self.finding is Finding.FP32_UNSTABLE and full:
+            return "the loss went non-finite in a run at full precision: the optimisation is at fault"
+        if self.finding is Finding.FORWARD_OVERFLOW:
+            return _forward_summary(self.evidence)
         return self.finding.summary
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,6 +214,40 @@ class Diagnosis:
     def headline(self) -> str:
         where = f" in {self.location}" if self.location else ""
         return f"{self.finding.value} at step {self.step}{where}: {self.summary}"
+
+
+#: float16's largest finite value.
+FP16_LIMIT = 65504.0
+#: Within this many powers of 2 of float16's largest value, a module's output counts as near the limit.
+NEAR_FP16_LIMIT_LOG2 = 1.0
+
+
+def _fp16_nearest(ev: Mapping[str, Any]) -> tuple[str, float] | None:
+    """The module whose float16 output came nearest float16's limit in the replay (``fp16_headroom_log2``: its
+    headroom in powers of 2), or None when the replay measured none."""
+    headroom = ev.get("fp16_headroom_log2")
+    if not isinstance(headroom, Mapping):
+        return None
+    rooms = [(str(k), float(v)) for k, v in headroom.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return min(rooms, key=lambda kv: kv[1]) if rooms else None
+
+
+def _forward_summary(ev: Mapping[str, Any]) -> str:
+    """FORWARD_OVERFLOW's meaning in the run's precision. The probes see module outputs, not the operations inside
+    them or in ``training_step``'s own code: "past float16's range" only when an output came near the limit; else
+    the two ways a finite computation goes non-finite in reduced precision, since either fits what was seen."""
+    precision = ev.get("precision")
+    if precision == "bf16":
+        return ("a value in the forward pass went non-finite under bfloat16, which has float32's range: most likely "
+                "a rounding (bfloat16 keeps 8 significant bits), not an overflow")
+    where = "in float16 (16-true)" if precision == "half" else "under float16 autocast"
+    nearest = _fp16_nearest(ev)
+    if nearest is not None and nearest[1] <= NEAR_FP16_LIMIT_LOG2:
+        return (f"a value in the forward pass went non-finite {where}, with module outputs within a factor of 2 of "
+                "float16's largest value (65504): most likely past what float16 can hold")
+    return (f"a value in the forward pass went non-finite {where}: past float16's range (65504) inside an "
+            "operation, or rounded to a value the next operation cannot take (log of 0, division by 0)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,15 +381,24 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
 
 def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False, against_first_loss: bool = False) -> str:
     level, control = ev.get("loss_level"), ev.get("fp32_control_loss")
+    precision = ev.get("precision")
+    full = precision == "fp32"  # the run itself is at full precision: there is no reduced precision to blame
     if ev.get("pattern") == "finite_divergence":
         why = (f"The loss climbed ({ev['divergence']}): training diverges at the precision it runs in, and no "
                "loss-scale or precision setting changes that. ")
+    elif ev.get("divergence") and full:
+        why = (f"The loss climbed ({ev['divergence']}): training diverges, in a run at full precision, so no "
+               "loss-scale or precision setting is involved. ")
     elif ev.get("divergence"):
         why = f"The loss climbed ({ev['divergence']}): training was diverging before reduced precision failed. "
     elif control_diverging and isinstance(level, (int, float)) and isinstance(control, (int, float)):
         against = "the run's first loss" if against_first_loss else "a healthy level"
+        reduced = "bfloat16" if precision == "bf16" else "float16"
         why = (f"Replayed in float32 the loss is finite but {control:.3g}, against {against} of {level:.3g}: "
-               "training is diverging and float16 merely overflowed first. ")
+               f"training is diverging and {reduced} merely went non-finite first. ")
+    elif full:
+        why = ("The loss went non-finite in a run at full precision, so no loss-scale or precision setting is "
+               "involved. ")
     else:
         why = "The loss is non-finite at full precision as well, so reduced precision is not the cause. "
     return why + (
@@ -355,16 +407,40 @@ def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False, against
     )
 
 
+def _fp32_island(ev: Mapping[str, Any]) -> str:
+    if ev.get("precision") == "half":  # 16-true: no autocast to step out of; the tensors themselves are float16
+        return ("Keep the fragile operation in float32: cast its inputs with .float() (and a module that computes "
+                "it with module.float())")
+    return ("Keep the fragile operation in float32 inside autocast: wrap it in torch.autocast(device_type, "
+            "enabled=False) and cast its inputs with .float()")
+
+
 def _advice_forward(ev: Mapping[str, Any]) -> str:
+    island = _fp32_island(ev)
     if ev.get("precision") == "bf16":
         return (
-            "bfloat16 has float32's range, so a non-finite loss here usually means an unstable operation "
-            "(log of 0, division by a tiny value) rather than an overflow; run the same batch in float32 to check."
+            "bfloat16 has float32's range, so this is rarely an overflow; more often a value rounded in bfloat16 "
+            "(8 significant bits) to one the next operation cannot take: 1 - sigmoid(x) or a small difference "
+            f"rounded to 0, then a log or a division. {island}, or write it in a form that does not round that "
+            "way (torch.nn.functional.logsigmoid, torch.log1p, a clamp before the log)."
         )
+    nearest = _fp16_nearest(ev)
+    if nearest is not None and nearest[1] <= NEAR_FP16_LIMIT_LOG2:
+        return (
+            f"{island} (softmax, exp, pow, large sums are the usual ones). Where the hardware supports it, "
+            "precision='bf16-mixed' lifts float16's range limit (bfloat16 has float32's range), though it rounds "
+            "more coarsely than float16."
+        )
+    seen = ""
+    if nearest is not None:
+        seen = (f" No float16 module output came near float16's limit in the replay (the largest, about "
+                f"{FP16_LIMIT / 2.0 ** nearest[1]:.3g}, in {nearest[0]}): an overflow, if this was one, happened "
+                "inside an operation, where the probes do not look; else it was a rounding.")
     return (
-        "Keep the fragile operation in float32 inside autocast: wrap it in torch.autocast(device_type, "
-        "enabled=False) and cast its inputs with .float() (softmax, exp, pow, large sums are the usual ones). "
-        "Where the hardware supports it, precision='bf16-mixed' removes this overflow class altogether."
+        f"{island}. The usual ones: exp, pow and large sums, which overflow float16; a log or a division of a value "
+        f"that rounded to 0 (1 - sigmoid(x), a small difference).{seen} precision='bf16-mixed', where the hardware "
+        "supports it, lifts float16's range limit but not the rounding: bfloat16 keeps fewer significant bits than "
+        "float16, so it helps with an overflow only."
     )
 
 

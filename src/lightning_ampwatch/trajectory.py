@@ -173,7 +173,7 @@ class Snapshot:
     model: list[tuple[str, _At | Any]]  # the model state dict's entries (trainable parameters and buffers)
     optim_state: list[tuple[str, dict[str, Any]]]  # per parameter name: its optimizer state
     groups: list[list[dict[str, Any]]]  # per optimizer: its param groups, without the params
-    grads: list[_At | None] | None  # only in the live state a replay puts back
+    grads: list[_At | Tensor | None] | None  # only in the live state a replay puts back (a sparse one as is)
     schedulers: list[dict[str, Any]]
     scaler: _ScalerState | None
     rng: Tensor
@@ -364,7 +364,10 @@ def _resolve(state: TrainState, grads: bool, split: bool = False
         "groups": [[{k: keep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
                    for opt in state.optimizers],
         # (not under FSDP1: its gradients live in its flat parameters, and the next step's zero_grad clears them)
-        "grads": [None if p.grad is None else at(p.grad) for p in _trainable(state)]
+        # a sparse gradient (``nn.Embedding(sparse=True)``) is kept as a copy of itself, sparse as it was: the
+        # host slots are dense, and its rows are few
+        "grads": [None if p.grad is None else p.grad.detach().clone() if p.grad.is_sparse else at(p.grad)
+                  for p in _trainable(state)]
         if grads and not sharding.uses_fsdp1(state.root) else None,
         "schedulers": [copy.deepcopy(s.state_dict()) for s, _ in state.schedulers],
         "scaler": None,
