@@ -173,3 +173,7 @@ def test_a_rollback_that_fails_still_publishes_the_alarm_saying_why(tmp_path: Pa
     assert rollback.endswith("nothing had been restored from it yet; no remedy was applied")
     _not_healthy(watch, 50)
     assert [r.name for r in watch.applied] == []
+    from lightning_ampwatch.reporters import unremedied_reason  # the summary's words for why it got no remedy
+
+    assert unremedied_reason(d, watch.diagnoses, watch.remedies) == \
+        "its rollback failed, so no remedy was applied (the rollback row says why)"

@@ -231,6 +231,11 @@ def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
     if not any(r in allowed for r in ladder):
         tail = ', remediate="all" allows it' if "reduce_lr" in ladder else ""
         return f"remediate= leaves out its ladder ({named}){tail}"
+    rollback = diagnosis.evidence.get("rollback")
+    if isinstance(rollback, str) and rollback.startswith("failed: "):
+        return "its rollback failed, so no remedy was applied (the rollback row says why)"
+    if "treatment_failed" in diagnosis.evidence:
+        return "treating it failed inside AmpWatch, so no remedy was applied (treatment_failed says why)"
     failed = diagnosis.evidence.get("remedies_failed")
     if isinstance(failed, list) and failed:
         return f"no allowed remedy could apply here ({'; '.join(str(f) for f in failed)})"
