@@ -223,3 +223,24 @@ def test_replay_episode_trains_on_the_episodes_batches_again_with_the_remedy(tmp
     losses = [float(v) for v in rollback.split("(losses ")[1].rstrip(")").split(", ")]
     assert all(v < 1.0 for v in losses)  # at the LR from before the jump the episode's batches train normally
     assert d.outcome == "recovered"
+
+
+def test_a_nan_batch_inside_a_remedys_watch_is_not_held_against_the_remedy(tmp_path: Path) -> None:
+    """A gradient overflow at start-up gets lower_init_scale; two steps into its watch a batch holding NaN makes
+    that step's loss NaN, which no precision setting prevents. The step is left out of the judgement (and said to
+    be), so the remedy is not called a failure and the ladder does not climb to bf16_fallback, which would drop the
+    scaler and let the next NaN batch reach the weights (it once did)."""
+    from lightning_ampwatch.scenarios import build_trainer
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(remediate=True, verbose=False)
+    trainer = build_trainer(SCENARIOS["gradient_overflow"], [watch], str(tmp_path), max_steps=40)
+    trainer.fit(Regressor(lr=1e-4, reduction="sum"),
+                DataLoader(regression_data(y_scale=4.0, nan_rows=(260,)), batch_size=32))
+    assert [a.name for a in watch.applied] == ["lower_init_scale"]
+    overflow = next(d for d in watch.diagnoses if d.finding is Finding.GRADIENT_OVERFLOW)
+    recovery = overflow.evidence["recovery"]
+    assert overflow.outcome != "not_recovered" and recovery["data_steps_left_out"] == [8], recovery
+    assert "step 8 left out: the batch itself held NaN/inf" in recovery["reason"]
+    assert [d.step for d in watch.diagnoses if d.finding is Finding.DATA_NONFINITE][:1] == [8]
+    assert all(p.isfinite().all() for p in trainer.lightning_module.parameters())

@@ -694,6 +694,12 @@ class RunWatcher(WatchState):
                         and diagnosis.evidence.get("withdrawn_by") == renamed_alarm[0]:
                     diagnosis = withdrawn_by(diagnosis, renamed_alarm[1])  # the alarm as it was published
                 self._emit(diagnosis)
+            batch = obs.batch
+            if self.treatment.watch is not None and batch is not None and batch.nonfinite \
+                    and obs.loss_finite is False and not (renamed_alarm and renamed_alarm[0] == "DATA_NONFINITE"):
+                # its own batch made this step's loss non-finite (unless the controls found otherwise): the data's
+                # fault, not a sign that the watched remedy failed
+                self.treatment.note_data_step(obs.step, obs.skipped)
 
     def _take_divergences(self) -> None:
         """Alarms the machine raised from losses read after the fact (a finite divergence): investigated with the

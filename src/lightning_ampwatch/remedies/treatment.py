@@ -48,6 +48,7 @@ class Watch:
     reference: float | None  # the loss the run should come back to
     reference_from: str
     snapshot: Any = None  # the snapshot the run went back to, kept for the next rung's rollback
+    data_steps: dict[int, bool] = field(default_factory=dict)  # steps whose own batch made the loss non-finite
 
 
 @dataclass
@@ -261,14 +262,30 @@ class Treatment:
         watch = self.watch
         return watch is not None and steps_seen - watch.steps_before >= self.recovery_steps
 
+    def note_data_step(self, step: int, skipped: bool) -> None:
+        """A step of the watch whose own batch made its loss non-finite (NaN/inf in the data): left out of the
+        remedy's judgement, loss and skip alike, since no precision setting could have kept it finite."""
+        watch = self.watch
+        if watch is not None and step >= watch.start:
+            watch.data_steps[step] = skipped
+
     def judge(self, recent: Any, *, steps_seen: int, skipped_total: int) -> Recovery:
-        """The watched remedy's recovery, from the losses read since it (``recent``: (step, loss) pairs)."""
+        """The watched remedy's recovery, from the losses read since it (``recent``: (step, loss) pairs), less the
+        steps whose batch held the NaN/inf (:meth:`note_data_step`)."""
         watch = self.watch
         assert watch is not None
-        losses = [loss for step, loss in recent if step >= watch.start]
-        return judge_recovery(losses, steps=steps_seen - watch.steps_before,
-                              skipped=skipped_total - watch.skipped_before, reference=watch.reference,
-                              reference_from=watch.reference_from)
+        data = watch.data_steps
+        losses = [loss for step, loss in recent if step >= watch.start and step not in data]
+        recovery = judge_recovery(losses, steps=steps_seen - watch.steps_before,
+                                  skipped=skipped_total - watch.skipped_before - sum(data.values()),
+                                  reference=watch.reference, reference_from=watch.reference_from)
+        if not data:
+            return recovery
+        steps = sorted(data)
+        named = f"step{'s' if len(steps) > 1 else ''} {', '.join(str(s) for s in steps)}"
+        return replace(recovery, details={**recovery.details, "data_steps_left_out": steps},
+                       reason=f"{recovery.reason} ({named} left out: the batch itself held NaN/inf, a data fault no "
+                              "remedy of precision could prevent)")
 
     def interrupted(self, diagnosis: Diagnosis) -> Ended | None:
         """A new alarm, about to be treated, while a remedy is watched. Of the same finding: the remedy did not
