@@ -344,3 +344,38 @@ def test_resume_after_unscale_before_clip_keeps_clipping_real_gradients(tmp_path
     assert len(model.norms) == 3  # steps 3, 4, 5, each clipped to 0.01 in real units from the first one on
     assert all(n == pytest.approx(0.01, rel=1e-3) for n in model.norms)
     assert [r.name for r in resumed.applied] == ["unscale_before_clip"]
+
+
+class _ManualLrRise(Regressor):
+    """The lr_schedule scenario's model, stepping its optimizer and scheduler itself (manual optimization)."""
+
+    def __init__(self) -> None:
+        from lightning_ampwatch.scenarios import StepSchedule
+
+        super().__init__(lr=0.02, lr_lambda=StepSchedule(30, 40.0))
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+        return loss
+
+
+def test_under_manual_optimization_the_rollback_says_why_no_snapshot_is_kept(tmp_path: Path) -> None:
+    """The user never turned snapshots off: the rollback evidence gives the reason none is kept (manual
+    optimization), not "snapshots are off"."""
+    from lightning_ampwatch.scenarios import build_trainer
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(remediate="all", verbose=False)
+    scenario = SCENARIOS["lr_schedule"]
+    build_trainer(scenario, [watch], str(tmp_path), max_steps=60).fit(_ManualLrRise(), scenario.dataloader())
+    alarm = next(d for d in watch.diagnoses if d.finding is Finding.LR_SCHEDULE)
+    rollback = alarm.evidence["rollback"]
+    assert rollback.startswith("none: no snapshot is kept (the trajectory control is not available under manual "
+                               "optimization"), rollback
+    assert "snapshots are off" not in rollback

@@ -163,8 +163,9 @@ class Treatment:
             return None, Rollback(RollbackKind.NONE, now, why=(
                 f"the episode began at step {diagnosis.step}, before any state could be kept, so the remedy is "
                 "applied in place")), []
-        why = "snapshots are off" if control is None or not control.ring.enabled else \
-            f"no snapshot from before step {before} is held"
+        off = control.ring.reason if control is not None and not control.ring.enabled else None
+        why = "snapshots are off" if control is None else f"no snapshot is kept ({off})" if off else \
+            "snapshots are off" if not control.ring.enabled else f"no snapshot from before step {before} is held"
         unavailable = getattr(host, "rollback_unavailable", None)  # optional on a host
         no_checkpoint = unavailable() if callable(unavailable) else None
         if no_checkpoint is not None:  # the strategy's reason, not "no file was found"
