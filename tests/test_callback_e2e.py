@@ -491,3 +491,23 @@ def test_resume_restores_diagnoses_and_does_not_reannounce(tmp_path: Path, capsy
     # the resumed watch carries on from the scaler's restored scale, not from the default 2**16
     assert [o.step for o in observations][0] == 22
     assert observations[0].scale == scale_at_checkpoint
+
+
+@pytest.mark.parametrize("remediate", [False, True])
+def test_a_nan_batch_inside_a_start_up_overflow_hides_neither_fault(tmp_path: Path, remediate: bool) -> None:
+    """The scaler skips the first steps (its scale is too high for the summed loss) and the third batch holds a NaN
+    row: both are named, the overflow from step 0 and the data at step 2 (the data's episode once hid the
+    overflow), and the overflow's trajectory replay is not run over the NaN batch (FP32 training would take the NaN
+    in and blame the optimisation)."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=remediate)
+    trainer = build_trainer(SCENARIOS["gradient_overflow"], [watch], str(tmp_path), max_steps=40)
+    trainer.fit(Regressor(lr=1e-4, reduction="sum"),
+                torch.utils.data.DataLoader(regression_data(y_scale=4.0, nan_rows=(70,)), batch_size=32))
+    found = {(d.finding, d.step) for d in alarms(watch)}
+    assert {(Finding.GRADIENT_OVERFLOW, 0), (Finding.DATA_NONFINITE, 2)} <= found, found
+    assert not any(d.finding is Finding.FP32_UNSTABLE for d in watch.diagnoses)
+    overflow = next(d for d in watch.diagnoses if d.finding is Finding.GRADIENT_OVERFLOW)
+    if remediate:
+        assert overflow.remedy == "lower_init_scale"
+        assert "the batch of step 2 holds NaN/inf" in overflow.evidence["trajectory_control"]

@@ -21,6 +21,7 @@ import torch
 from lightning_ampwatch import deepspeed_state, distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
+from lightning_ampwatch.signals import inspect_batch
 from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.records import ControlVerdict, facts_of
@@ -253,6 +254,12 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
             ev["safe_scale_from"] = (f"half the scale the replay's gradients overflowed at ({format_pow2(replayed_at)}"
                                      f"; its largest parameter gradient, {absmax:.4g}, would have allowed more)")
     return finding
+
+
+def _data_steps(steps: Sequence[tuple[int, Sequence[Any]]]) -> list[int]:
+    """The steps of a replay window whose batches hold NaN/inf (one device read per tensor: on an alarm only)."""
+    return [step for step, micro_batches in steps
+            if micro_batches and inspect_batch([mb[0] for mb in micro_batches]).nonfinite]
 
 
 def _replay_went_nonfinite(record: ReplayRecord) -> bool:
@@ -670,6 +677,14 @@ class TrajectoryControl:
                 snapshot = None
                 disagreed = (f"the ranks do not hold the same snapshot from before step {before} (steps by rank: "
                              f"{held}), and a replay from different states would not meet in its collectives")
+        if snapshot is not None and distributed.world_size() == 1:
+            dirty = _data_steps(self.ring.batches(snapshot.step + 1, alarm_step))
+            if dirty:  # (one process only: under several, whether to replay is every rank's decision alike)
+                snapshot = None
+                disagreed = (f"the batch{'es' if len(dirty) > 1 else ''} of step{'s' if len(dirty) > 1 else ''} "
+                             f"{', '.join(str(s) for s in dirty)} hold{'' if len(dirty) > 1 else 's'} NaN/inf, which "
+                             "FP32 training from the snapshot would take in: a replay would show the data's fault, not "
+                             "whether reduced precision is at fault")
         local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
             reason = disagreed or self.ring.reason or self.ring.dropped or (

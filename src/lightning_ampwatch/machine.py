@@ -147,6 +147,11 @@ DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 # ------------------------------------------------------------------------------------ the machine
 
 
+def _data_step(obs: Observation) -> bool:
+    """A step whose loss its own batch made non-finite (NaN/inf in the data that reached the loss)."""
+    return obs.loss_finite is False and obs.batch is not None and obs.batch.nonfinite
+
+
 class AmpStateMachine:
     """Feed ``observe`` one :class:`Observation` per optimizer step, in order; it returns new diagnoses.
 
@@ -214,7 +219,7 @@ class AmpStateMachine:
                 if not s.growth_skips or s.growth_skips[-1] != s.growths[-1]:
                     s.growth_skips.append(s.growths[-1])
             self._extend_streak(obs)
-            if s.episode is not None:
+            if s.episode is not None and not self._beside_data(s.episode, obs):
                 s.episode.clean_run = 0
             else:
                 diagnosis = self._classify(obs)
@@ -455,10 +460,10 @@ class AmpStateMachine:
         streak, from_start = s.streak, s.streak_from_start
         s.streak = None
         s.streak_from_start = False
-        if streak is not None and s.episode is None:
-            if from_start and streak.count >= t.startup_streak and streak.all_loss_finite:
+        if streak is not None and (s.episode is None or self._beside_data(s.episode, None)):
+            if from_start and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 out.extend(self._raise(self._startup_overflow(streak, obs), obs.step))
-            elif not s.normal_reported and s.isolated_since is None:
+            elif s.episode is None and not s.normal_reported and s.isolated_since is None:
                 s.isolated_since = streak.first_step
         if s.isolated_since is not None and s.episode is None and not s.normal_reported \
                 and not self._recent_skips_after(obs.step - t.recovery_steps):
@@ -496,8 +501,17 @@ class AmpStateMachine:
             streak = self.state.streak = Streak(obs.step, obs.scale)
         streak.count += 1
         streak.scales.append(obs.scale)
-        if obs.loss_finite is False:
+        if _data_step(obs):
+            streak.data += 1  # (a loss its own NaN batch made non-finite says nothing of the scale)
+        elif obs.loss_finite is False:
             streak.all_loss_finite = False
+
+    def _beside_data(self, episode: Episode, obs: Observation | None) -> bool:
+        """Under a GradScaler, a data episode (a NaN batch, skipped: the weights stay clean) does not hide a fault
+        of its own kind in the steps around it, such as a start-up gradient overflow: an anomaly whose own batch is
+        clean (``obs``; None: the end of a streak) is judged as if no episode were open."""
+        return episode.finding is Finding.DATA_NONFINITE and self.mode is PrecisionMode.FP16 \
+            and (obs is None or not _data_step(obs))
 
     def first_sign(self, step: int) -> int:
         """Where trouble at ``step`` first showed, as far as the machine knows now (see :meth:`_first_sign`)."""
@@ -590,7 +604,7 @@ class AmpStateMachine:
                       onset=streak.first_step)
             return Finding.GRADIENT_OVERFLOW
         if s.streak_from_start:
-            if self.early_startup and streak.count >= t.startup_streak and streak.all_loss_finite:
+            if self.early_startup and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 ev.update(pattern=GradientPattern.STARTUP, scale_history=list(streak.scales), onset=streak.first_step)
                 return Finding.GRADIENT_OVERFLOW
             return None  # wait: the streak is judged when it ends and the safe scale is known

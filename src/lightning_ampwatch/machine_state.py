@@ -40,7 +40,8 @@ class Streak:
     first_step: int
     first_scale: float | None
     count: int = 0
-    all_loss_finite: bool = True
+    all_loss_finite: bool = True  # leaving out the losses their own NaN batches made non-finite
+    data: int = 0  # of ``count``, steps whose own batch made the loss non-finite
     scales: deque[float | None] = field(default_factory=lambda: deque(maxlen=SCALE_HISTORY))
 
     def __post_init__(self) -> None:
