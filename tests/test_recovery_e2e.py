@@ -3,6 +3,7 @@ run is not healthy again. Real fits: true float16 autocast with a real GradScale
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -223,3 +224,43 @@ def test_replay_episode_trains_on_the_episodes_batches_again_with_the_remedy(tmp
     losses = [float(v) for v in rollback.split("(losses ")[1].rstrip(")").split(", ")]
     assert all(v < 1.0 for v in losses)  # at the LR from before the jump the episode's batches train normally
     assert d.outcome == "recovered"
+
+
+class Warmup(Regressor):
+    """SGD with a linear warmup to 1.5 over 60 steps: in float16 the loss climbs from about step 13, once the LR has
+    about doubled from where it stood six steps before (a warmup too steep for the model)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=1.5)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=60)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_reduce_lr_after_a_warmup_rise_holds_the_lr_near_the_one_before_the_rise_not_the_one_restored(
+        tmp_path: Path, capsys: Any) -> None:
+    """The rollback goes back to the warmup's first steps, far below the LR before the rise: the ceiling is the LR
+    before the rise (here at most half the raised LR), the re-run steps run the warmup as they first ran it up to
+    there, and the rest of the run trains at the ceiling, not at the LR the rollback restored."""
+    watch = AmpWatch(remediate="all")
+    trainer, *_ = _fit(tmp_path, Warmup, regression_data(), watch, max_steps=40)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "recovered")
+    assert "to step 1 (the in-memory snapshot taken after step 0)" in d.evidence["rollback"]
+    before, raised = d.evidence["lr_before"], d.evidence["lr_after"]
+    details = d.evidence["remedy_details"]
+    ceiling = min(before, raised / 2)
+    restored = details["lr_before"][0]  # the warmup's LR at step 1, where the rollback went back to
+    assert details["factor"] == 1.0 and details["ceiling"] == [pytest.approx(ceiling)]
+    assert details["lr_after"] == [pytest.approx(restored)] and ceiling > 3 * restored
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(ceiling)  # what the rest of the run trains at
+    timeline = read_timeline(tmp_path / "ampwatch" / "timeline.jsonl")
+    first = watch.applied[0].step
+    first_run = [lr[0] for step, lr in zip(timeline.steps, timeline.lrs) if 1 <= step < first]  # from the snapshot
+    rerun = [lr[0] for step, lr in zip(timeline.steps, timeline.lrs) if step >= first]
+    below = [lr for lr in first_run if lr <= ceiling]
+    assert len(below) >= 4 and rerun[:len(below)] == pytest.approx(below)  # the warmup as it first ran, up to there
+    assert rerun[len(below):] == pytest.approx([ceiling] * (len(rerun) - len(below)))  # then held there
+    assert len(rerun) - len(below) >= 8
+    out = re.sub(r"(\s*│\s*)+", " ", capsys.readouterr().out)  # the panel's wrapped lines joined
+    assert (f"Applied: reduce_lr: learning rates held at or under {ceiling:g} (at most half the LR the rise reached; "
+            f"the LR before it was {before:g})") in out, out
