@@ -569,3 +569,33 @@ def test_reduce_lr_keeps_its_ceiling_between_a_hundredth_and_half_the_raised_lr_
         group["lr"] = 0.0
     zero = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.4))
     assert zero["factor"] == 1.0 and zero["ceiling"] == pytest.approx([0.05, 0.005])
+
+
+def test_reapply_all_keeps_a_resumed_runs_own_precision_and_says_in_one_line_what_it_did_not_put_back(
+        tmp_path: Path) -> None:
+    """A checkpoint of a run that lowered its scale, islanded a module and then fell back to bf16, resumed at
+    32-true: nothing is switched or attached, and one line names what was not put back (the scale remedy is not
+    named: the fallback had already taken the scaler out of the run)."""
+    records = [AppliedRemedy(RemedyName.LOWER_INIT_SCALE, 3, "GRADIENT_OVERFLOW", {"scale_after": 1024.0}),
+               AppliedRemedy(RemedyName.FP32_ISLAND, 5, "FORWARD_OVERFLOW", {"module": "block"}),
+               AppliedRemedy(RemedyName.BF16_FALLBACK, 9, "INPUT_RANGE", {"precision_before": "16-mixed",
+                                                                           "precision_after": "bf16-mixed"})]
+    model, resumed = _Net(), make_trainer(tmp_path, [], "32-true")
+    plugin = resumed.precision_plugin
+    lines = reapply_all(RemedyContext(trainer=resumed, module=model, scaler=None, device=torch.device("cpu"),
+                                      guards=RecipeGuards()), records)
+    assert lines == ["AmpWatch: the checkpoint's fp32_island, bf16_fallback were not applied again: the resumed run "
+                     "trains at 32-true, the precision it was built with."]
+    assert resumed.precision_plugin is plugin and getattr(model.block, ISLAND_ATTR, None) is None
+    # the scale remedy alone, resumed in bf16: named, since it was in effect when the checkpoint was written
+    assert reapply_all(RemedyContext(trainer=make_trainer(tmp_path, [], "bf16-mixed"), module=_Net(), scaler=None,
+                                     device=torch.device("cpu")), records[:1]) == [
+        "AmpWatch: the checkpoint's lower_init_scale was not applied again: the resumed run trains at bf16-mixed, "
+        "the precision it was built with."]
+    # resumed at float16 where bfloat16 is not supported: the fallback cannot be put back, the rest still is
+    fp16, model = make_trainer(tmp_path, []), _Net()
+    lines = reapply_all(RemedyContext(trainer=fp16, module=model, scaler=fp16.precision_plugin.scaler,
+                                      device=torch.device("meta"), guards=RecipeGuards()), records[1:] + records[1:2])
+    assert lines == ["AmpWatch: the checkpoint's bf16_fallback was not applied again: bfloat16 autocast is not "
+                     "supported on meta; the resumed run trains at 16-mixed."]
+    assert fp16.precision_plugin.precision == "16-mixed" and getattr(model.block, ISLAND_ATTR, None) is not None

@@ -174,16 +174,19 @@ class ReduceLr(Remedy):
             return [LR_FACTOR * cap for cap in held.caps]
         top = _ceiling_top(*rise)
         if again:  # no ceiling held by the earlier rung: half what it set, and at most the level before the rise
-            tried = [float(t) for t in diagnosis.evidence.get("lr_tried") or [] if isinstance(t, (int, float)) and t > 0]
+            tried = [float(t) for t in diagnosis.evidence.get("lr_tried") or []
+                     if isinstance(t, (int, float)) and t > 0]
             top = LR_FACTOR * min(top, max(tried)) if tried else top * LR_FACTOR ** _earlier_rungs(diagnosis)
         return _spread(ctx, current, top)
 
-    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """The ceiling is a wrapper on the module's hook, which a checkpoint does not carry: put back (the rates
-        and the schedules themselves came back with the optimizers' and the schedulers' states)."""
+        and the schedules themselves came back with the optimizers' and the schedulers' states), whatever the
+        precision: a learning rate does not depend on it."""
         caps = record.details.get("ceiling")
         if isinstance(caps, list) and caps and ctx.lightning_module is not None:
             LrCeiling.install(ctx.lightning_module, [float(c) for c in caps])
+        return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
         changes = ", ".join(f"{b:g} -> {a:g}" for b, a in zip(details["lr_before"], details["lr_after"]))
