@@ -539,6 +539,7 @@ def test_reduce_lr_after_a_rollback_into_the_warmup_holds_the_lr_before_the_rise
     second = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.5, lr_after=4.0, remedies_tried=tried,
                                    lr_tried=[0.1, 0.01]))
     assert second["factor"] == 1.0 and second["ceiling"] == pytest.approx([0.25, 0.025])
+    assert second["compounded_on"] == pytest.approx([0.5, 0.05])  # the ceiling it halved, not the LRs restored
     assert unit.describe(second) == "learning rates held at or under 0.25, 0.025"
     for _ in range(4):
         module.lr_scheduler_step(sched, None)

@@ -141,6 +141,7 @@ class ReduceLr(Remedy):
         rise = _rise(diagnosis) if _can_hold(ctx) else None
         before = _lrs(ctx)
         caps: list[float] | None = None
+        earlier_caps = self._earlier_ceiling(ctx, diagnosis, before) if rise is not None else None
         if rise is not None:
             caps = self._caps(ctx, diagnosis, before, rise)
             factor = _down_to(before, caps)
@@ -157,7 +158,9 @@ class ReduceLr(Remedy):
             details["ceiling"] = list(held.caps)
         if isinstance(diagnosis.evidence.get("lr_before"), (int, float)):
             details["back_to"] = diagnosis.evidence["lr_before"]  # the LR just before the rise
-        if isinstance(diagnosis.evidence.get("lr_tried"), list):
+        if earlier_caps is not None:
+            details["compounded_on"] = earlier_caps  # the ceiling the earlier rung held
+        elif isinstance(diagnosis.evidence.get("lr_tried"), list):
             details["compounded_on"] = diagnosis.evidence["lr_tried"]  # what the earlier rung had set
         return details
 
@@ -168,16 +171,24 @@ class ReduceLr(Remedy):
         the raised LR, at least a hundredth of it), the level the evidence measured, whatever LR a rollback restored
         (it may be earlier in a warmup than the rise; the steps from there re-run as they first ran). The other
         groups keep their share of it. A rung after one that did not recover: half the ceiling that one held."""
+        earlier = ReduceLr._earlier_ceiling(ctx, diagnosis, current)
+        if earlier is not None:
+            return [LR_FACTOR * cap for cap in earlier]
         again = isinstance(diagnosis.evidence.get("lr_tried"), list) or _earlier_rungs(diagnosis) > 0
-        held = LrCeiling.installed(ctx.lightning_module) if again else None
-        if held is not None and len(held.caps) == len(current):
-            return [LR_FACTOR * cap for cap in held.caps]
         top = _ceiling_top(*rise)
         if again:  # no ceiling held by the earlier rung: half what it set, and at most the level before the rise
             tried = [float(t) for t in diagnosis.evidence.get("lr_tried") or []
                      if isinstance(t, (int, float)) and t > 0]
             top = LR_FACTOR * min(top, max(tried)) if tried else top * LR_FACTOR ** _earlier_rungs(diagnosis)
         return _spread(ctx, current, top)
+
+    @staticmethod
+    def _earlier_ceiling(ctx: RemedyContext, diagnosis: Diagnosis, current: Sequence[float]) -> list[float] | None:
+        """For a rung after one that did not recover: the ceiling that one held (None: a first rung, or none held)."""
+        if not (isinstance(diagnosis.evidence.get("lr_tried"), list) or _earlier_rungs(diagnosis) > 0):
+            return None
+        held = LrCeiling.installed(ctx.lightning_module)
+        return list(held.caps) if held is not None and len(held.caps) == len(current) else None
 
     def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """The ceiling is a wrapper on the module's hook, which a checkpoint does not carry: put back (the rates
