@@ -227,12 +227,17 @@ def test_replay_episode_trains_on_the_episodes_batches_again_with_the_remedy(tmp
 
 
 class Warmup(Regressor):
-    """SGD with a linear warmup to 1.5 over 60 steps: in float16 the loss climbs from about step 13, once the LR has
-    about doubled from where it stood six steps before (a warmup too steep for the model)."""
+    """SGD with a linear warmup from a hundredth of ``peak`` to ``peak`` over ``steps`` steps; to 1.5 over 60, in
+    float16 the loss climbs from about step 13, once the LR has about doubled from where it stood six steps before
+    (a warmup too steep for the model)."""
+
+    def __init__(self, peak: float = 1.5, steps: int = 60) -> None:
+        super().__init__()
+        self.peak, self.steps = peak, steps
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=1.5)
-        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=60)
+        opt = torch.optim.SGD(self.parameters(), lr=self.peak)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=self.steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -264,3 +269,20 @@ def test_reduce_lr_after_a_warmup_rise_holds_the_lr_near_the_one_before_the_rise
     out = re.sub(r"(\s*│\s*)+", " ", capsys.readouterr().out)  # the panel's wrapped lines joined
     assert (f"Applied: reduce_lr: learning rates held at or under {ceiling:g} (at most half the LR the rise reached; "
             f"the LR before it was {before:g})") in out, out
+
+
+def test_reduce_lr_after_a_steeper_warmup_rolled_back_past_its_start_scales_down_to_the_lr_before_the_rise(
+        tmp_path: Path) -> None:
+    """To 3.0 over 40 steps: the rise began at the fit's first step (0.03), and the snapshot after it restores the
+    warmup's second LR, already past that: the rates are scaled down to the LR before the rise and held there (the
+    factor used to be applied to the restored LR, which put the ceiling 3x under the warmup's first LR)."""
+    watch = AmpWatch(verbose=False, remediate="all")
+    trainer, *_ = _fit(tmp_path, lambda: Warmup(3.0, 40), regression_data(), watch, max_steps=40)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy) == (Finding.LR_SCHEDULE, "reduce_lr")
+    before = d.evidence["lr_before"]
+    assert before == pytest.approx(0.03)  # the warmup's first LR, a hundredth of 3.0
+    details = d.evidence["remedy_details"]
+    assert details["lr_before"][0] > before and details["factor"] < 1
+    assert details["lr_after"] == [pytest.approx(before)] and details["ceiling"] == [pytest.approx(before)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(before)  # what the rest of the run trains at
