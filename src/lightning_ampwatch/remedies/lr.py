@@ -130,9 +130,8 @@ class ReduceLr(Remedy):
     """Lower the learning rates. After an LR rise (under Lightning): held at or under the level before the rise from
     now on, whatever the scheduler computes (at most half the raised LR, at least a hundredth of it); the rates a
     rollback restored are scaled only where they stand above that ceiling. A rung after one that did not recover
-    halves the ceiling that one held (and scales what stands above the new one). Otherwise:
-    every rate scaled, back to the level before the rise, at least halved (a tenth for a run that diverges at full
-    precision)."""
+    halves the ceiling that one held (and scales what stands above the new one). Otherwise: every rate scaled,
+    back to the level before the rise, at least halved (a tenth for a run that diverges at full precision)."""
 
     name = RemedyName.REDUCE_LR
     effects = frozenset({Effect.OPTIMIZERS})
