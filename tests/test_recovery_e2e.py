@@ -3,6 +3,7 @@ run is not healthy again. Real fits: true float16 autocast with a real GradScale
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -244,3 +245,65 @@ def test_a_nan_batch_inside_a_remedys_watch_is_not_held_against_the_remedy(tmp_p
     assert "step 8 left out: the batch itself held NaN/inf" in recovery["reason"]
     assert [d.step for d in watch.diagnoses if d.finding is Finding.DATA_NONFINITE][:1] == [8]
     assert all(p.isfinite().all() for p in trainer.lightning_module.parameters())
+
+
+class Warmup(Regressor):
+    """SGD with a linear warmup from a hundredth of ``peak`` to ``peak`` over ``steps`` steps; to 1.5 over 60, in
+    float16 the loss climbs from about step 13, once the LR has about doubled from where it stood six steps before
+    (a warmup too steep for the model)."""
+
+    def __init__(self, peak: float = 1.5, steps: int = 60) -> None:
+        super().__init__()
+        self.peak, self.steps = peak, steps
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.peak)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_reduce_lr_after_a_warmup_rise_holds_the_lr_near_the_one_before_the_rise_not_the_one_restored(
+        tmp_path: Path, capsys: Any) -> None:
+    """The rollback goes back to the warmup's first steps, far below the LR before the rise: the ceiling is the LR
+    before the rise (here at most half the raised LR), the re-run steps run the warmup as they first ran it up to
+    there, and the rest of the run trains at the ceiling, not at the LR the rollback restored."""
+    watch = AmpWatch(remediate="all")
+    trainer, *_ = _fit(tmp_path, Warmup, regression_data(), watch, max_steps=40)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy, d.outcome) == (Finding.LR_SCHEDULE, "reduce_lr", "recovered")
+    assert "to step 1 (the in-memory snapshot taken after step 0)" in d.evidence["rollback"]
+    before, raised = d.evidence["lr_before"], d.evidence["lr_after"]
+    details = d.evidence["remedy_details"]
+    ceiling = min(before, raised / 2)
+    restored = details["lr_before"][0]  # the warmup's LR at step 1, where the rollback went back to
+    assert details["factor"] == 1.0 and details["ceiling"] == [pytest.approx(ceiling)]
+    assert details["lr_after"] == [pytest.approx(restored)] and ceiling > 3 * restored
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(ceiling)  # what the rest of the run trains at
+    timeline = read_timeline(tmp_path / "ampwatch" / "timeline.jsonl")
+    first = watch.applied[0].step
+    first_run = [lr[0] for step, lr in zip(timeline.steps, timeline.lrs) if 1 <= step < first]  # from the snapshot
+    rerun = [lr[0] for step, lr in zip(timeline.steps, timeline.lrs) if step >= first]
+    below = [lr for lr in first_run if lr <= ceiling]
+    assert len(below) >= 4 and rerun[:len(below)] == pytest.approx(below)  # the warmup as it first ran, up to there
+    assert rerun[len(below):] == pytest.approx([ceiling] * (len(rerun) - len(below)))  # then held there
+    assert len(rerun) - len(below) >= 8
+    out = re.sub(r"(\s*│\s*)+", " ", capsys.readouterr().out)  # the panel's wrapped lines joined
+    assert (f"Applied: reduce_lr: learning rates held at or under {ceiling:g} (at most half the LR the rise reached; "
+            f"the LR before it was {before:g})") in out, out
+
+
+def test_reduce_lr_after_a_steeper_warmup_rolled_back_past_its_start_scales_down_to_the_lr_before_the_rise(
+        tmp_path: Path) -> None:
+    """To 3.0 over 40 steps: the rise began at the fit's first step (0.03), and the snapshot after it restores the
+    warmup's second LR, already past that: the rates are scaled down to the LR before the rise and held there (the
+    factor used to be applied to the restored LR, which put the ceiling 3x under the warmup's first LR)."""
+    watch = AmpWatch(verbose=False, remediate="all")
+    trainer, *_ = _fit(tmp_path, lambda: Warmup(3.0, 40), regression_data(), watch, max_steps=40)
+    [d] = _remedied(watch)
+    assert (d.finding, d.remedy) == (Finding.LR_SCHEDULE, "reduce_lr")
+    before = d.evidence["lr_before"]
+    assert before == pytest.approx(0.03)  # the warmup's first LR, a hundredth of 3.0
+    details = d.evidence["remedy_details"]
+    assert details["lr_before"][0] > before and details["factor"] < 1
+    assert details["lr_after"] == [pytest.approx(before)] and details["ceiling"] == [pytest.approx(before)]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(before)  # what the rest of the run trains at

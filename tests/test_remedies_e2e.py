@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +327,49 @@ def test_resume_after_a_remedy_puts_it_back_before_the_first_step(tmp_path: Path
     assert [d.remedy for d in resumed.diagnoses if d.is_alarm] == [remedy]  # the old one, not announced again
     assert len(_alarms(resumed)) == 1
     assert _finite(model)
+
+
+@pytest.mark.parametrize("name,remedy,precision,expect", [
+    ("input_range", "bf16_fallback", "32-true", {"precision": "32-true", "island": False}),
+    ("input_range", "bf16_fallback", "bf16-true", {"precision": "bf16-true", "island": False}),
+    ("forward_overflow", "fp32_island", "16-true", {"precision": "16-true", "island": False}),
+    ("forward_overflow", "fp32_island", "32-true", {"precision": "32-true", "island": False}),
+    ("gradient_overflow", "lower_init_scale", "bf16-mixed", {"precision": "bf16-mixed", "island": False}),
+    ("forward_overflow", "fp32_island", "bf16-mixed", {"precision": "bf16-mixed", "island": True}),
+    ("input_range", "bf16_fallback", "bf16-mixed", {"precision": "bf16-mixed", "island": False}),
+])
+def test_resume_at_another_precision_keeps_it_and_says_which_remedy_was_not_put_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str, remedy: str, precision: str,
+        expect: dict[str, Any]) -> None:
+    """A run resumed at a precision it was not checkpointed at is the user's choice: a bf16_fallback does not switch
+    a 32-true or bf16-true run to bf16-mixed, an FP32 island is not attached where nothing autocasts (in a 16-true
+    run it cast the inputs to float32 against float16 weights, and the run crashed), a scaler's remedy has no scaler
+    to act on; one line says which remedies were not put back, and why. Under mixed precision the island is put back,
+    and a bf16 run needs no switch: nothing is said."""
+    scenario = SCENARIOS[name]
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=True)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=4)
+    _fit(tmp_path, scenario.model(), scenario.data(), watch, 8, scaler=scenario.scaler,
+         batch_size=scenario.batch_size, callbacks=[ckpt], enable_checkpointing=True)
+    assert [r.name for r in watch.applied] == [remedy]
+
+    resumed, probe = AmpWatch(verbose=False, remediate=True), PrecisionAtStart()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=16, precision=precision, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[resumed, probe])
+    model = scenario.model()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):  # where Lightning's rank-zero lines go
+        trainer.fit(model, DataLoader(scenario.data(), batch_size=scenario.batch_size),
+                    ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert probe.first == {**expect, "step": 8}
+    assert trainer.precision_plugin.precision == precision and trainer.global_step == 16  # trained on, as built
+    said = [r.getMessage() for r in caplog.records if "not applied again" in r.getMessage()]
+    if expect["island"] or precision == "bf16-mixed" and remedy == "bf16_fallback":
+        assert said == []
+    else:
+        assert said == [f"AmpWatch: the checkpoint's {remedy} was not applied again: the resumed run trains at "
+                        f"{precision}, the precision it was built with."]
+    assert [r.name for r in resumed.applied] == [remedy]  # the record is kept, as it was
 
 
 def test_resume_after_unscale_before_clip_keeps_clipping_real_gradients(tmp_path: Path) -> None:

@@ -509,3 +509,94 @@ def test_reduce_lr_still_past_the_rise_scales_back_to_before_it_and_holds_there(
     trainer.strategy.lr_scheduler_configs = []
     unscheduled = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.1))
     assert "ceiling" not in unscheduled and unscheduled["factor"] == 0.5
+
+
+def test_reduce_lr_after_a_rollback_into_the_warmup_holds_the_lr_before_the_rise_not_the_restored_one(
+        tmp_path: Path) -> None:
+    """A rollback to early in a warmup restores LRs far below the one before the rise: they are not scaled (the
+    re-run steps run the warmup as they first ran it), and the ceiling is the LR before the rise, each group its
+    share of it, not the restored LRs (which froze the rest of the run at the warmup's first LR)."""
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: s + 1.0)  # a warmup, from 0.1 up
+    ctx = RemedyContext(trainer=trainer, module=module, scaler=None, device=torch.device("cpu"),
+                        lightning_module=module)
+    assert _lrs(opt) == [0.1, 0.01]  # the restored LRs: the warmup's first
+    details = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.5, lr_after=4.0))
+    assert details["factor"] == 1.0 and details["lr_after"] == [0.1, 0.01]
+    assert details["ceiling"] == pytest.approx([0.5, 0.05])
+    assert unit.describe(details) == "learning rates held at or under 0.5, 0.05 (the LRs before the rise)"
+    module.lr_scheduler_step(sched, None)  # the warmup's next step, 2x: under the ceiling, as it first ran
+    assert _lrs(opt) == pytest.approx([0.2, 0.02])
+    for _ in range(5):
+        module.lr_scheduler_step(sched, None)
+    assert _lrs(opt) == pytest.approx([0.5, 0.05])  # 7x computed, held at the LR before the rise
+    # a rung after it that did not recover, after a rollback to the warmup's start again: half the ceiling held
+    # (not half the restored LRs)
+    sched.last_epoch = 0
+    for group in opt.param_groups:
+        group["lr"] = group["initial_lr"] * 1.0
+    tried = [{"remedy": "reduce_lr", "outcome": "not_recovered", "reason": "..."}]
+    second = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.5, lr_after=4.0, remedies_tried=tried,
+                                   lr_tried=[0.1, 0.01]))
+    assert second["factor"] == 1.0 and second["ceiling"] == pytest.approx([0.25, 0.025])
+    assert second["compounded_on"] == pytest.approx([0.5, 0.05])  # the ceiling it halved, not the LRs restored
+    assert unit.describe(second) == "learning rates held at or under 0.25, 0.025"
+    for _ in range(4):
+        module.lr_scheduler_step(sched, None)
+    assert _lrs(opt) == pytest.approx([0.25, 0.025])
+
+
+def test_reduce_lr_keeps_its_ceiling_between_a_hundredth_and_half_the_raised_lr_and_says_so(tmp_path: Path) -> None:
+    unit = REGISTRY[RemedyName.REDUCE_LR]
+    trainer, module, opt, sched = _ceiling_fit(tmp_path, lambda s: 1.0)
+    ctx = RemedyContext(trainer=trainer, module=module, scaler=None, device=torch.device("cpu"),
+                        lightning_module=module)
+    # a rise of less than 2x (0.3 -> 0.4): at least halved from the raised LR, under the LR before the rise
+    small = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.3, lr_after=0.4))
+    assert small["factor"] == 1.0 and small["ceiling"] == pytest.approx([0.2, 0.02])
+    assert unit.describe(small) == ("learning rates held at or under 0.2, 0.02 (at most half the LR the rise "
+                                    "reached; the LR before it was 0.3)")
+    LrCeiling.uninstall(module)
+    # a rise of more than 100x (a warmup from near zero, 0.0001 -> 0.4): a hundredth of the raised LR, not the start
+    for group in opt.param_groups:
+        group["lr"] = group["initial_lr"] * 0.001  # restored early in the warmup
+    large = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.0001, lr_after=0.4))
+    assert large["factor"] == 1.0 and large["ceiling"] == pytest.approx([0.004, 0.0004])
+    assert unit.describe(large) == ("learning rates held at or under 0.004, 0.0004 (a hundredth of the LR the rise "
+                                    "reached, or less; the LR before it was 0.0001)")
+    LrCeiling.uninstall(module)
+    # a warmup from zero, restored at zero: each group's share comes from the scheduler's base rates
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    zero = unit.apply(ctx, _diag(Finding.LR_SCHEDULE, lr_before=0.05, lr_after=0.4))
+    assert zero["factor"] == 1.0 and zero["ceiling"] == pytest.approx([0.05, 0.005])
+
+
+def test_reapply_all_keeps_a_resumed_runs_own_precision_and_says_in_one_line_what_it_did_not_put_back(
+        tmp_path: Path) -> None:
+    """A checkpoint of a run that lowered its scale, islanded a module and then fell back to bf16, resumed at
+    32-true: nothing is switched or attached, and one line names what was not put back (the scale remedy is not
+    named: the fallback had already taken the scaler out of the run)."""
+    records = [AppliedRemedy(RemedyName.LOWER_INIT_SCALE, 3, "GRADIENT_OVERFLOW", {"scale_after": 1024.0}),
+               AppliedRemedy(RemedyName.FP32_ISLAND, 5, "FORWARD_OVERFLOW", {"module": "block"}),
+               AppliedRemedy(RemedyName.BF16_FALLBACK, 9, "INPUT_RANGE", {"precision_before": "16-mixed",
+                                                                           "precision_after": "bf16-mixed"})]
+    model, resumed = _Net(), make_trainer(tmp_path, [], "32-true")
+    plugin = resumed.precision_plugin
+    lines = reapply_all(RemedyContext(trainer=resumed, module=model, scaler=None, device=torch.device("cpu"),
+                                      guards=RecipeGuards()), records)
+    assert lines == ["AmpWatch: the checkpoint's fp32_island, bf16_fallback were not applied again: the resumed run "
+                     "trains at 32-true, the precision it was built with."]
+    assert resumed.precision_plugin is plugin and getattr(model.block, ISLAND_ATTR, None) is None
+    # the scale remedy alone, resumed in bf16: named, since it was in effect when the checkpoint was written
+    assert reapply_all(RemedyContext(trainer=make_trainer(tmp_path, [], "bf16-mixed"), module=_Net(), scaler=None,
+                                     device=torch.device("cpu")), records[:1]) == [
+        "AmpWatch: the checkpoint's lower_init_scale was not applied again: the resumed run trains at bf16-mixed, "
+        "the precision it was built with."]
+    # resumed at float16 where bfloat16 is not supported: the fallback cannot be put back, the rest still is
+    fp16, model = make_trainer(tmp_path, []), _Net()
+    lines = reapply_all(RemedyContext(trainer=fp16, module=model, scaler=fp16.precision_plugin.scaler,
+                                      device=torch.device("meta"), guards=RecipeGuards()), records[1:] + records[1:2])
+    assert lines == ["AmpWatch: the checkpoint's bf16_fallback was not applied again: bfloat16 autocast is not "
+                     "supported on meta; the resumed run trains at 16-mixed."]
+    assert fp16.precision_plugin.precision == "16-mixed" and getattr(model.block, ISLAND_ATTR, None) is not None

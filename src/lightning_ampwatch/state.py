@@ -30,6 +30,9 @@ class WatchState:
     def remedy_context(self) -> Any:
         raise NotImplementedError
 
+    def _say(self, message: str) -> None:
+        raise NotImplementedError
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
@@ -70,7 +73,8 @@ class WatchState:
         if self.applied:
             # a checkpoint carries neither forward hooks nor a swapped precision plugin: put them back first
             try:
-                reapply_all(self.remedy_context(), self.applied)
+                for line in reapply_all(self.remedy_context(), self.applied):
+                    self._say(line)  # (the reporters are not built yet: the host's own line)
             except Exception as err:  # noqa: BLE001
                 self._warn_state(f"a remedy it records cannot be applied again ({type(err).__name__}: {err})",
                                  "applied")

@@ -90,14 +90,18 @@ class Remedy(ABC):
 
     name: ClassVar[RemedyName]
     effects: ClassVar[frozenset[Effect]] = frozenset()
+    #: It acts on (or through) the float16 loss scaler: a later ``bf16_fallback`` took it out of the run.
+    needs_scaler: ClassVar[bool] = False
 
     @abstractmethod
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         """Change the run; return the details (what it was before, what it is now). ``RemedyError`` if it cannot."""
 
-    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """After a resume, before the first step. Nothing by default: the state lives in what Lightning checkpoints
-        (the scaler's, the optimizers', the schedulers')."""
+        (the scaler's, the optimizers', the schedulers'). Returns None, or why it was not put back (the resumed run
+        trains at another precision than the one it acted on, which is the user's to choose: it is kept)."""
+        return None
 
     @abstractmethod
     def describe(self, details: Mapping[str, Any]) -> str:
@@ -115,10 +119,21 @@ def register(unit: _Unit) -> _Unit:
     return unit
 
 
-def reapply_all(ctx: RemedyContext, applied: Sequence[AppliedRemedy]) -> None:
-    """On resume: every applied remedy puts back what a checkpoint could not carry, in the order applied."""
-    for record in applied:
-        REGISTRY[record.name].reapply(ctx, record)
+def reapply_all(ctx: RemedyContext, applied: Sequence[AppliedRemedy]) -> list[str]:
+    """On resume: every applied remedy puts back what a checkpoint could not carry, in the order applied. Returns
+    the lines to say: one for each reason some were not put back, naming them. A scaler's remedy that a later
+    ``bf16_fallback`` had already taken out of the run (bf16 has no scaler) is not named."""
+    last_fallback = max((i for i, r in enumerate(applied) if r.name is RemedyName.BF16_FALLBACK), default=-1)
+    left: dict[str, list[str]] = {}
+    for i, record in enumerate(applied):
+        unit = REGISTRY[record.name]
+        why = unit.reapply(ctx, record)
+        if why and not (unit.needs_scaler and i < last_fallback):
+            names = left.setdefault(why, [])
+            if record.name.value not in names:
+                names.append(record.name.value)
+    return [f"AmpWatch: the checkpoint's {', '.join(names)} {'was' if len(names) == 1 else 'were'} not applied "
+            f"again: {why}." for why, names in left.items()]
 
 
 def require_scaler(ctx: RemedyContext) -> Any:

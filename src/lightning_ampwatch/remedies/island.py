@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_ampwatch import deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
+from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
 
 ISLAND_ATTR = "_ampwatch_fp32_island"
@@ -102,10 +103,16 @@ class Fp32Island(Remedy):
         attach_island(ctx.module, name, ctx.device.type)
         return {"module": name}
 
-    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
-        """A checkpoint holds weights, not the island: attach it again."""
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
+        """A checkpoint holds weights, not the island: attach it again, where the run autocasts (mixed precision).
+        A run resumed without autocast (32-true, 16-true, bf16-true) is the user's choice: an island there would
+        cast the module's inputs to float32 against weights in another dtype. Kept, and why is returned."""
+        precision = run_precision(ctx)
+        if precision != UNKNOWN and not precision.endswith("-mixed"):
+            return built_with(precision)
         if record.details.get("module") is not None:
             attach_island(ctx.module, record.details["module"], ctx.device.type)
+        return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
         return f"{details['module'] or 'the whole model'} runs in float32 with autocast off"

@@ -20,8 +20,32 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+#: The precision with a float16 loss scaler (Lightning's and Fabric's name for float16 autocast).
+FLOAT16_MIXED = "16-mixed"
+UNKNOWN = "?"
+
+
+def run_precision(ctx: RemedyContext) -> str:
+    """The precision the run trains at now, as Lightning (or Fabric) names it; ``"?"`` where the context does not
+    say (no trainer)."""
+    strategy = getattr(ctx.trainer, "strategy", None)
+    return str(getattr(getattr(strategy, "precision_plugin", None), "precision", UNKNOWN))
+
+
 def _precision(ctx: RemedyContext) -> str:
-    return str(getattr(ctx.trainer.strategy.precision_plugin, "precision", "?"))
+    return run_precision(ctx)
+
+
+def built_with(precision: str) -> str:
+    """Why a remedy is not put back on a resumed run that trains at ``precision`` (the user's choice)."""
+    return f"the resumed run trains at {precision}, the precision it was built with"
+
+
+def without_scaler(ctx: RemedyContext) -> str | None:
+    """Why a scaler's remedy is not put back: the resumed run trains at a precision with no float16 loss scaler
+    (None: it has one, or its precision is not known)."""
+    precision = run_precision(ctx)
+    return None if precision in (FLOAT16_MIXED, UNKNOWN) else built_with(precision)
 
 
 def _switch_to_bf16(ctx: RemedyContext) -> None:
@@ -48,10 +72,21 @@ class Bf16Fallback(Remedy):
         _switch_to_bf16(ctx)
         return {"precision_before": before, "precision_after": BF16}
 
-    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
-        """The resumed Trainer is built anew with the original precision: switch it again."""
-        if _precision(ctx) != BF16:
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
+        """The resumed Trainer is built anew with the original precision: switch it again, where it trains at the
+        precision the fallback replaced (float16 mixed). A run resumed at another one (32-true, 16-true, bf16-true)
+        is the user's choice: kept, and why it was not switched is returned."""
+        now = _precision(ctx)
+        if now == BF16:
+            return None
+        replaced = record.details.get("precision_before")
+        if now != UNKNOWN and now != (replaced if isinstance(replaced, str) and replaced else FLOAT16_MIXED):
+            return built_with(now)
+        try:
             _switch_to_bf16(ctx)
+        except RemedyError as err:
+            return f"{err}; the resumed run trains at {now}"
+        return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
         return f"precision {details['precision_before']} -> {details['precision_after']}, without a GradScaler"

@@ -16,6 +16,7 @@ from lightning_ampwatch.remedies.base import (
     register,
     require_scaler,
 )
+from lightning_ampwatch.remedies.precision import without_scaler
 from lightning_ampwatch.taxonomy import Diagnosis, format_pow2
 
 
@@ -30,6 +31,7 @@ class LowerInitScale(Remedy):
 
     name = RemedyName.LOWER_INIT_SCALE
     effects = frozenset({Effect.SCALER})
+    needs_scaler = True
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         scaler = require_scaler(ctx)
@@ -44,6 +46,11 @@ class LowerInitScale(Remedy):
         return {"scale_before": before, "scale_after": target,
                 "growth_interval_before": interval_before, "growth_interval_after": interval_before * 4}
 
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
+        """The scale and growth interval came back with the scaler's checkpointed state; a run resumed without a
+        float16 scaler has none to hold them: why is returned."""
+        return without_scaler(ctx)
+
     def describe(self, details: Mapping[str, Any]) -> str:
         return (f"loss scale {format_pow2(details['scale_before'])} -> {format_pow2(details['scale_after'])}, "
                 f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps")
@@ -55,6 +62,7 @@ class SlowGrowth(Remedy):
 
     name = RemedyName.SLOW_GROWTH
     effects = frozenset({Effect.SCALER})
+    needs_scaler = True
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         scaler = require_scaler(ctx)
@@ -67,6 +75,11 @@ class SlowGrowth(Remedy):
         return {"growth_interval_before": interval, "growth_interval_after": new_interval,
                 "growth_factor_before": factor, "growth_factor_after": new_factor}
 
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
+        """The scaler's growth settings came back with its checkpointed state; a run resumed without a float16
+        scaler has none to hold them: why is returned."""
+        return without_scaler(ctx)
+
     def describe(self, details: Mapping[str, Any]) -> str:
         return (f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps, "
                 f"growth factor {details['growth_factor_before']:g} -> {details['growth_factor_after']:g}")
@@ -78,6 +91,7 @@ class UnscaleBeforeClip(Remedy):
     still-scaled gradients clips exactly what clipping unscaled gradients would have."""
 
     name = RemedyName.UNSCALE_BEFORE_CLIP
+    needs_scaler = True
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         require_scaler(ctx)
@@ -85,9 +99,13 @@ class UnscaleBeforeClip(Remedy):
         _rescale_clipping(ctx)
         return {"clip_threshold": "multiplied by the current loss scale"}
 
-    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> None:
-        """The switch lives in the guards, which a checkpoint does not hold."""
-        _rescale_clipping(ctx)
+    def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
+        """The switch lives in the guards, which a checkpoint does not hold: put back, where the resumed run has a
+        float16 scaler whose scale the gradients carry (else why not is returned)."""
+        why = without_scaler(ctx)
+        if why is None:
+            _rescale_clipping(ctx)
+        return why
 
     def describe(self, details: Mapping[str, Any]) -> str:
         return "clipping limits are multiplied by the loss scale while the gradients are still scaled"
