@@ -974,6 +974,27 @@ def test_a_loop_that_forgets_watch_accumulate_is_told_once_and_no_step_is_replay
     assert d.location is None  # nothing was located on batches that are not the step's
 
 
+def test_a_loop_that_calls_watch_step_every_other_optimizer_step_is_told_so_not_to_accumulate(
+        tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for i, batch in zip(range(8), loader):
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if i % 2:
+                watch.step(batch, loss)  # the mistake: every other optimizer step
+    assert [line for line in said if "watch.accumulate" in line] == []  # no accumulation here to speak of
+    [line] = [line for line in said if "optimizer steps of the loop" in line]
+    assert "watch.step() came after 2 optimizer steps of the loop" in line and "once after every" in line
+
+
 def test_a_second_fabricwatch_on_the_same_fabric_is_refused_and_the_first_keeps_watching(tmp_path: Path) -> None:
     torch.manual_seed(0)
     fabric = fp16_fabric()

@@ -652,6 +652,14 @@ class FabricHost:
         the step's batches the watch holds are not all of its batches."""
         if self.replays_refused is not None:
             return
+        if self.scaler_updates > 1:  # not accumulation: the loop stepped several times between two watch.step calls
+            self.refuse_replays(f"step {step} took in {self.scaler_updates} optimizer steps of the loop (watch.step "
+                                "was not called after each): a replay would run on batches that are not the step's")
+            self.say_once(f"watch.step() came after {self.scaler_updates} optimizer steps of the loop: call "
+                          "watch.step(batch, loss) once after every optimizer step. Until the loop does, FabricWatch "
+                          "replays no faulty step and runs no FP32 control: they would judge batches that are not "
+                          "the step's.")
+            return
         self.refuse_replays(f"step {step} ran {calls} fabric.backward calls, but the watch was handed {handed} "
                             f"micro-batch{'es' if handed > 1 else ''} (watch.accumulate was not called for the "
                             "others): a replay would run on batches that are not the step's")
