@@ -124,7 +124,8 @@ def train(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, da
 def run(tmp_path: Path, model: Callable[[], nn.Module], data: Any, loss_fn: Callable[[nn.Module, Any], Tensor],
         steps: int, *, lr: float = 1e-2, adam: bool = False, scaler: dict[str, Any] | None = None, fp32: bool = False,
         watch_kwargs: dict[str, Any] | None = None, watched: bool = True,
-        watch_loss_fn: Callable[[nn.Module, Any], Tensor] | None = None, **loop: Any) -> tuple[FabricWatch, list[float]]:
+        watch_loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+        **loop: Any) -> tuple[FabricWatch, list[float]]:
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true") if fp32 else fp16_fabric(**(scaler or {}))
     module = model()
