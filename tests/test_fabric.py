@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import statistics
+import warnings
 from itertools import cycle
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,7 +123,9 @@ def train(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, da
 
 def run(tmp_path: Path, model: Callable[[], nn.Module], data: Any, loss_fn: Callable[[nn.Module, Any], Tensor],
         steps: int, *, lr: float = 1e-2, adam: bool = False, scaler: dict[str, Any] | None = None, fp32: bool = False,
-        watch_kwargs: dict[str, Any] | None = None, watched: bool = True, **loop: Any) -> tuple[FabricWatch, list[float]]:
+        watch_kwargs: dict[str, Any] | None = None, watched: bool = True,
+        watch_loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+        **loop: Any) -> tuple[FabricWatch, list[float]]:
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, precision="32-true") if fp32 else fp16_fabric(**(scaler or {}))
     module = model()
@@ -132,7 +135,7 @@ def run(tmp_path: Path, model: Callable[[], nn.Module], data: Any, loss_fn: Call
     kwargs.update(watch_kwargs or {})
     if not watched:
         return None, train(fabric, module, optimizer, data, None, loss_fn, steps, **loop)  # type: ignore[return-value]
-    with FabricWatch(fabric, loss_fn=loss_fn, **kwargs) as watch:
+    with FabricWatch(fabric, loss_fn=watch_loss_fn or loss_fn, **kwargs) as watch:
         watch.attach(module, optimizer)
         losses = train(fabric, module, optimizer, data, watch, loss_fn, steps, **loop)
     return watch, losses
@@ -916,3 +919,204 @@ def test_two_gloo_ranks_roll_back_and_remedy_together(tmp_path: Path) -> None:
     [d] = [d for d in rank0 if d["remedy"]]
     assert (d["finding"], d["remedy"], d["outcome"]) == (Finding.FORWARD_OVERFLOW.value, "fp32_island", "recovered")
     assert d["evidence"]["rollback"].startswith("rolled back from step ")
+
+
+# --------------------------------------------------------------------------------------------- loops that hand the
+# watch less than it needs, and what they are told
+
+
+def _accumulating_loop(fabric: Fabric, module: nn.Module, optimizer: Any, watch: FabricWatch, calls_accumulate: bool,
+                       micro_batches: int = 4, batches: int = 32) -> None:
+    """LitGPT's gradient accumulation; ``calls_accumulate=False``: the loop forgets ``watch.accumulate``."""
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(nan_rows=(200,)), batch_size=16))
+    for i, batch in zip(range(batches), loader):
+        accumulating = (i + 1) % micro_batches != 0
+        with fabric.no_backward_sync(module, enabled=accumulating):
+            loss = mse(module, batch)
+            fabric.backward(loss / micro_batches)
+        if accumulating:
+            if calls_accumulate:
+                watch.accumulate(batch)
+            continue
+        fabric.clip_gradients(module, optimizer, max_norm=1.0, error_if_nonfinite=False)
+        optimizer.step()
+        optimizer.zero_grad()
+        watch.step(batch, loss)
+
+
+@pytest.mark.parametrize("calls_accumulate", [False, True], ids=["forgets-accumulate", "accumulates"])
+def test_a_loop_that_forgets_watch_accumulate_is_told_once_and_no_step_is_replayed_on_part_of_its_batches(
+        tmp_path: Path, said: list[str], calls_accumulate: bool) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, snapshot_every=2) as watch:
+        watch.attach(module, optimizer, gradient_clip_val=1.0)
+        _accumulating_loop(fabric, module, optimizer, watch, calls_accumulate)
+    assert watch.steps == 8
+    [d] = alarms(watch)
+    assert d.step == 3  # row 200 is in micro-batch 12, the first of optimizer step 3
+    told = [line for line in said if "watch.accumulate(batch)" in line]
+    if calls_accumulate:  # every micro-batch handed over: replayed whole, the NaN row found
+        assert told == []
+        assert d.finding is Finding.DATA_NONFINITE and d.evidence["batch_idx"] == [12, 13, 14, 15]
+        return
+    # said once, at the first step, with what to do
+    [line] = told
+    assert "step 0 ran 4 fabric.backward() calls, but only 1 micro-batch reached the watch" in line
+    # the step's other micro-batches (the NaN row among them) never reached the watch: nothing is replayed on the one
+    # it holds (before, the replay of micro-batch 15 alone ran finite and the FP32 control "cleared" the step)
+    reason = "not run: step 0 ran 4 fabric.backward calls, but the watch was handed 1 micro-batch"
+    assert d.evidence["replay"].startswith(reason) and d.evidence["fp32_control"].startswith(reason)
+    assert "batch_idx" not in d.evidence and "replay_loss" not in d.evidence
+    assert d.evidence["control_verdict"] == "control not run"
+    assert d.evidence.get("trajectory_control", "not run").startswith("not run")
+    assert d.location is None  # nothing was located on batches that are not the step's
+
+
+def test_a_loop_that_calls_watch_step_every_other_optimizer_step_is_told_so_not_to_accumulate(
+        tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for i, batch in zip(range(8), loader):
+            loss = mse(module, batch)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if i % 2:
+                watch.step(batch, loss)  # the mistake: every other optimizer step
+    assert [line for line in said if "watch.accumulate" in line] == []  # no accumulation here to speak of
+    [line] = [line for line in said if "optimizer steps of the loop" in line]
+    assert "watch.step() came after 2 optimizer steps of the loop" in line and "once after every" in line
+
+
+def test_a_second_fabricwatch_on_the_same_fabric_is_refused_and_the_first_keeps_watching(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    first = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path / "first")
+    second = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path / "second")
+    with first:
+        first.attach(module, optimizer)
+        with pytest.raises(ValueError, match="one FabricWatch per Fabric"):
+            second.attach(module, optimizer)  # it would have taken over the first one's hooks, blinding it
+        train(fabric, module, optimizer, regression_data(nan_rows=(200,)), first, mse, 8)
+    assert first.steps == 8 and [(d.finding, d.step) for d in alarms(first)] == [(Finding.DATA_NONFINITE, 6)]
+    with second.attach(module, optimizer):  # the first one closed: the second one may take its place
+        train(fabric, module, optimizer, regression_data(), second, mse, 2)
+    assert second.steps == 2
+
+
+def test_attach_names_a_scheduler_that_is_not_one(tmp_path: Path) -> None:
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+    watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path)
+    with pytest.raises(ValueError, match="scheduler='notasched' is not valid"):
+        watch.attach(module, optimizer, scheduler="notasched")
+    with pytest.raises(ValueError, match="scheduler=None is not valid"):
+        watch.attach(module, optimizer, scheduler=[torch.optim.lr_scheduler.StepLR(optimizer, 5), None])
+    assert watch._host is None  # nothing attached
+
+
+def test_a_reduce_lr_on_plateau_scheduler_is_stepped_on_the_replayed_steps_loss(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))  # too high for FP32 too
+    watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path, snapshot_every=5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(), batch_size=32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch.attach(module, optimizer, plateau):
+            for _, batch in zip(range(30), cycle(loader)):
+                loss = mse(module, batch)
+                fabric.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                plateau.step(loss.item())  # a plateau scheduler, stepped on each step's loss
+                watch.step(batch, loss)
+    assert [str(w.message) for w in caught if "internal error" in str(w.message)] == []
+    d = alarms(watch)[0]
+    # the FP32 trajectory replayed the steps, stepping the plateau scheduler as the loop does: FP32 diverges too
+    # (before, its replay failed on ReduceLROnPlateau.step() without a metric and the alarm blamed float16)
+    assert d.finding is Finding.FP32_UNSTABLE and d.evidence["trajectory_verdict"] == "fp32_diverges"
+
+
+def test_a_loop_that_gives_watch_step_no_loss_and_calls_loss_backward_is_told_nothing_is_judged(
+        tmp_path: Path, said: list[str]) -> None:
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    loader = fabric.setup_dataloaders(DataLoader(regression_data(nan_rows=(100,)), batch_size=32))
+    with FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path) as watch:
+        watch.attach(module, optimizer)
+        for _, batch in zip(range(10), loader):
+            mse(module, batch).backward()  # not fabric.backward (allowed in 32-true) ...
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step(batch)  # ... and no loss for the watch: the NaN at step 3 goes unseen
+    assert not all(torch.isfinite(p).all() for p in module.parameters())
+    [line] = [line for line in said if "watch.step() got no loss" in line]  # said once, with what to do
+    assert "watch.step(batch, loss)" in line and "fabric.backward(loss)" in line
+
+
+def test_a_loss_fn_with_the_wrong_signature_is_refused_at_construction() -> None:
+    fabric = fp16_fabric()
+
+    def batch_only(batch: Any) -> Tensor:
+        return mse(Net(), batch)
+
+    with pytest.raises(ValueError, match=r"loss_fn=batch_only\(batch\) is not valid: .* loss_fn\(model, batch\)"):
+        FabricWatch(fabric, loss_fn=batch_only)
+    FabricWatch(fabric, loss_fn=lambda model, batch, reduction="mean": mse(model, batch))  # a default is fine
+
+
+def test_a_loss_fn_that_raises_in_a_replay_is_named_as_the_users_not_the_watchs(tmp_path: Path) -> None:
+    def needs_a_key(model: nn.Module, batch: Any) -> Tensor:
+        return mse(model, (batch["x"], batch["y"]))  # the loop's batches are lists, not dicts: a TypeError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch, _ = run(tmp_path, Net, regression_data(nan_rows=(200,)), mse, 12,
+                       watch_kwargs={"snapshot_every": 2}, watch_loss_fn=needs_a_key)
+    messages = [str(w.message) for w in caught]
+    assert [m for m in messages if "internal error" in m] == []
+    [told] = [m for m in messages if "loss_fn" in m]
+    assert "loss_fn needs_a_key, which raised TypeError: list indices" in told and "internal" not in told
+    [d] = alarms(watch)  # the alarm stands on the step's own measurements
+    assert (d.finding, d.step) == (Finding.DATA_NONFINITE, 6)
+    assert d.evidence["replay"] == "failed (see the warning)"
+
+
+def test_attach_after_close_starts_a_new_watch_unless_handed_the_closed_ones_state(tmp_path: Path) -> None:
+    """What docs/fabric.md says of attaching again, and of a checkpoint loaded before attach."""
+    torch.manual_seed(0)
+    fabric = fp16_fabric()
+    module = Net()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    data = regression_data(nan_rows=(100,))  # step 3 of each pass
+    watch = FabricWatch(fabric, loss_fn=mse, verbose=False, log_dir=tmp_path)
+    with watch.attach(module, optimizer):
+        train(fabric, module, optimizer, data, watch, mse, 5)
+    first = alarms(watch)
+    assert watch.steps == 5 and [d.step for d in first] == [3]
+    with watch.attach(module, optimizer):  # a new watch: counted from 0, its own diagnoses
+        train(fabric, module, optimizer, data, watch, mse, 5)
+    second = alarms(watch)
+    assert watch.steps == 5 and [d.step for d in second] == [3]
+    state = watch.state_dict()
+    watch.load_state_dict(state)  # handed the closed watch's state: kept until attach puts it back
+    with watch.attach(module, optimizer):
+        assert watch.steps == 5 and alarms(watch) == second  # carried on
+        train(fabric, module, optimizer, regression_data(), watch, mse, 5)
+    assert watch.steps == 10 and alarms(watch) == second

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
+import warnings
+import weakref
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Callable, ContextManager, Iterable, Literal, Sequence, Union
@@ -36,6 +39,7 @@ from torch import Tensor, nn
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.investigate import ReplayRecord
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import tensors_in, uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
@@ -50,6 +54,8 @@ DEFAULT_LOG_EVERY_N_STEPS = 50
 _FABRIC_LOG = logging.getLogger("lightning.fabric.utilities.rank_zero")
 #: What ``clip_grad_norm_`` says when ``error_if_nonfinite=True`` meets an overflowed step.
 _NONFINITE_CLIP_ERROR = "is non-finite, so it cannot be clipped"
+#: The attached FabricWatch of each Fabric (by id: a watch holds its Fabric, so the id is not reused while it lives)
+_ATTACHED: "weakref.WeakValueDictionary[int, FabricWatch]" = weakref.WeakValueDictionary()
 
 
 class FabricWatch:
@@ -111,6 +117,17 @@ class FabricWatch:
             raise ValueError(f"fabric={fabric!r} is not valid; use the lightning.fabric.Fabric the loop runs on")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn={loss_fn!r} is not valid; use a function loss_fn(model, batch) -> loss")
+        try:
+            signature: inspect.Signature | None = inspect.signature(loss_fn)
+        except (TypeError, ValueError):  # a callable whose signature Python cannot tell: its first call will
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None, None)
+            except TypeError:
+                raise ValueError(f"loss_fn={_named(loss_fn)}({', '.join(signature.parameters)}) is not valid: "
+                                 "FabricWatch calls it as loss_fn(model, batch), with two positional arguments"
+                                 ) from None
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not valid; use a whole number of optimizer "
                              "steps (0: never)")
@@ -121,7 +138,7 @@ class FabricWatch:
         self.hold_lr_on_skip = hold_lr_on_skip
         # The core's own hold_lr_on_skip stands in for LightningModule.lr_scheduler_step; a Fabric loop steps its
         # schedulers itself, so the adapter holds them (see FabricHost.after_scaler_update).
-        self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
+        self.watcher = _FabricRunWatcher(replace(config, hold_lr_on_skip=False), _named(loss_fn))
         self.should_stop = False
         self.steps = 0  # optimizer steps taken in (watch.step calls): Diagnosis.step counts them from 0
         self._resume_steps: int | None = None  # the step count of a checkpoint loaded before attach()
@@ -177,11 +194,22 @@ class FabricWatch:
             if not is_wrapped(opt) or not hasattr(opt, "optimizer"):
                 raise ValueError(f"attach() needs the optimizer fabric.setup returned, got a {type(opt).__name__}; "
                                  "call model, optimizer = fabric.setup(model, optimizer) first")
+        for sched in schedulers:
+            if not all(callable(getattr(sched, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+                raise ValueError(f"scheduler={sched!r} is not valid; use the learning-rate scheduler the loop steps "
+                                 "once per optimizer step (an object with step(), state_dict() and load_state_dict(), "
+                                 "as torch.optim.lr_scheduler's are), a list of them, or None")
+        other = _ATTACHED.get(id(self.fabric))
+        if other is not None and other is not self and other._host is not None:
+            raise ValueError(f"this Fabric is already watched by another {other!r}, attached and not closed: a "
+                             "second one would take over the hooks the first one reads the loop through, and blind "
+                             "it. Use one FabricWatch per Fabric (close the other one first to replace it).")
         self._finished = False
         self.should_stop = False
         self.steps, self._resume_steps = self._resume_steps or 0, None  # a resumed run counts on
         host = FabricHost(self, model, optimizers, schedulers, (gradient_clip_val, gradient_clip_algorithm))
         self._host = host
+        _ATTACHED[id(self.fabric)] = self
         self.watcher.start(host)
         self.watcher.begin_training()
         try:
@@ -218,6 +246,13 @@ class FabricWatch:
                               "watch.accumulate(batch) for the micro-batches in between.")
                 self.accumulate(batch)
                 return
+            if not host.backward_seen and not isinstance(loss, Tensor):
+                host.say_once("watch.step() got no loss, and fabric.backward() was not called since the last step: "
+                              "FabricWatch has no loss to judge such a step by, and does not count it. Pass the loss, "
+                              "watch.step(batch, loss), or call fabric.backward(loss).")
+            handed = host.micro_batches + 1  # the batches the loop handed over: accumulate()'s and this one
+            if host.backward_calls > handed:
+                host.batches_missing(self.steps, host.backward_calls, handed)
             host.put_back_held_schedulers()
         except Exception as err:  # noqa: BLE001 - the adapter's own failure never reaches the loop
             self.watcher.internal_failure("watch.step", err)
@@ -233,12 +268,14 @@ class FabricWatch:
         finally:
             host.in_step = False
             host.micro_batches = 0
+            host.backward_calls = 0
             host.lrs_noted = False
             host.batch_over()
 
     def close(self) -> None:
         """The end of the loop: what is in flight resolved, the summary printed, every hook and patch removed.
-        Idempotent; ``with FabricWatch(...) as watch:`` calls it."""
+        Idempotent; ``with FabricWatch(...) as watch:`` calls it. An :meth:`attach` after it starts a new watch, its
+        steps counted from 0 (``watch.load_state_dict(watch.state_dict())`` before it carries on instead)."""
         host = self._host
         if host is None:
             return
@@ -263,7 +300,8 @@ class FabricWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """From ``fabric.load``, before or after :meth:`attach`: the diagnoses come back, the remedies applied are put
         back on the run (a checkpoint holds weights, not an FP32 island or a swapped precision), the step count
-        goes on from where it was."""
+        goes on from where it was. Loaded before :meth:`attach`, the state is kept until ``attach`` puts it back:
+        :attr:`diagnoses` and :attr:`steps` show it from then on."""
         steps = state.get("steps") if isinstance(state, dict) else None
         if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
             self._resume_steps = steps
@@ -443,6 +481,9 @@ class FabricHost:
             isinstance(g.get("lr"), (int, float)) for opt in optimizers for g in opt.param_groups) else None
         self.lrs_noted = False  # this step's rates are noted (at its first fabric.backward)
         self.micro_batches = 0  # handed to accumulate() since the last step
+        self.backward_calls = 0  # fabric.backward calls since the last step
+        # why no step of this run is replayed (the loop does not hand over every micro-batch); None: they are
+        self.replays_refused: str | None = None
         self._batch_index = 0  # micro-batches taken in so far (a replay's batch_idx)
         self._state: TrainState | None = None
         self._patched: list[tuple[Any, str, Any]] = []  # (object, attribute, the wrapper put there)
@@ -505,11 +546,17 @@ class FabricHost:
         """``loss_fn`` on a micro-batch again. Under autocast (a replay at the run's precision) the model is called as
         Fabric calls it and the rest of ``loss_fn`` runs outside autocast, as in the loop; with autocast off (the
         FP32 control) the unwrapped model sees the batch as it is, in float32."""
-        if torch.is_autocast_enabled(self.device.type):
-            model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision, self)
-            with torch.autocast(self.device.type, enabled=False):
-                return self._watch.loss_fn(model, batch)
-        return self._watch.loss_fn(self.module, batch)
+        try:
+            if torch.is_autocast_enabled(self.device.type):
+                model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision, self)
+                with torch.autocast(self.device.type, enabled=False):
+                    return self._watch.loss_fn(model, batch)
+            return self._watch.loss_fn(self.module, batch)
+        except Exception as err:
+            # the user's code failed, not the watch: the core turns the failed replay off on every rank alike, as
+            # for any failure, and the failure is said as loss_fn's (see _FabricRunWatcher)
+            self._watch.watcher.loss_fn_error = err
+            raise
 
     def outside_modules(self) -> str:
         """Where a replay's fault that no module's output shows is placed: Fabric's cast of the model's inputs to
@@ -533,7 +580,7 @@ class FabricHost:
             clip_algorithm=self.clipping[1],
             accumulate=self._state.accumulate if self._state is not None else 1,
             device=self.device, forward_context=self.forward_context, unavailable=unavailable,
-            step_loss=self.step_loss,
+            step_loss=self.step_loss, replay_unavailable=self.replays_refused,
         )
         return self._state
 
@@ -599,6 +646,41 @@ class FabricHost:
             if ledger is not None:
                 ledger.read_param_groups(self._optimizers, lrs_now=True)
 
+    def batches_missing(self, step: int, calls: int, handed: int) -> None:
+        """Step ``step`` ran ``calls`` ``fabric.backward`` calls, but only ``handed`` micro-batches were handed to the
+        watch: the loop does not call ``watch.accumulate``. Said once; no faulty step is replayed from here on, since
+        the step's batches the watch holds are not all of its batches."""
+        if self.replays_refused is not None:
+            return
+        if self.scaler_updates > 1:  # not accumulation: the loop stepped several times between two watch.step calls
+            self.refuse_replays(f"step {step} took in {self.scaler_updates} optimizer steps of the loop (watch.step "
+                                "was not called after each): a replay would run on batches that are not the step's")
+            self.say_once(f"watch.step() came after {self.scaler_updates} optimizer steps of the loop: call "
+                          "watch.step(batch, loss) once after every optimizer step. Until the loop does, FabricWatch "
+                          "replays no faulty step and runs no FP32 control: they would judge batches that are not "
+                          "the step's.")
+            return
+        self.refuse_replays(f"step {step} ran {calls} fabric.backward calls, but the watch was handed {handed} "
+                            f"micro-batch{'es' if handed > 1 else ''} (watch.accumulate was not called for the "
+                            "others): a replay would run on batches that are not the step's")
+        self.say_once(f"step {step} ran {calls} fabric.backward() calls, but only {handed} micro-batch"
+                      f"{'es' if handed > 1 else ''} reached the watch. Under gradient accumulation call "
+                      "watch.accumulate(batch) after fabric.backward for every micro-batch but the last one of a "
+                      "step (whose batch goes to watch.step). Until the loop does, FabricWatch replays no faulty "
+                      "step and runs no FP32 control: they would judge batches that are not the step's.")
+
+    def refuse_replays(self, reason: str) -> None:
+        """No step of this run is replayed from now on (the faulty batch's replay and FP32 control, the FP32
+        trajectory control, ``replay_episode``'s rerun): ``reason`` goes in the evidence in their place."""
+        if self.replays_refused is not None:
+            return
+        self.replays_refused = reason
+        if self._state is not None:
+            self._state.replay_unavailable = reason
+        treatment = getattr(self.watcher, "treatment", None)
+        if treatment is not None:
+            treatment.replay_episode = False  # a rerun trains on the batches it holds: not the episode's
+
     def batch_over(self) -> None:
         """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
         self.inputs_overflowed = None
@@ -609,6 +691,10 @@ class FabricHost:
     # ------------------------------------------------------------------ what is installed on the run
 
     def install(self) -> None:
+        investigations = self.watcher.investigations
+        investigator = getattr(investigations, "investigator", None)
+        if investigator is not None:  # the faulty batch's replay asks here first whether it may run
+            self._patch(investigator, "collect", _RefusableReplay(investigator, self))
         self._watch_backward(self._fabric.strategy.precision)
         scaler = getattr(self._fabric.strategy.precision, "scaler", None)
         if scaler is not None:  # the optimizer step Fabric runs ends in the scaler's update, skipped or not
@@ -706,6 +792,7 @@ class _WatchedBackward:
     def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
         host = self.host
         host.backward_seen = True
+        host.backward_calls += 1
         watcher = host.watcher
         if not host.lrs_noted:
             try:
@@ -725,6 +812,54 @@ class _WatchedBackward:
             if not seen.seen:  # a plugin that scales some other way: its loss is not the one the ledger can read
                 host.say_once(f"{type(self.plugin).__name__} did not scale the loss through its GradScaler's "
                               "scale(); FabricWatch cannot read the loss of this run's steps.")
+
+
+class _RefusableReplay:
+    """Stands in for the core investigator's ``collect`` (on the instance): once the host refuses replays (the loop
+    does not hand over every micro-batch), the faulty batch is not replayed and the FP32 control not run; the
+    evidence says why."""
+
+    def __init__(self, investigator: Any, host: FabricHost) -> None:
+        self.original = type(investigator).collect.__get__(investigator)
+        self.host = host
+
+    def __call__(self, batches: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = self.host.replays_refused
+        if reason is None:
+            return self.original(batches, *args, **kwargs)
+        return ReplayRecord(evidence={"replay": f"not run: {reason}", "fp32_control": f"not run: {reason}"})
+
+
+class _FabricRunWatcher(RunWatcher):
+    """The core, told apart from the user's ``loss_fn``: a replay that fails because ``loss_fn`` raised is the
+    user's code failing, said as such once, not the watch's own internal error."""
+
+    def __init__(self, config: WatchConfig, loss_fn_name: str) -> None:
+        super().__init__(config)
+        self.loss_fn_name = loss_fn_name
+        self.loss_fn_error: Exception | None = None  # set by FabricHost.step_loss as loss_fn's exception leaves it
+        self._loss_fn_said: set[str] = set()
+
+    def internal_failure(self, where: str, err: Exception) -> None:
+        failed, self.loss_fn_error = self.loss_fn_error, None
+        # the failure reported is loss_fn's: itself, or a replay's error that carries its words
+        if failed is None or not (err is failed or f"{type(failed).__name__}: {failed}" in str(err)):
+            super().internal_failure(where, err)
+            return
+        if self.ledger is not None:
+            self.ledger.stepped = False  # as after any failure: never carry a half-built step into the next one
+        key = type(failed).__name__
+        if key not in self._loss_fn_said:
+            self._loss_fn_said.add(key)
+            warnings.warn(f"FabricWatch replayed a faulty step through loss_fn {self.loss_fn_name}, which raised "
+                          f"{type(failed).__name__}: {failed}. The watch goes on without the replays that failed (the "
+                          "diagnoses rest on the steps' own measurements); loss_fn(model, batch) must compute one "
+                          "micro-batch's loss as the loop does.", UserWarning, stacklevel=3)
+
+
+def _named(fn: Any) -> str:
+    """A callable's name as the user wrote it (``step_loss``), else its type's."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 class _ScaledLoss:

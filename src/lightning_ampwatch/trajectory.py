@@ -931,7 +931,13 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
             # hold_lr_on_skip's, which answers for the live run's last step
             step = getattr(type(state.module), "lr_scheduler_step", None)
             if step is None:  # a plain module (a Fabric loop): the loop steps its schedulers itself
-                type(scheduler).step(scheduler)  # the class's, not an instance-level stand-in
+                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    # stepped on a metric, which a loop that steps it every optimizer step takes from the step's
+                    # loss: the replayed step's (read here: a replay's cost, never the live run's)
+                    if total is not None:
+                        type(scheduler).step(scheduler, total)
+                else:
+                    type(scheduler).step(scheduler)  # the class's, not an instance-level stand-in
             else:
                 step(state.module, scheduler, None)
     if state.schedulers:
