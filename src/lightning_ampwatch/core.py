@@ -260,7 +260,8 @@ class RunWatcher(WatchState):
                                     localize=config.localize, control=config.control_replay,
                                     automatic=host.automatic, step_loss=host.step_loss,
                                     outside_modules=getattr(host, "outside_modules", None),
-                                    root=getattr(host, "wrapped_module", None))
+                                    root=getattr(host, "wrapped_module", None),
+                                    refused=getattr(host, "replays_refused", None))
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
@@ -969,6 +970,15 @@ class RunWatcher(WatchState):
     # ------------------------------------------------------------------ failure containment
 
     def internal_failure(self, where: str, err: Exception) -> None:
+        user = getattr(self.host, "user_failure", None)
+        said = user(err) if callable(user) else None  # the user's own code failed under the watch: said as such
+        if said is not None:
+            if self.ledger is not None:
+                self.ledger.stepped = False  # as after any failure: never carry a half-built step into the next one
+            if said not in self._said:
+                self._said.add(said)
+                warnings.warn(said, UserWarning, stacklevel=3)
+            return
         key = f"{where}:{type(err).__name__}"
         if key not in self._failures:
             self._failures.add(key)

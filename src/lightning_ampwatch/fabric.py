@@ -25,7 +25,6 @@ import copy
 import inspect
 import logging
 import os
-import warnings
 import weakref
 from dataclasses import replace
 from types import SimpleNamespace
@@ -39,7 +38,6 @@ from torch import Tensor, nn
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.investigate import ReplayRecord
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import tensors_in, uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
@@ -138,7 +136,7 @@ class FabricWatch:
         self.hold_lr_on_skip = hold_lr_on_skip
         # The core's own hold_lr_on_skip stands in for LightningModule.lr_scheduler_step; a Fabric loop steps its
         # schedulers itself, so the adapter holds them (see FabricHost.after_scaler_update).
-        self.watcher = _FabricRunWatcher(replace(config, hold_lr_on_skip=False), _named(loss_fn))
+        self.watcher = RunWatcher(replace(config, hold_lr_on_skip=False))
         self.should_stop = False
         self.steps = 0  # optimizer steps taken in (watch.step calls): Diagnosis.step counts them from 0
         self._resume_steps: int | None = None  # the step count of a checkpoint loaded before attach()
@@ -483,7 +481,8 @@ class FabricHost:
         self.micro_batches = 0  # handed to accumulate() since the last step
         self.backward_calls = 0  # fabric.backward calls since the last step
         # why no step of this run is replayed (the loop does not hand over every micro-batch); None: they are
-        self.replays_refused: str | None = None
+        self.refusal: str | None = None
+        self._loss_fn_error: Exception | None = None  # loss_fn's exception, as it left a replay's call
         self._batch_index = 0  # micro-batches taken in so far (a replay's batch_idx)
         self._state: TrainState | None = None
         self._patched: list[tuple[Any, str, Any]] = []  # (object, attribute, the wrapper put there)
@@ -554,8 +553,8 @@ class FabricHost:
             return self._watch.loss_fn(self.module, batch)
         except Exception as err:
             # the user's code failed, not the watch: the core turns the failed replay off on every rank alike, as
-            # for any failure, and the failure is said as loss_fn's (see _FabricRunWatcher)
-            self._watch.watcher.loss_fn_error = err
+            # for any failure, and says it as loss_fn's (user_failure)
+            self._loss_fn_error = err
             raise
 
     def outside_modules(self) -> str:
@@ -580,7 +579,7 @@ class FabricHost:
             clip_algorithm=self.clipping[1],
             accumulate=self._state.accumulate if self._state is not None else 1,
             device=self.device, forward_context=self.forward_context, unavailable=unavailable,
-            step_loss=self.step_loss, replay_unavailable=self.replays_refused,
+            step_loss=self.step_loss, replay_unavailable=self.refusal,
         )
         return self._state
 
@@ -646,11 +645,26 @@ class FabricHost:
             if ledger is not None:
                 ledger.read_param_groups(self._optimizers, lrs_now=True)
 
+    def replays_refused(self) -> str | None:
+        """The core asks before it replays a faulty step: why none may run (see :meth:`refuse_replays`), or None."""
+        return self.refusal
+
+    def user_failure(self, err: Exception) -> str | None:
+        """The core's failure ``err`` said as the user's ``loss_fn``'s when that is what raised (itself, or a replay's
+        error that carries its words); None otherwise."""
+        failed, self._loss_fn_error = self._loss_fn_error, None
+        if failed is None or not (err is failed or f"{type(failed).__name__}: {failed}" in str(err)):
+            return None
+        return (f"FabricWatch replayed a faulty step through loss_fn {_named(self._watch.loss_fn)}, which raised "
+                f"{type(failed).__name__}: {failed}. The watch goes on without the replays that failed (the diagnoses "
+                "rest on the steps' own measurements); loss_fn(model, batch) must compute one micro-batch's loss as "
+                "the loop does.")
+
     def batches_missing(self, step: int, calls: int, handed: int) -> None:
         """Step ``step`` ran ``calls`` ``fabric.backward`` calls, but only ``handed`` micro-batches were handed to the
         watch: the loop does not call ``watch.accumulate``. Said once; no faulty step is replayed from here on, since
         the step's batches the watch holds are not all of its batches."""
-        if self.replays_refused is not None:
+        if self.refusal is not None:
             return
         if self.scaler_updates > 1:  # not accumulation: the loop stepped several times between two watch.step calls
             self.refuse_replays(f"step {step} took in {self.scaler_updates} optimizer steps of the loop (watch.step "
@@ -672,9 +686,9 @@ class FabricHost:
     def refuse_replays(self, reason: str) -> None:
         """No step of this run is replayed from now on (the faulty batch's replay and FP32 control, the FP32
         trajectory control, ``replay_episode``'s rerun): ``reason`` goes in the evidence in their place."""
-        if self.replays_refused is not None:
+        if self.refusal is not None:
             return
-        self.replays_refused = reason
+        self.refusal = reason
         if self._state is not None:
             self._state.replay_unavailable = reason
         treatment = getattr(self.watcher, "treatment", None)
@@ -691,10 +705,6 @@ class FabricHost:
     # ------------------------------------------------------------------ what is installed on the run
 
     def install(self) -> None:
-        investigations = self.watcher.investigations
-        investigator = getattr(investigations, "investigator", None)
-        if investigator is not None:  # the faulty batch's replay asks here first whether it may run
-            self._patch(investigator, "collect", _RefusableReplay(investigator, self))
         self._watch_backward(self._fabric.strategy.precision)
         scaler = getattr(self._fabric.strategy.precision, "scaler", None)
         if scaler is not None:  # the optimizer step Fabric runs ends in the scaler's update, skipped or not
@@ -812,49 +822,6 @@ class _WatchedBackward:
             if not seen.seen:  # a plugin that scales some other way: its loss is not the one the ledger can read
                 host.say_once(f"{type(self.plugin).__name__} did not scale the loss through its GradScaler's "
                               "scale(); FabricWatch cannot read the loss of this run's steps.")
-
-
-class _RefusableReplay:
-    """Stands in for the core investigator's ``collect`` (on the instance): once the host refuses replays (the loop
-    does not hand over every micro-batch), the faulty batch is not replayed and the FP32 control not run; the
-    evidence says why."""
-
-    def __init__(self, investigator: Any, host: FabricHost) -> None:
-        self.original = type(investigator).collect.__get__(investigator)
-        self.host = host
-
-    def __call__(self, batches: Any, *args: Any, **kwargs: Any) -> Any:
-        reason = self.host.replays_refused
-        if reason is None:
-            return self.original(batches, *args, **kwargs)
-        return ReplayRecord(evidence={"replay": f"not run: {reason}", "fp32_control": f"not run: {reason}"})
-
-
-class _FabricRunWatcher(RunWatcher):
-    """The core, told apart from the user's ``loss_fn``: a replay that fails because ``loss_fn`` raised is the
-    user's code failing, said as such once, not the watch's own internal error."""
-
-    def __init__(self, config: WatchConfig, loss_fn_name: str) -> None:
-        super().__init__(config)
-        self.loss_fn_name = loss_fn_name
-        self.loss_fn_error: Exception | None = None  # set by FabricHost.step_loss as loss_fn's exception leaves it
-        self._loss_fn_said: set[str] = set()
-
-    def internal_failure(self, where: str, err: Exception) -> None:
-        failed, self.loss_fn_error = self.loss_fn_error, None
-        # the failure reported is loss_fn's: itself, or a replay's error that carries its words
-        if failed is None or not (err is failed or f"{type(failed).__name__}: {failed}" in str(err)):
-            super().internal_failure(where, err)
-            return
-        if self.ledger is not None:
-            self.ledger.stepped = False  # as after any failure: never carry a half-built step into the next one
-        key = type(failed).__name__
-        if key not in self._loss_fn_said:
-            self._loss_fn_said.add(key)
-            warnings.warn(f"FabricWatch replayed a faulty step through loss_fn {self.loss_fn_name}, which raised "
-                          f"{type(failed).__name__}: {failed}. The watch goes on without the replays that failed (the "
-                          "diagnoses rest on the steps' own measurements); loss_fn(model, batch) must compute one "
-                          "micro-batch's loss as the loop does.", UserWarning, stacklevel=3)
 
 
 def _named(fn: Any) -> str:

@@ -105,3 +105,7 @@ class Host(Protocol):
     # ``rollback_unavailable() -> str | None``: why no checkpoint can be rolled back to in this run, if none can.
     # ``rollback_passed_over() -> str | None``: the checkpoint files the latest ``rollback_to_checkpoint`` passed
     #     over, counted by why (``1 file that holds only the weights, ...``), or None.
+    # ``replays_refused() -> str | None``: why no faulty step may be replayed now (the loop does not hand over every
+    #     micro-batch), else None: the faulty batch's replay and its FP32 control are then not run, and say why.
+    # ``user_failure(err) -> str | None``: when ``err`` (a failure inside the watch) is the user's own code failing
+    #     under it (a ``loss_fn`` that raises in a replay), the warning to give instead of an internal error.

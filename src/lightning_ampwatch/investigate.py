@@ -77,8 +77,10 @@ class Investigator:
     def __init__(self, module: Any, forward_context: Any, device: torch.device, mode: PrecisionMode,
                  localize: bool, control: bool, automatic: bool,
                  step_loss: Callable[[Any, int], Any] | None = None,
-                 outside_modules: Callable[[], str] | None = None, root: Any = None) -> None:
-        # root: the module as the strategy wraps it (or a callable giving it), for what a replay must know of it
+                 outside_modules: Callable[[], str] | None = None, root: Any = None,
+                 refused: Callable[[], str | None] | None = None) -> None:
+        # root: the module as the strategy wraps it (or a callable giving it), for what a replay must know of it;
+        # refused: why no replay may run now (the host's ``replays_refused``), asked at each one
         self.replayer = Replayer(module, forward_context, device, step_loss, root)
         self.module = module
         # where a fault that no module's output shows is placed: the adapter's name for the code around the model
@@ -87,6 +89,7 @@ class Investigator:
         self.localize = localize
         self.control = control and mode is not PrecisionMode.FP32  # in FP32 the run is its own control
         self.automatic = automatic
+        self.refused = refused
 
     def collect(self, batches: Sequence[MicroBatch], *, scale: float | None, fault_ranks: Sequence[int],
                 weights_stepped: bool, loss_level: float | None, agree: bool,
@@ -102,6 +105,9 @@ class Investigator:
         """
         if not (self.localize or self.control):
             return None
+        refused = self.refused() if self.refused is not None else None  # alike on every rank: the loop's shape
+        if refused is not None:
+            return ReplayRecord(evidence={"replay": f"not run: {refused}", "fp32_control": f"not run: {refused}"})
         batches = [mb if isinstance(mb, MicroBatch) else MicroBatch(*mb) for mb in batches]
         local: ReplayRecord | None = None
         refused = deepspeed_state.batch_replay_unavailable(self.replayer.root_module())  # alike on every rank
