@@ -813,7 +813,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
     and a scaler restored from the snapshot (does the fault reproduce?). ``lr_factor``: every learning rate (and
     the step schedulers' base rates) times this for the replay: the lower-LR counterfactual. One host read, at the
-    end."""
+    end (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
