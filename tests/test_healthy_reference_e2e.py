@@ -20,6 +20,7 @@ from test_trajectory import ExpSoftmax, separable
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.summary import RunStats, summary_lines
 
 AMP_FINDINGS = {Finding.FORWARD_OVERFLOW, Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW, Finding.INPUT_RANGE}
@@ -237,3 +238,35 @@ def test_two_reduce_lr_rungs_leave_a_hundredth_of_the_lr(tmp_path: Path) -> None
     assert rungs[0].details["lr_after"] == pytest.approx([200.0])
     assert rungs[1].details["lr_after"] == pytest.approx([20.0])
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(20.0)
+
+
+def test_a_level_that_took_in_a_climbs_first_losses_gives_way_to_the_one_before(tmp_path: Path) -> None:
+    """BackboneFinetuning unfreezes the backbone at step 32 with a learning rate of 2: the loss climbs. The newest
+    healthy level had taken in the climb's first losses (still under the alarm's threshold when they came), so it
+    reaches past the onset and cannot be the episode's reference; the level before it can. The remedy's recovery is
+    then judged against a healthy level (it was "no healthy loss level before the episode" after 32 healthy
+    steps)."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from lightning_ampwatch.scenarios import true_fp16_plugin
+
+    class Backboned(Regressor):
+        def __init__(self) -> None:
+            super().__init__(lr=0.02)
+            self.backbone = self.encoder
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(remediate="all", snapshot_every=10, verbose=False)
+    unfreeze = BackboneFinetuning(unfreeze_backbone_at_epoch=2, backbone_initial_lr=2.0, should_align=False,
+                                  lambda_func=lambda epoch: 1.0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[true_fp16_plugin()], callbacks=[watch, unfreeze],
+                         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+                         logger=False, enable_checkpointing=False, max_epochs=3)
+    trainer.fit(Backboned(), DataLoader(regression_data(), batch_size=32))
+    alarm = next(d for d in watch.diagnoses if d.is_alarm and d.step >= 32)
+    recovery = alarm.evidence["recovery"]
+    assert recovery["loss_before"] is not None, recovery
+    assert "no healthy loss level before the episode" not in recovery["reason"]

@@ -83,6 +83,7 @@ class MachineState:
     closed_episodes: list[dict[str, Any]] = field(default_factory=list)
     reference: Reference | None = None  # the newest healthy level
     reference_before_skip: Reference | None = None  # the healthy level when the latest first skip came
+    reference_earlier: Reference | None = None  # the level the newest replaced (a newer one may take in an onset)
     start_loss: float | None = None  # the first finite loss the machine saw (the weights the fit started with)
     divergence_noted: bool = False  # a finite divergence reported without an episode (DDP), until its loss is back
     skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback

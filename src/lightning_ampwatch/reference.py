@@ -177,7 +177,9 @@ class HealthyReference:
         """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
         came before it: then there is nothing the episode can be measured against but what training itself shows."""
         s = self._machine.state
-        for ref in (s.reference, s.reference_before_skip):
+        # the newest level made wholly before the onset: a climb's first losses, still under the alarm's threshold
+        # when they came, may have joined the newest level before the climb was seen
+        for ref in (s.reference, s.reference_before_skip, s.reference_earlier):
             if ref is not None and ref.last_step < onset:
                 return ref
         return None
@@ -349,7 +351,7 @@ class HealthyReference:
             return
         steps = s.loss_steps  # the deque's ends: no list of it
         first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
-        s.reference = Reference(level, first, last, n)
+        s.reference_earlier, s.reference = ref, Reference(level, first, last, n)
 
     # ---------------------------------------------------------------- a climb that lasts
 
