@@ -93,6 +93,10 @@ def test_slow_growth_stops_the_growth_overflow(tmp_path: Path) -> None:
     _scenario("growth_overflow", tmp_path / "plain", plain, steps=120)
     assert watch.machine.skipped_total < plain.machine.skipped_total
     assert _finite(model)
+    # every overflow was a skipped step and the steps between trained: nothing is thrown away (a rollback to before
+    # the first growth once discarded 36 steps of healthy training)
+    assert d.evidence["rollback"].startswith("none: each overflow came right after a growth of the scale"), \
+        d.evidence["rollback"]
 
 
 def test_lower_init_scale_skips_fewer_steps_than_the_same_run_without_it(tmp_path: Path) -> None:

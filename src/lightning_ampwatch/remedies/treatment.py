@@ -27,7 +27,7 @@ from lightning_ampwatch.records import (
 )
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
-from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.trajectory import replay_trajectory
 from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt
 from lightning_ampwatch.verdicts import AMP_BLAMING, fp32_reference, judge_recovery
@@ -139,6 +139,13 @@ class Treatment:
                 f"the scaler skipped every step since the onset at step {diagnosis.step}, the fit's first, so the "
                 "weights and the optimizer are still those it started with: nothing to roll back, the remedy is "
                 "applied in place")), []
+        if diagnosis.finding is Finding.GROWTH_OVERFLOW:
+            # every overflow came right after a growth and was skipped by the scaler, and the steps between trained
+            # cleanly: going back would throw away healthy training to undo nothing
+            self._retry = None
+            return None, Rollback(RollbackKind.NONE, now, why=(
+                "each overflow came right after a growth of the scale and was a step the scaler skipped, and the "
+                "steps between trained cleanly: nothing to undo, the remedy is applied in place")), []
         before = _last_good_step(diagnosis)
         retry, self._retry = self._retry, None
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
