@@ -177,3 +177,15 @@ def test_the_cores_summary_says_why_an_alarm_got_no_remedy(tmp_path: Path,
     out = " ".join(capsys.readouterr().out.split())
     assert "GRADIENT_OVERFLOW in 2.weight (not fixed: see the advice above; remediate= leaves out its ladder " \
            "(lower_init_scale, bf16_fallback))" in out, out
+
+
+def test_a_compiled_modules_donated_buffers_are_named_with_the_setting_that_allows_a_replay() -> None:
+    """torch.compile (inductor) donates a backward's buffers, so a replay's second backward fails; the warning says
+    which setting lets AmpWatch replay it (measured: with it, the forward_overflow fault is located in the
+    compiled attention and fp32_island applied). Inductor compiles too slowly for a test of its own here."""
+    from lightning_ampwatch.core import _known_cause
+
+    err = RuntimeError("This backward function was compiled with non-empty donated buffers which requires "
+                       "create_graph=False and retain_graph=False.")
+    assert "torch._functorch.config.donated_buffer = False" in (_known_cause(err) or "")
+    assert _known_cause(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None

@@ -114,6 +114,15 @@ def _guarded(call: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _known_cause(err: Exception) -> str | None:
+    """What to do about a failure whose cause lies in how the model was built, when it is known."""
+    if "donated buffers" in str(err):
+        return ("This is a torch.compile'd module whose backward donates its buffers: it cannot be run backward a "
+                "second time, which a replay needs. Set torch._functorch.config.donated_buffer = False before the "
+                "module is first compiled to let AmpWatch replay and locate faults in it.")
+    return None
+
+
 class RunWatcher(WatchState):
     """Owns the rooms of one watched run and routes every step through them (see the module docstring)."""
 
@@ -982,8 +991,10 @@ class RunWatcher(WatchState):
         key = f"{where}:{type(err).__name__}"
         if key not in self._failures:
             self._failures.add(key)
+            known = _known_cause(err)
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
-                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
+                          f"{type(err).__name__}: {err}" + (f"\n{known}" if known else ""), RuntimeWarning,
+                          stacklevel=3)
         stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
         if self.ledger is not None:
             self.ledger.stepped = False  # never carry a half-built step into the next one
