@@ -247,3 +247,26 @@ def test_a_fit_with_no_optimizer_step_is_not_called_healthy(tmp_path: Path,
     out = capsys.readouterr().out
     assert "AmpWatch: no optimizer step was seen, so nothing was judged." in out
     assert "Healthy run" not in out
+
+
+def test_a_second_fit_of_the_same_trainer_is_counted_with_the_first(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A second ``fit`` of one Trainer and watch counts its own steps (the watch starts it afresh) into the same log
+    directory; the report counts both fits, as it lists both fits' alarms (it once gave the second fit's counts
+    beside the alarms of both)."""
+    from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
+
+    scenario = SCENARIOS["lr_schedule"]
+    seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = build_trainer(scenario, [watch], str(tmp_path), max_steps=-1, max_epochs=3)
+    model = scenario.model()
+    trainer.fit(model, scenario.dataloader())
+    first = (watch.machine.steps_seen, watch.machine.skipped_total)
+    trainer.fit_loop.max_epochs = 6
+    trainer.fit(model, scenario.dataloader())
+    second = (watch.machine.steps_seen, watch.machine.skipped_total)
+    assert first[0] == second[0] == 48  # each fit's own
+    out = report_out(tmp_path, capsys)
+    header = out.splitlines()[1]
+    assert header.lstrip().startswith(f"{first[0] + second[0]} optimizer steps, {first[1] + second[1]} skipped"), out

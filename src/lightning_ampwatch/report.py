@@ -190,14 +190,30 @@ def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
         end = ends[-1]
         precision = end.get("precision", timeline.precision)
         scale = end.get("scale") if precision in (None, "fp16") else None
-        return RunStats(steps=int(end.get("steps", 0)), skipped=int(end.get("skipped", 0)),
-                        nonfinite=int(end.get("nonfinite", 0)), scale=scale, precision=precision)
+        steps, skipped, nonfinite = _fits_counted(ends, timeline.starts)
+        return RunStats(steps=steps, skipped=skipped, nonfinite=nonfinite, scale=scale, precision=precision)
     # No end (a crash): what the rows say. The last row's scale, not the last one seen: after a bf16 fallback the
     # rows carry none.
     fell_back = any(e.get("name") == "bf16_fallback" for e in timeline.of_kind("remedy"))
     return RunStats(steps=timeline.steps[-1] - timeline.steps[0] + 1, skipped=sum(timeline.skipped),
                     nonfinite=sum(1 for f in timeline.loss_finite if f is False),
                     scale=timeline.scales[-1], precision="bf16" if fell_back else timeline.precision)
+
+
+def _fits_counted(ends: Sequence[dict[str, Any]], starts: Sequence[int]) -> tuple[int, int, int]:
+    """The run's counters from its fits' end rows. A fit resumed from a checkpoint counts on from it (its end row
+    holds the whole run's counts); a second ``fit`` of the same watch counts its own steps only (it starts afresh),
+    so its counts are added to the earlier fits'."""
+    steps = skipped = nonfinite = 0
+    for end in ends:
+        step = int(end.get("step", 0))
+        began = max((s for s in starts if s <= step), default=0)
+        counts = (int(end.get("steps", 0)), int(end.get("skipped", 0)), int(end.get("nonfinite", 0)))
+        if counts[0] <= step - began + 1 and began > 0:  # this fit's own steps only: after the earlier fits'
+            steps, skipped, nonfinite = steps + counts[0], skipped + counts[1], nonfinite + counts[2]
+        else:  # the whole run so far (a first fit, or one resumed from a checkpoint)
+            steps, skipped, nonfinite = counts
+    return steps, skipped, nonfinite
 
 
 def report_episodes(diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> list[Episode]:

@@ -345,6 +345,7 @@ class TimelineData:
     events: list[dict[str, Any]] = field(default_factory=list)
     precision: str | None = None
     earlier_runs: int = 0  # runs written to the same file before this one (ignored)
+    starts: list[int] = field(default_factory=list)  # the step of each fit's start row in this run (a resume, a refit)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -407,6 +408,7 @@ def read_timeline(path: str | os.PathLike[str]) -> TimelineData:
                     data = TimelineData(path, earlier_runs=data.earlier_runs + 1)
                     carried_lrs = ()
                 data.precision = row.get("precision", data.precision)
+                data.starts.append(row["step"])
                 continue
             if kind is not None:
                 data.events.append(row)
