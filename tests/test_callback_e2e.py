@@ -511,3 +511,31 @@ def test_a_nan_batch_inside_a_start_up_overflow_hides_neither_fault(tmp_path: Pa
     if remediate:
         assert overflow.remedy == "lower_init_scale"
         assert "the batch of step 2 holds NaN/inf" in overflow.evidence["trajectory_control"]
+
+
+class RaisesWhenReplayed(Regressor):
+    """A training_step that refuses a batch it has already seen (a user's own bookkeeping): a replay makes it raise."""
+
+    def __init__(self) -> None:
+        super().__init__(attention=True)
+        self.seen: set[int] = set()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        key = self.current_epoch * 10_000 + batch_idx
+        if key in self.seen:
+            raise RuntimeError("batch seen twice")
+        self.seen.add(key)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_that_raises_in_a_replay_is_said_as_the_users_code_not_an_internal_error(
+        tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch = AmpWatch(verbose=False)
+        fit_scenario("forward_overflow", tmp_path, watch, model=RaisesWhenReplayed())
+    said = [str(w.message) for w in caught if "AmpWatch" in str(w.message)]
+    assert not any("internal error" in s for s in said), said
+    assert any("through RaisesWhenReplayed.training_step, which raised RuntimeError: batch seen twice" in s
+               for s in said), said
+    assert alarms(watch)[0].finding is Finding.FORWARD_OVERFLOW  # the step's own measurements stand

@@ -20,6 +20,7 @@ from lightning_ampwatch import compat, distributed, sharding
 from lightning_ampwatch.config import UNRECOVERABLE_MODES, WatchConfig  # noqa: F401 - re-exported
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.host import user_code_failure
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, LrCeiling, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
@@ -56,6 +57,7 @@ class LightningHost:
         self._metrics: compat.StepMetrics | None = None
         # the checkpoint files in the folders now are not this fit's to roll back to (only the one it resumed from)
         self._checkpoints = compat.FitCheckpoints(trainer)
+        self._step_error: Exception | None = None  # what training_step raised in a replay, for user_failure
 
     @property
     def global_step(self) -> int:
@@ -92,7 +94,15 @@ class LightningHost:
     def step_loss(self, batch: Any, batch_idx: int) -> Any:
         # through a root FSDP1 wrapper's forward, so that its parameters are gathered (Lightning's own forward
         # redirection); a plain call everywhere else
-        return sharding.training_step(self.wrapped_module(), self.module, batch, batch_idx)
+        try:
+            return sharding.training_step(self.wrapped_module(), self.module, batch, batch_idx)
+        except Exception as err:
+            self._step_error = err  # the user's code failed under a replay, not the watch (user_failure)
+            raise
+
+    def user_failure(self, err: Exception) -> str | None:
+        failed, self._step_error = self._step_error, None
+        return user_code_failure(failed, err, f"{type(self.module).__name__}.training_step")
 
     def train_state(self) -> TrainState:
         return TrainState.from_trainer(self.trainer, self.module)

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
+from lightning_ampwatch.host import user_code_failure
 from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.probes import tensors_in, uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
@@ -653,12 +654,7 @@ class FabricHost:
         """The core's failure ``err`` said as the user's ``loss_fn``'s when that is what raised (itself, or a replay's
         error that carries its words); None otherwise."""
         failed, self._loss_fn_error = self._loss_fn_error, None
-        if failed is None or not (err is failed or f"{type(failed).__name__}: {failed}" in str(err)):
-            return None
-        return (f"FabricWatch replayed a faulty step through loss_fn {_named(self._watch.loss_fn)}, which raised "
-                f"{type(failed).__name__}: {failed}. The watch goes on without the replays that failed (the diagnoses "
-                "rest on the steps' own measurements); loss_fn(model, batch) must compute one micro-batch's loss as "
-                "the loop does.")
+        return user_code_failure(failed, err, f"loss_fn {_named(self._watch.loss_fn)}")
 
     def batches_missing(self, step: int, calls: int, handed: int) -> None:
         """Step ``step`` ran ``calls`` ``fabric.backward`` calls, but only ``handed`` micro-batches were handed to the

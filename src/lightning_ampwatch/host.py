@@ -109,3 +109,14 @@ class Host(Protocol):
     #     micro-batch), else None: the faulty batch's replay and its FP32 control are then not run, and say why.
     # ``user_failure(err) -> str | None``: when ``err`` (a failure inside the watch) is the user's own code failing
     #     under it (a ``loss_fn`` that raises in a replay), the warning to give instead of an internal error.
+
+
+def user_code_failure(failed: BaseException | None, err: BaseException, code: str) -> str | None:
+    """The warning for the core's failure ``err`` when it is the user's ``code`` (``failed``: what that code last
+    raised while a replay called it) failing under the watch: ``err`` itself, or a replay's error that carries its
+    words (a failure gathered across ranks). None when ``err`` is something else: an internal error."""
+    if failed is None or not (err is failed or f"{type(failed).__name__}: {failed}" in str(err)):
+        return None
+    return (f"AmpWatch replayed a faulty step through {code}, which raised {type(failed).__name__}: {failed}. The "
+            "watch goes on without the replays that failed (the diagnoses rest on the steps' own measurements); a "
+            "replay calls it again on a batch it has already seen, with the weights of the faulty step.")
