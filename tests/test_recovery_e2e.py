@@ -307,3 +307,27 @@ def test_reduce_lr_after_a_steeper_warmup_rolled_back_past_its_start_scales_down
     assert details["lr_before"][0] > before and details["factor"] < 1
     assert details["lr_after"] == [pytest.approx(before)] and details["ceiling"] == [pytest.approx(before)]
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(before)  # what the rest of the run trains at
+
+
+def test_a_remedy_still_watched_when_the_checkpoint_was_written_is_judged_after_the_resume(tmp_path: Path) -> None:
+    """reduce_lr is applied and the run stops 4 steps into its 8-step watch; resumed from the checkpoint written
+    then, the run judges the remedy over the steps it runs (it once never did: "the run ended first")."""
+    from lightning_ampwatch.scenarios import StepSchedule, build_trainer
+
+    def fit(root: Path, max_steps: int, ckpt: str | None) -> AmpWatch:
+        pl.seed_everything(0, verbose=False)
+        watch = AmpWatch(remediate="all", verbose=False)
+        every = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1,
+                                filename="{step}")
+        trainer = build_trainer(SCENARIOS["lr_schedule"], [watch, every], str(root), max_steps=max_steps,
+                                enable_checkpointing=True)
+        trainer.fit(Regressor(lr=0.02, lr_lambda=StepSchedule(15, 40.0)),
+                    DataLoader(regression_data(), batch_size=32), ckpt_path=ckpt)
+        return watch
+
+    first = fit(tmp_path / "a", 26, None)
+    [cut] = [d for d in first.diagnoses if d.remedy == "reduce_lr"]
+    assert cut.outcome is None and cut.evidence["recovery"]["reason"].startswith("the run ended 4 optimizer steps")
+    resumed = fit(tmp_path / "b", 40, str(tmp_path / "ckpt" / "step=26.ckpt"))
+    [judged] = [d for d in resumed.diagnoses if d.remedy == "reduce_lr"]
+    assert judged.step == cut.step and judged.outcome == "recovered", judged.evidence.get("recovery")

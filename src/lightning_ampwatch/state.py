@@ -40,6 +40,7 @@ class WatchState:
             "machine": None if self.machine is None else self.machine.state_dict(),
             "applied": [r.to_dict() for r in self.applied],
             "policy": self.treatment.policy.state_dict(),
+            "watch": self.treatment.watch_state(),  # a remedy still watched: judged after a resume too
         }
 
     def load_state_dict(self, state_dict: Any) -> None:
@@ -64,6 +65,7 @@ class WatchState:
             ("policy", lambda: self.treatment.policy.load_state_dict(state.get("policy", {}))),
             ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
              if state.get("machine") else None),
+            ("watch", lambda: self.treatment.load_watch(state.get("watch"), self.diagnoses)),
         ]
         for part, load in parts:
             try:

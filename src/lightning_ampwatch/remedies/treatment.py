@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from lightning_ampwatch.records import (
     Outcome,
@@ -269,6 +269,34 @@ class Treatment:
     def judgement_due(self, steps_seen: int) -> bool:
         watch = self.watch
         return watch is not None and steps_seen - watch.steps_before >= self.recovery_steps
+
+    def watch_state(self) -> dict[str, Any] | None:
+        """The remedy being watched, as plain data for a checkpoint (None when none is): a run resumed from a
+        checkpoint written during the watch judges it when its steps are run. The snapshot the run went back to is
+        not kept (a next rung after a resume goes back as a first one does)."""
+        watch = self.watch
+        if watch is None:
+            return None
+        return {"diagnosis": watch.diagnosis.to_dict(), "start": watch.start, "steps_before": watch.steps_before,
+                "skipped_before": watch.skipped_before, "reference": watch.reference,
+                "reference_from": watch.reference_from, "data_steps": sorted(watch.data_steps.items()),
+                "lr_tried": self.lr_tried}
+
+    def load_watch(self, state: Any, diagnoses: Sequence[Diagnosis]) -> None:
+        """Take up a watch :meth:`watch_state` wrote; its record is the one among ``diagnoses`` it was published as."""
+        if not state:
+            return
+        written = Diagnosis.from_dict(state["diagnosis"])
+        held = next((d for d in diagnoses if d.finding is written.finding and d.step == written.step
+                     and d.remedy == written.remedy and d.outcome is None), written)
+        reference = state.get("reference")
+        self.watch = Watch(held, start=int(state["start"]), steps_before=int(state["steps_before"]),
+                           skipped_before=int(state["skipped_before"]),
+                           reference=None if reference is None else float(reference),
+                           reference_from=str(state.get("reference_from", "")),
+                           data_steps={int(s): bool(k) for s, k in state.get("data_steps", ())})
+        tried = state.get("lr_tried")
+        self.lr_tried = [float(v) for v in tried] if isinstance(tried, list) else self.lr_tried
 
     def note_data_step(self, step: int, skipped: bool) -> None:
         """A step of the watch whose own batch made its loss non-finite (NaN/inf in the data): left out of the
