@@ -270,3 +270,36 @@ def test_a_second_fit_of_the_same_trainer_is_counted_with_the_first(tmp_path: Pa
     out = report_out(tmp_path, capsys)
     header = out.splitlines()[1]
     assert header.lstrip().startswith(f"{first[0] + second[0]} optimizer steps, {first[1] + second[1]} skipped"), out
+
+
+def test_a_nan_loss_on_a_step_the_scaler_took_is_counted_and_the_run_not_called_healthy(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty batch (a filtering collate left nothing) has a NaN mean loss whose gradients are finite, so the
+    scaler takes the step: the loss is counted as non-finite and the run is not called healthy (it once said
+    "nothing to report. Healthy run." and counted no non-finite loss)."""
+    from torch.utils.data import Sampler, TensorDataset
+
+    from lightning_ampwatch.scenarios import Regressor, build_trainer, SCENARIOS
+
+    class WithAnEmptyBatch(Sampler[list[int]]):
+        def __iter__(self) -> Any:
+            for b in range(8):
+                yield [] if b == 2 else list(range(32 * b, 32 * b + 32))
+
+        def __len__(self) -> int:
+            return 8
+
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not items:
+            return torch.empty(0, 16), torch.empty(0)
+        return torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+
+    seed_everything(0, verbose=False)
+    watch = AmpWatch()
+    data = DataLoader(regression_data(n=256), batch_sampler=WithAnEmptyBatch(), collate_fn=collate)
+    build_trainer(SCENARIOS["healthy"], [watch], str(tmp_path), max_steps=8, log_every_n_steps=1).fit(Regressor(), data)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("AmpWatch"))
+    assert "1 non-finite loss" in line and "not a healthy run" in line and "Healthy run." not in line, line
+    assert watch.machine.nonfinite_total == 1
+    assert "healthy run" not in report_out(tmp_path, capsys)

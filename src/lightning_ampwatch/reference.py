@@ -289,6 +289,9 @@ class HealthyReference:
         """A step's finite loss: part of a climb when far above the healthy base, otherwise a candidate for the
         healthy level. A climb that goes on for ``divergence_steps`` losses is a finite divergence."""
         if not math.isfinite(loss):
+            # read after the fact on a step the scaler took: its gradients were finite (an empty batch's mean, a
+            # NaN the gradients do not see); counted, as every non-finite loss is
+            self._machine.state.nonfinite_total += 1
             return
         s, t = self._machine.state, self._machine.thresholds
         if s.start_loss is None:

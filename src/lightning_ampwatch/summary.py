@@ -69,6 +69,10 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
     alarms = [d for d in diagnoses if d.is_alarm]
     if not alarms and stats.steps == 0:
         return ["AmpWatch: no optimizer step was seen, so nothing was judged."]
+    if not alarms and stats.nonfinite:
+        return [f"AmpWatch: {counts_line(stats)}; no alarm, but a non-finite loss on a step whose gradients were "
+                "finite says something is wrong outside what the scaler sees (an empty batch's mean, a NaN the "
+                "gradients do not reach): not a healthy run."]
     if not alarms:
         if any(d.finding is Finding.NORMAL_SCALING for d in diagnoses):
             return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]
