@@ -139,6 +139,23 @@ def test_a_swapped_optimizer_is_read_and_its_steps_are_not_counted_as_skipped(
     assert len(said) == 1 and "Adam" in said[0], said
 
 
+class SwapHot(Callback):
+    """At epoch 2 a new optimizer at a far higher LR (0.8 against 0.02) replaces the first: the run falls apart."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 2:
+            trainer.strategy.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.8)]
+
+
+def test_a_swapped_optimizer_at_a_higher_lr_is_that_lr_rise(tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False)
+    _fit(tmp_path, [watch, SwapHot()], Regressor(lr=0.02))
+    alarm = _alarms(watch)[0]
+    assert alarm.finding is Finding.LR_SCHEDULE, [(d.finding, d.step) for d in watch.diagnoses]
+    ev = alarm.evidence
+    assert (ev["lr_event"], ev["lr_before"], ev["lr_after"], ev["lr_change_step"]) == ("lr_increase", 0.02, 0.8, 32)
+
+
 class Backbone(Regressor):
     """A model BackboneFinetuning can unfreeze: its encoder is the backbone, frozen until epoch 2."""
 

@@ -104,13 +104,17 @@ class LrLog:
     read wins). The replay runs each step at them (``trajectory.replay_trajectory``), so an LR set outside the
     schedulers (a callback, a hand-written warmup) is replayed too."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "swapped_at")
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, tuple[float, ...]]] = []
+        #: the step at which the ledger saw the optimizers replaced (a callback swapped them), or None: the
+        #: snapshots then hold the old optimizers' state and are stale (``trajectory.Snapshot.stale``)
+        self.swapped_at: int | None = None
 
     def clear(self) -> None:
-        self.entries.clear()  # in place: the replay's state holds this list's owner
+        self.entries.clear()  # in place: the replay's state holds this log
+        self.swapped_at = None
 
     def trim(self) -> None:
         entries = self.entries

@@ -530,6 +530,9 @@ class StepLedger:
                     # no hook fired because the optimizer that stepped is not the one it sat on (a callback swapped
                     # it): the scaler tells whether it skipped the step, by the scale it backed off
                     taken = self._scale_held(scaler)
+                    if self._lrs_set_before:  # and this step ran at the new optimizers' LRs, read just now
+                        lrs = self._lrs
+                        self._lr_points.append((step, lrs))
             self._states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
@@ -758,13 +761,14 @@ class StepLedger:
             fused = self.taken.fused
             self.taken.attach(optimizers)
             self._optimizers = tuple(optimizers)
+            self.lr_log.swapped_at = max(self.step_index - 1, 0)
             if self.taken.fused != fused:
                 self._update_fast_path()
             say = getattr(trainer, "say", None)
             if say is not None:
-                names = ", ".join(type(opt).__name__ for opt in optimizers)
-                say(f"AmpWatch: the optimizers changed (seen at step {max(self.step_index - 1, 0)}; now {names or 'none'}): "
-                    "their steps and learning rates are read from them from here on.")
+                names = ", ".join(type(opt).__name__ for opt in optimizers) or "none"
+                say(f"AmpWatch: the optimizers changed (seen at step {self.lr_log.swapped_at}; now {names}): their "
+                    "steps and learning rates are read from them from here on.")
         self.read_param_groups(optimizers, lrs_now=True)
         return True
 

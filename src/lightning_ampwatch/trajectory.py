@@ -216,7 +216,12 @@ class Snapshot:
                    layout=layout)
 
     def stale(self, state: TrainState) -> str | None:
-        """Why this snapshot can no longer be put back (a frozen parameter changed in place since), or None."""
+        """Why this snapshot can no longer be put back (a frozen parameter changed in place since, or the optimizers
+        were replaced), or None."""
+        swapped = getattr(state.lr_log, "swapped_at", None)
+        if swapped is not None:
+            return (f"the optimizers were replaced during the run (seen at step {swapped}): the snapshots hold the "
+                    "old optimizers' state, so none can be put back")
         name = sharding.changed_frozen(self.frozen, state.root)
         if name is None:
             return None
