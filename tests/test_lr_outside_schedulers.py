@@ -57,9 +57,10 @@ class RaiseLr(Callback):
             self._raise(trainer)
 
 
-def test_lr_raised_by_a_callback_is_an_lr_rise_not_a_hardware_fault(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hook", ["epoch", "batch"])
+def test_lr_raised_by_a_callback_is_an_lr_rise_not_a_hardware_fault(tmp_path: Path, hook: str) -> None:
     watch = AmpWatch(verbose=False)
-    _fit(tmp_path, [watch, RaiseLr()], Regressor(lr=0.02))
+    _fit(tmp_path, [watch, RaiseLr(hook)], Regressor(lr=0.02))
     findings = [d.finding for d in watch.diagnoses]
     assert Finding.NOT_REPRODUCED not in findings, findings
     first = _alarms(watch)[0]
@@ -168,9 +169,9 @@ class Backbone(Regressor):
 
 
 def test_a_param_group_added_mid_run_is_read(tmp_path: Path) -> None:
-    # BackboneFinetuning adds the backbone as a new param group, at a far too high LR, at epoch 2 (step 32): the run falls
-    # apart. The new group is noticed and its LR read from the first anomalous step on: in the timeline, and in
-    # the replay (which diverges as the run did: no hardware suspicion)
+    # BackboneFinetuning adds the backbone as a new param group, at a far too high LR, at epoch 2 (step 32): the
+    # run falls apart. The new group is noticed and its LR read from the first anomalous step on (in the timeline,
+    # and for the replay), not only at the next log step (which this run never reaches)
     watch = AmpWatch(verbose=False)
     finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=2, backbone_initial_lr=20.0, should_align=False,
                                     lambda_func=lambda _: 1.0)
