@@ -312,6 +312,7 @@ class RunWatcher(WatchState):
                                     fall_margin=config.thresholds.fall_margin,
                                     lr_cause_margin=config.thresholds.lr_cause_margin)
         self.trajectory = control
+        control.state.lr_log = self.ledger.lr_log if self.ledger is not None else None  # each step's LRs, replayed
         control.start(host.global_step)  # a state from before the first step this run takes
 
     def _attach_guards(self) -> None:

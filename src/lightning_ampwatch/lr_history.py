@@ -89,3 +89,41 @@ def lr_event(s: MachineState, t: Thresholds, onset: int, now_lr: float | None = 
         # the rise is the end of a longer ramp: where that began is its own field, not the LR before
         ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)
     return ev
+
+
+#: At most this many change points stay in an :class:`LrLog` (trimmed back to ``LR_LOG_KEEP`` past it): a schedule
+#: that changes the LR every step keeps the latest steps' LRs, far more than a replay's window reaches back
+LR_LOG_MAX = 4096
+LR_LOG_KEEP = 2048
+
+
+class LrLog:
+    """The learning rates each optimizer step ran with, as the ledger read them: ``(step, lrs)`` change points in
+    the order they were read (a constant LR adds nothing per step). The LRs of step ``s`` are those of the latest
+    point read at or before ``s`` (after a rollback, points for steps already passed follow later ones: the last
+    read wins). The replay runs each step at them (``trajectory.replay_trajectory``), so an LR set outside the
+    schedulers (a callback, a hand-written warmup) is replayed too."""
+
+    __slots__ = ("entries", "swapped_at")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, tuple[float, ...]]] = []
+        #: the step at which the ledger saw the optimizers replaced (a callback swapped them), or None: the
+        #: snapshots then hold the old optimizers' state and are stale (``trajectory.Snapshot.stale``)
+        self.swapped_at: int | None = None
+
+    def clear(self) -> None:
+        self.entries.clear()  # in place: the replay's state holds this log
+        self.swapped_at = None
+
+    def trim(self) -> None:
+        entries = self.entries
+        if len(entries) > LR_LOG_MAX:
+            del entries[:-LR_LOG_KEEP]
+
+    def at(self, step: int) -> tuple[float, ...] | None:
+        """The LRs step ``step`` ran with; None when no point read reaches back that far."""
+        for point, lrs in reversed(self.entries):
+            if point <= step:
+                return lrs
+        return None

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat, distributed
+from lightning_ampwatch.lr_history import LrLog
 from lightning_ampwatch.machine import Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
@@ -224,6 +225,18 @@ class StepLedger:
         self._param_groups: list[dict[str, Any]] = []
         self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
         self._one_group: dict[str, Any] | None = None  # the only param group, when there is one with a number LR
+        #: the LRs each step ran with, as change points (a constant LR adds none): what the replay runs each step at
+        self.lr_log = LrLog()
+        self._lr_points = self.lr_log.entries
+        # An LR seen to change when a step is taken in was set before that step ran (a callback's on_train_epoch_start
+        # or on_train_batch_start, an epoch-interval scheduler), not after it, when no scheduler steps between the
+        # optimizer step and the read: Lightning with no step-interval scheduler. Then that step is dated with it.
+        self._lrs_set_before = False
+        # the optimizers the step hook sits on, and their param groups' count: a callback may swap in a new
+        # optimizer or add a group (BackboneFinetuning); checked at log steps and on an anomalous step, never per step
+        self._optimizers: tuple[Any, ...] = ()
+        self._groups_seen = 0
+        self._host: Any = None
         self._fast_path = False
         self._host_loss = False
         self._host_tape = device_type in HOST_TAPE_DEVICES  # losses taken as floats (see backward)
@@ -246,15 +259,24 @@ class StepLedger:
         """At train start: the optimizers' hooks, the LRs, and one read of the scaler (restored by now)."""
         self.step_index = trainer.global_step
         self.express_until = 0
+        self._host = trainer  # for the optimizers' re-check on an anomalous step (resolved without the trainer)
         self.taken.attach(trainer.optimizers)
-        self.read_param_groups(trainer.optimizers)
-        self._lrs = current_lrs(trainer.optimizers)
+        self._optimizers = tuple(trainer.optimizers)
+        self.lr_log.clear()
+        self.read_param_groups(trainer.optimizers, lrs_now=True)
+        try:
+            self._lrs_set_before = bool(getattr(trainer, "automatic", False)) and \
+                getattr(trainer, "trainer", None) is not None and not trainer.step_schedulers()
+        except Exception:  # noqa: BLE001 - an LR change is then dated as it is read, one step late at worst
+            self._lrs_set_before = False
         self.losses.capacity = min(max(LOSS_RING_STEPS, log_every), LOSS_RING_MAX_STEPS)
         self.mirror_scaler()
 
     def stop(self) -> None:
         """Leave the optimizers as they were found, and drop every reference to batches and losses."""
         self.taken.detach()
+        self._host = None
+        self._optimizers = ()
         self.stepped = False
         self._pending.clear()
         self._batches = []
@@ -315,6 +337,7 @@ class StepLedger:
         """The param groups whose LRs are read every step, and whether they are all plain numbers. ``lrs_now``:
         the LRs changed since the last step was taken in (a remedy, a rollback), so the next step's are read again."""
         self._param_groups = [g for opt in optimizers for g in opt.param_groups]
+        self._groups_seen = len(self._param_groups)
         self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
         groups = self._param_groups
         self._one_group = groups[0] if len(groups) == 1 and self._float_lrs else None
@@ -322,6 +345,7 @@ class StepLedger:
             lrs_now = True  # the next step's LRs are kept as a 1-tuple while there is one group (see close)
         if lrs_now:
             self._lrs = current_lrs(optimizers)
+            self._lr_points.append((self.step_index, self._lrs))
 
     def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
@@ -419,8 +443,13 @@ class StepLedger:
         self.step_index = step + 1
         lrs = self._lrs  # the LRs this step ran with; the next step's read now
         lr = self._one_group["lr"]  # type: ignore[index]
-        if lrs[0] != lr:
-            self._lrs = (lr,)
+        if lrs[0] != lr:  # as close() takes a change in
+            self._lrs = now = (lr,)
+            if self._lrs_set_before:
+                lrs = now
+                self._lr_points.append((step, now))
+            else:
+                self._lr_points.append((step + 1, now))
         self.log_steps += 1
         self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
         self.deferred.append((step, [micro_batch] if self.defer_batches else _NO_BATCHES,  # type: ignore[list-item]
@@ -468,11 +497,23 @@ class StepLedger:
         if group is not None:  # ... and the next step's: one group, the usual case
             lr = group["lr"]
             if lrs[0] != lr:  # a constant LR keeps its tuple: no new object per step
-                self._lrs = (lr,)
-        elif not self._float_lrs:  # (a tensor LR is never read on a device)
-            self._lrs = current_lrs(trainer.optimizers)
+                self._lrs = now = (lr,)
+                # the change point, for the replay; dated to this step when it was set before this step ran
+                if self._lrs_set_before:
+                    lrs = now
+                    self._lr_points.append((step, now))
+                else:
+                    self._lr_points.append((step + 1, now))
         else:
-            self._lrs = tuple([g["lr"] for g in self._param_groups])
+            now = current_lrs(trainer.optimizers) if not self._float_lrs else \
+                tuple([g["lr"] for g in self._param_groups])  # (a tensor LR is never read on a device)
+            if now != lrs:  # as above
+                self._lrs = now
+                if self._lrs_set_before:
+                    lrs = now
+                    self._lr_points.append((step, now))
+                else:
+                    self._lr_points.append((step + 1, now))
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
@@ -480,10 +521,18 @@ class StepLedger:
         unscaled = False  # no scaler step ran: nothing skipped, nothing for the mirror to follow
         if scaler is not None:
             states = compat.read_per_optimizer_states(scaler)
-            if states is self._states_seen and not taken and found_inf is None:
-                # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
-                # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
-                unscaled = taken = True
+            if not taken and found_inf is None:
+                if states is self._states_seen:
+                    # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
+                    # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
+                    unscaled = taken = True
+                elif self.recheck_optimizers(trainer):
+                    # no hook fired because the optimizer that stepped is not the one it sat on (a callback swapped
+                    # it): the scaler tells whether it skipped the step, by the scale it backed off
+                    taken = self._scale_held(scaler)
+                    if self._lrs_set_before:  # and this step ran at the new optimizers' LRs, read just now
+                        lrs = self._lrs
+                        self._lr_points.append((step, lrs))
             self._states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
@@ -531,6 +580,7 @@ class StepLedger:
                     return None
             else:
                 self.read_losses()
+                self.lr_log.trim()
             clean = self._clean
             clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \
                 lrs, None
@@ -598,6 +648,10 @@ class StepLedger:
         batch_stats = None
         fault_ranks = [distributed.rank()]
         if skipped or loss_finite is False:
+            host = self._host
+            if host is not None and self.recheck_optimizers(host) and self._lrs_set_before \
+                    and opened.step == self.step_index - 1:
+                opened.lrs = self._lrs  # a group added since (read just now): no scheduler stepped since this step ran
             self.read_losses()  # the level before the fault, current to the step before it
             batch_stats = inspect_batch([mb[0] for mb in opened.batches])
             self.log_nonfinite += int(loss_finite is False)
@@ -679,8 +733,44 @@ class StepLedger:
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
         """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight."""
         self.step_index = trainer.global_step  # cheap here, once per log interval
-        self.read_param_groups(trainer.optimizers)  # groups added since?
+        if not self.recheck_optimizers(trainer):
+            self.read_param_groups(trainer.optimizers)  # the groups as they are (a group's dict replaced?)
+        self.lr_log.trim()
         return self.drain(force=True)
+
+    def _scale_held(self, scaler: Any) -> bool:
+        """Whether the scaler's last update kept (or grew) its scale: it ran the step. One read, only after the
+        optimizers changed under the step hook."""
+        scale_t = compat.scale_tensor(scaler)
+        mirror = self.mirror
+        if scale_t is None or mirror is None:
+            return False
+        return float(scale_t) >= mirror.scale
+
+    def recheck_optimizers(self, trainer: Any) -> bool:
+        """At a log step or an anomalous step: whether the trainer's optimizers or their param groups changed since
+        they were read (a callback swapped in a new optimizer, or added a group: BackboneFinetuning). Then the step
+        hook moves to the new optimizers and every group's LR is read again, from the next step taken in on.
+        A swap is said once, in one line."""
+        optimizers = trainer.optimizers
+        attached = self._optimizers
+        swapped = len(optimizers) != len(attached) or any(a is not b for a, b in zip(optimizers, attached))
+        if not swapped and sum(len(opt.param_groups) for opt in optimizers) == self._groups_seen:
+            return False
+        if swapped:
+            fused = self.taken.fused
+            self.taken.attach(optimizers)
+            self._optimizers = tuple(optimizers)
+            self.lr_log.swapped_at = max(self.step_index - 1, 0)
+            if self.taken.fused != fused:
+                self._update_fast_path()
+            say = getattr(trainer, "say", None)
+            if say is not None:
+                names = ", ".join(type(opt).__name__ for opt in optimizers) or "none"
+                say(f"AmpWatch: the optimizers changed (seen at step {self.lr_log.swapped_at}; now {names}): their "
+                    "steps and learning rates are read from them from here on.")
+        self.read_param_groups(optimizers, lrs_now=True)
+        return True
 
     def read_at_log_step(self, extra: Sequence[Tensor] = ()) -> tuple[float | None, list[float]]:
         """The log step's one packed read: the scaler's scale and growth tracker (the mirror is reconciled with

@@ -75,6 +75,9 @@ class TrainState:
     #: Why the steps cannot be replayed (re-run) in this fit although snapshots can be taken and put back (a rollback
     #: needs only those); None when they can.
     replay_unavailable: str | None = None
+    #: the LRs each step of the run ran with, as the step ledger read them (``lr_history.LrLog``): a replayed step
+    #: runs at them where the restored schedulers give others (an LR a callback set); None: the schedulers' alone
+    lr_log: Any = None
 
     def __post_init__(self) -> None:
         if self.root is None:
@@ -213,7 +216,12 @@ class Snapshot:
                    layout=layout)
 
     def stale(self, state: TrainState) -> str | None:
-        """Why this snapshot can no longer be put back (a frozen parameter changed in place since), or None."""
+        """Why this snapshot can no longer be put back (a frozen parameter changed in place since, or the optimizers
+        were replaced), or None."""
+        swapped = getattr(state.lr_log, "swapped_at", None)
+        if swapped is not None:
+            return (f"the optimizers were replaced during the run (seen at step {swapped}): the snapshots hold the "
+                    "old optimizers' state, so none can be put back")
         name = sharding.changed_frozen(self.frozen, state.root)
         if name is None:
             return None
@@ -843,7 +851,10 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
             snapshot.restore(state)
             if lr_factor != 1.0:
                 scale_learning_rates(state.optimizers, [s for s, _ in state.schedulers], lr_factor)
-            for _, micro_batches in steps:
+            ran = state.lr_log.at if state.lr_log is not None else None
+            for step, micro_batches in steps:
+                if ran is not None:
+                    _run_at(state, ran(step), lr_factor)
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
                 losses.append(loss)
                 skipped.append(skip)
@@ -859,6 +870,24 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
         losses=[None if t is None else next(values) for t in losses],
         params_finite=bool(read[len(present)]), skipped=[bool(v) for v in read[len(present) + 1:]],
     )
+
+
+def _run_at(state: TrainState, lrs: tuple[float, ...] | None, factor: float) -> None:
+    """A replayed step runs at the LRs the run recorded for it (times ``factor``, the lower-LR counterfactual's), where
+    the restored schedulers give others: an LR set outside a scheduler (a callback, a hand-written warmup) is replayed
+    as the run had it. Nothing when none was recorded that far back, or the groups are not those the LRs were read
+    from (a group added, a tensor LR)."""
+    if lrs is None:
+        return
+    groups = [g for opt in state.optimizers for g in opt.param_groups]
+    if len(groups) != len(lrs):
+        return
+    for group, lr in zip(groups, lrs):
+        now = group.get("lr")
+        if isinstance(now, (int, float)) and not isinstance(now, bool):
+            target = lr * factor
+            if now != target and not math.isclose(now, target, rel_tol=1e-12, abs_tol=0.0):
+                group["lr"] = target
 
 
 def scale_learning_rates(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
