@@ -278,6 +278,7 @@ class HealthyReference:
         s.reference = None if at.level is None else Reference(at.level, at.first_step, at.last_step, at.count)
         s.rebased_why = at.why
         s.reference_before_skip = s.reference
+        s.reference_earlier = None  # the levels before it belong to the abandoned steps
         s.losses.clear()
         s.loss_steps.clear()
         s.climb = None
