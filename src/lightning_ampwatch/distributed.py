@@ -310,6 +310,18 @@ class ReplayAborted(RuntimeError):
     point, so that no rank waits in a collective another rank never enters."""
 
 
+def meet(error: str | None) -> bool:
+    """Every rank at the same point of a replay that talks to every rank, each bringing its part's error (None:
+    none). Returns whether any rank brought one; raises :class:`ReplayAborted` on a rank that brought none when
+    another did, so that every rank stops there. One small gather (nothing with one process)."""
+    if world_size() == 1:
+        return error is not None
+    failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
+    if failed and error is None:
+        raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
+    return bool(failed)
+
+
 class Lockstep:
     """A replay that talks to every rank (the forward of a sharded model: FSDP's all-gathers), run so that a rank
     whose part raises before that talk does not leave the others waiting in it.
@@ -349,11 +361,7 @@ class Lockstep:
 
     def _meet(self, error: str | None) -> None:
         self._met = True
-        if world_size() == 1:
-            return
-        failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
-        if failed and error is None:
-            raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
+        meet(error)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         for handle in self._handles:
