@@ -366,16 +366,17 @@ class Ended(pl.Callback):
         self._write(trainer, "fit end")
 
 
-def _fit_judged_alone_then_unrecoverable(out_dir: str, mode: str) -> None:
+def _fit_judged_alone_then_unrecoverable(out_dir: str, mode: str, log_every: int = 4) -> None:
     """bf16-mixed (no scaler), a NaN in rank 1's data at step 2: each rank judges alone (rank 1 from its batch, rank 0
-    a step later from the all-reduced weights), with on_unrecoverable=``mode``; log steps every 4 steps."""
+    a step later from the all-reduced weights), with on_unrecoverable=``mode``; log steps every ``log_every`` steps
+    (0: none)."""
     from lightning_ampwatch.scenarios import Regressor, regression_data
 
     pl.seed_everything(0, verbose=False)
     watch = AmpWatch(verbose=False, on_unrecoverable=mode, snapshot_every=0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=12, precision="bf16-mixed",
-        log_every_n_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        log_every_n_steps=log_every, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
         callbacks=[Ended(out_dir), watch])
     # row 67 is rank 1's batch 2, row 1: rank 0 never sees it
@@ -388,6 +389,10 @@ def _fit_judged_alone_then_stop(out_dir: str) -> None:
 
 def _fit_judged_alone_then_raise(out_dir: str) -> None:
     _fit_judged_alone_then_unrecoverable(out_dir, "raise")
+
+
+def _fit_judged_alone_then_stop_with_no_log_step(out_dir: str) -> None:
+    _fit_judged_alone_then_unrecoverable(out_dir, "stop", log_every=0)
 
 
 def _ended(out_dir: Path) -> list[dict[str, Any]]:
@@ -413,6 +418,13 @@ def test_on_unrecoverable_raise_after_an_alarm_judged_alone_raises_on_every_rank
     assert _ended(tmp_path) == [{"steps": 4, "how": "batch end"}] * 2
     assert "AmpWatchError" in done.stderr
     assert "every rank stops at this log step (on_unrecoverable='raise')" in done.stderr
+
+
+def test_on_unrecoverable_stop_with_no_log_step_is_said_not_carried_out_by_one_rank_alone(tmp_path: Path) -> None:
+    done = _child("_fit_judged_alone_then_stop_with_no_log_step", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _ended(tmp_path) == [{"steps": 12, "how": "fit end"}] * 2  # no rank stopped alone: the run went on
+    assert "on_unrecoverable='stop' cannot be carried out by one rank alone" in done.stderr
 
 
 # ---------------------------------------------------------------------- a trajectory replay from a split snapshot
