@@ -353,9 +353,6 @@ class Ended(pl.Callback):
         faulthandler.dump_traceback_later(90, exit=True)
 
     def _write(self, trainer: pl.Trainer, how: str) -> None:
-        import faulthandler
-
-        faulthandler.cancel_dump_traceback_later()
         Path(self.out_dir, f"end{trainer.global_rank}.json").write_text(
             json.dumps({"steps": trainer.global_step, "how": how}))
 
@@ -364,6 +361,11 @@ class Ended(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer, "fit end")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _fit_judged_alone_then_unrecoverable(out_dir: str, mode: str, log_every: int = 4) -> None:
@@ -472,3 +474,38 @@ def test_a_trajectory_replay_from_a_split_snapshot_that_raises_on_one_rank_stops
     # every rank stopped its replays before the next restore, and says the trajectory control failed, and why
     assert d["evidence"]["trajectory_control"] == (
         "failed: the trajectory replay failed: RuntimeError: batch 4 is run again")
+
+
+# ---------------------------------------------------------------------- an alarm judged alone while a remedy is watched
+
+
+def _fit_fallback_then_nan_on_rank1(out_dir: str) -> None:
+    """DDP, float16 with a GradScaler: rank 1's rows are 1e5 times too large, an INPUT_RANGE every rank meets at
+    step 0, and bf16_fallback is applied on every rank at step 1 and watched (its judgement starts with a gather).
+    With no scaler any more, a NaN in rank 1's data at step 2 is judged alone on each rank, while the remedy is
+    watched."""
+    from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
+
+    x, y = regression_data(n=256, nan_rows=(67,)).tensors
+    x = x.clone()
+    x[1::2] *= 1e5
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=14, plugins=[true_fp16_plugin()],
+        log_every_n_steps=50, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[Ended(out_dir), watch, Dump(watch, out_dir)])
+    trainer.fit(Regressor(lr=1e-3, optimizer="adam"), datamodule=RowsByRank(TensorDataset(x, y)))
+
+
+def test_an_alarm_one_rank_judged_alone_does_not_end_a_remedy_every_rank_watches(tmp_path: Path) -> None:
+    done = _child("_fit_fallback_then_nan_on_rank1", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ranks(tmp_path)
+    assert rank0["steps"] == rank1["steps"] == 14
+    # every rank judged the fallback together, after its whole watch, and holds the same outcome
+    [fallback0] = [d for d in rank0["diagnoses"] if d["remedy"] == "bf16_fallback"]
+    [fallback1] = [d for d in rank1["diagnoses"] if d["remedy"] == "bf16_fallback"]
+    assert fallback0 == fallback1 and fallback0["outcome"] is not None
+    assert fallback0["evidence"]["recovery"]["steps"] == 8

@@ -765,21 +765,23 @@ class RunWatcher(WatchState):
         self._flush_clean()
         agreed = self._agreed
         for diagnosis in treatment.take_due():
+            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
+                # every rank's at once, until a rank's watch switched itself off). Nor may an alarm this rank judged
+                # alone end, or fold into, a remedy every rank watches together (a bf16_fallback's): its judgement
+                # starts with a gather, which this rank would then skip while the others wait in it.
+                if ledger.agree:
+                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
+                                  "not remedy them under DDP; it reports them.")
+                self._publish(diagnosis)
+                continue
             if treatment.folds(diagnosis):
                 self._fold(diagnosis)
                 continue
             ended = treatment.interrupted(diagnosis)
             if ended is not None:
                 self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
-            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
-                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
-                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
-                # every rank's at once, until a rank's watch switched itself off).
-                if ledger.agree:
-                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
-                                  "not remedy them under DDP; it reports them.")
-                self._publish(diagnosis)
-                continue
             try:
                 treated = self._treat(diagnosis)
             except AmpWatchError:
