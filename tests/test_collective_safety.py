@@ -334,3 +334,178 @@ def test_a_rank_switched_off_while_a_remedy_is_watched_meets_the_judgement(tmp_p
     # rank 0 judged the remedy alone, once it learnt at the judgement's gather that rank 1's watch was off
     assert d["outcome"] in ("recovered", "not_recovered", "not_verified")
     assert "AmpWatch switched itself off on 1 other rank" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------- on_unrecoverable after an alarm judged alone
+
+
+class Ended(pl.Callback):
+    """Put ahead of AmpWatch: each rank writes the step it reached and how (a batch's end, before AmpWatch's; the
+    fit's end); and a watchdog: a rank left waiting in a collective dumps its stack and exits, so that no process
+    outlives the test."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(90, exit=True)
+
+    def _write(self, trainer: pl.Trainer, how: str) -> None:
+        Path(self.out_dir, f"end{trainer.global_rank}.json").write_text(
+            json.dumps({"steps": trainer.global_step, "how": how}))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._write(trainer, "batch end")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer, "fit end")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _fit_judged_alone_then_unrecoverable(out_dir: str, mode: str, log_every: int = 4) -> None:
+    """bf16-mixed (no scaler), a NaN in rank 1's data at step 2: each rank judges alone (rank 1 from its batch, rank 0
+    a step later from the all-reduced weights), with on_unrecoverable=``mode``; log steps every ``log_every`` steps
+    (0: none)."""
+    from lightning_ampwatch.scenarios import Regressor, regression_data
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, on_unrecoverable=mode, snapshot_every=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=12, precision="bf16-mixed",
+        log_every_n_steps=log_every, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[Ended(out_dir), watch])
+    # row 67 is rank 1's batch 2, row 1: rank 0 never sees it
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=512, nan_rows=(67,))))
+
+
+def _fit_judged_alone_then_stop(out_dir: str) -> None:
+    _fit_judged_alone_then_unrecoverable(out_dir, "stop")
+
+
+def _fit_judged_alone_then_raise(out_dir: str) -> None:
+    _fit_judged_alone_then_unrecoverable(out_dir, "raise")
+
+
+def _fit_judged_alone_then_stop_with_no_log_step(out_dir: str) -> None:
+    _fit_judged_alone_then_unrecoverable(out_dir, "stop", log_every=0)
+
+
+def _ended(out_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads((out_dir / f"end{r}.json").read_text()) for r in range(2)]
+
+
+def test_on_unrecoverable_stop_after_an_alarm_judged_alone_stops_every_rank_at_the_next_log_step(
+        tmp_path: Path) -> None:
+    # rank 1 alone reaches the alarm at step 2; had it stopped there, it would wait at the fit's end for rank 0,
+    # which goes on training (and waits in its next step's collective)
+    done = _child("_fit_judged_alone_then_stop", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ended(tmp_path)
+    assert rank0 == rank1 == {"steps": 4, "how": "fit end"}  # both at the first log step after it
+    assert "stopping the run on every rank at this log step (on_unrecoverable='stop')" in done.stdout + done.stderr
+
+
+def test_on_unrecoverable_raise_after_an_alarm_judged_alone_raises_on_every_rank_at_the_next_log_step(
+        tmp_path: Path) -> None:
+    done = _child("_fit_judged_alone_then_raise", tmp_path)
+    assert done.returncode != 0
+    # every rank reached the end of step 4's batch (then AmpWatch raised there): none raised alone at step 2
+    assert _ended(tmp_path) == [{"steps": 4, "how": "batch end"}] * 2
+    assert "AmpWatchError" in done.stderr
+    assert "every rank stops at this log step (on_unrecoverable='raise')" in done.stderr
+
+
+def test_on_unrecoverable_stop_with_no_log_step_is_said_not_carried_out_by_one_rank_alone(tmp_path: Path) -> None:
+    done = _child("_fit_judged_alone_then_stop_with_no_log_step", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _ended(tmp_path) == [{"steps": 12, "how": "fit end"}] * 2  # no rank stopped alone: the run went on
+    assert "on_unrecoverable='stop' cannot be carried out by one rank alone" in done.stderr
+
+
+# ---------------------------------------------------------------------- a trajectory replay from a split snapshot
+
+
+def _fit_split_snapshot_replay_raises_on_rank1(out_dir: str) -> None:
+    """Plain DDP, float16 with a GradScaler: each rank holds half of each snapshot, so each trajectory replay starts
+    with a restore that broadcasts from every rank. A forward overflow in rank 1's batch at step 5 is replayed from
+    the snapshot after step 2 (steps 3-5); rank 1's training_step raises on the second older batch a replay runs
+    again (step 4 of the FP32 replay, after that replay's first forward), on rank 1 alone."""
+    from test_sharded_fsdp import Unsharded, one_rank_overflows
+
+    from lightning_ampwatch.scenarios import true_fp16_plugin
+
+    class RaisesOnAnOldBatch(Unsharded):
+        old = 0
+        latest = -1
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx < self.latest:
+                self.old += 1
+                if self.global_rank == 1 and self.old == 2:
+                    raise RuntimeError(f"batch {batch_idx} is run again")
+            self.latest = max(self.latest, batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=8, plugins=[true_fp16_plugin(init_scale=2.0**8)],
+        log_every_n_steps=50, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[Ended(out_dir), watch, Dump(watch, out_dir)])
+    trainer.fit(RaisesOnAnOldBatch(), datamodule=RowsByRank(one_rank_overflows()))
+
+
+def test_a_trajectory_replay_from_a_split_snapshot_that_raises_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    done = _child("_fit_split_snapshot_replay_raises_on_rank1", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ranks(tmp_path)
+    assert rank0["steps"] == rank1["steps"] == 8
+    assert rank0["diagnoses"] == rank1["diagnoses"], "both ranks must reach the same diagnoses"
+    d = next(d for d in rank0["diagnoses"] if d["finding"] != Finding.NORMAL_SCALING.value)
+    assert (d["finding"], d["step"]) == (Finding.FORWARD_OVERFLOW.value, 5)
+    # every rank stopped its replays before the next restore, and says the trajectory control failed, and why
+    assert d["evidence"]["trajectory_control"] == (
+        "failed: the trajectory replay failed: RuntimeError: batch 4 is run again")
+
+
+# ---------------------------------------------------------------------- an alarm judged alone while a remedy is watched
+
+
+def _fit_fallback_then_nan_on_rank1(out_dir: str) -> None:
+    """DDP, float16 with a GradScaler: rank 1's rows are 1e5 times too large, an INPUT_RANGE every rank meets at
+    step 0, and bf16_fallback is applied on every rank at step 1 and watched (its judgement starts with a gather).
+    With no scaler any more, a NaN in rank 1's data at step 2 is judged alone on each rank, while the remedy is
+    watched."""
+    from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
+
+    x, y = regression_data(n=256, nan_rows=(67,)).tensors
+    x = x.clone()
+    x[1::2] *= 1e5
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=14, plugins=[true_fp16_plugin()],
+        log_every_n_steps=50, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out_dir, use_distributed_sampler=False,
+        callbacks=[Ended(out_dir), watch, Dump(watch, out_dir)])
+    trainer.fit(Regressor(lr=1e-3, optimizer="adam"), datamodule=RowsByRank(TensorDataset(x, y)))
+
+
+def test_an_alarm_one_rank_judged_alone_does_not_end_a_remedy_every_rank_watches(tmp_path: Path) -> None:
+    done = _child("_fit_fallback_then_nan_on_rank1", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ranks(tmp_path)
+    assert rank0["steps"] == rank1["steps"] == 14
+    # every rank judged the fallback together, after its whole watch, and holds the same outcome
+    [fallback0] = [d for d in rank0["diagnoses"] if d["remedy"] == "bf16_fallback"]
+    [fallback1] = [d for d in rank1["diagnoses"] if d["remedy"] == "bf16_fallback"]
+    assert fallback0 == fallback1 and fallback0["outcome"] is not None
+    assert fallback0["evidence"]["recovery"]["steps"] == 8

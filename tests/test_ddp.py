@@ -170,3 +170,57 @@ def test_a_rollback_and_its_remedy_leave_the_ranks_with_equal_weights(tmp_path: 
     assert d["evidence"]["rollback"].startswith("rolled back from step ") and d["outcome"] == "recovered"
     w0, w1 = (torch.load(tmp_path / f"weights{r}.pt") for r in range(2))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def _fit_bf16_nan_on_rank_one(out_dir: str) -> None:
+    """Run in a child process: 2 ranks, bf16-mixed (no GradScaler: each rank judges alone), NaN in rank 1's data at
+    step 2, the trajectory control's snapshots on, the console panels on (rank zero's)."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=True, snapshot_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=6, precision="bf16-mixed", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out_dir, callbacks=[watch, DumpDiagnoses(watch, out_dir)], use_distributed_sampler=False,
+    )
+    trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
+
+
+@pytest.fixture(scope="module")
+def bf16_nan_on_rank_one(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, list[list[dict[str, Any]]]]:
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("bf16_nan_on_rank_one")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_ddp; "
+            f"test_ddp._fit_bf16_nan_on_rank_one({str(out)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_trajectory_replay_one_rank_would_make_alone_under_ddp_concludes_nothing(bf16_nan_on_rank_one: Any) -> None:
+    _, (rank0, _) = bf16_nan_on_rank_one
+    # rank 0's weights went NaN through the all-reduce of rank 1's gradients; a replay on rank 0 alone has no
+    # all-reduce, stays finite, and would have called the fault a transient one (NOT_REPRODUCED)
+    own = [d for d in rank0 if "reported_from_rank" not in d["evidence"] and d["finding"] != "NORMAL_SCALING"]
+    assert own and own[0]["step"] == 3
+    assert not any(d["finding"] == Finding.NOT_REPRODUCED.value for d in rank0)
+    ev = own[0]["evidence"]
+    assert "trajectory_verdict" not in ev
+    assert ev["trajectory_control"].startswith("not run: the ranks do not meet this anomaly together")
+    assert "without the other ranks' (no all-reduce)" in ev["trajectory_control"]
+
+
+def test_a_diagnosis_relayed_from_another_rank_names_the_rank_where_the_rows_are(bf16_nan_on_rank_one: Any) -> None:
+    done, (rank0, rank1) = bf16_nan_on_rank_one
+    [relayed] = [d for d in rank0 if d["evidence"].get("reported_from_rank") == 1]
+    assert relayed["finding"] == Finding.DATA_NONFINITE.value and relayed["step"] == 2
+    # as under a scaler, where the ranks see the step together: the rows named with their rank
+    assert relayed["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
+    assert "(rank 1: batch[0] rows [1])" in relayed["advice"]
+    # rank 1's own record is its own view
+    assert rank1[0]["evidence"]["nonfinite_where"] == "batch[0] rows [1]"
+    # rank zero's panel: the rank in its title, the row and the advice
+    assert "DATA_NONFINITE at step 2 on rank 1" in done.stdout
+    assert "nonfinite_where  rank 1: batch[0] rows [1]" in done.stdout
+    assert "Fix: Clean the data before it reaches the model (rank 1: batch[0] rows [1])" in done.stdout

@@ -256,7 +256,7 @@ class RunWatcher(WatchState):
             info = host.precision()  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         self.world_size = host.world_size
-        self._ranks = distributed.CrossRank(self.world_size)
+        self._ranks = distributed.CrossRank(self.world_size, config.on_unrecoverable)
         self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
@@ -503,9 +503,11 @@ class RunWatcher(WatchState):
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite,
                                            signals=ranks.signals())
         scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
+        relayed: list[Diagnosis] = []
         if values and self.world_size > 1:  # what another rank reached alone reaches rank zero; a rank switched off
-            for relayed in ranks.at_log_step(values, ledger):
-                self._publish_relayed(relayed)
+            relayed = ranks.at_log_step(values, ledger)
+            for diagnosis in relayed:
+                self._publish_relayed(diagnosis)
             self._note_agreement()
         machine.note_losses(ledger.take_unnoted())
         self._take_divergences()  # the losses just read may show a finite divergence
@@ -513,6 +515,10 @@ class RunWatcher(WatchState):
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
         self._plan_deferral()
+        if ranks.end_due:  # a rank asked to end the run (on_unrecoverable, an alarm it judged alone): every rank, here
+            said = ranks.end_if_due(host, relayed)
+            if said is not None:
+                self.say_once(said, key=f"end:{ledger.step_index}")
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
@@ -520,14 +526,20 @@ class RunWatcher(WatchState):
             self._finish()
         # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
         # watch is off or whose end-of-run work just failed (skipping it would leave the others waiting in it)
+        relayed: list[Diagnosis] = []
         try:
-            for relayed in self._ranks.at_end():
-                self._publish_relayed(relayed)
+            relayed = self._ranks.at_end()
+            for diagnosis in relayed:
+                self._publish_relayed(diagnosis)
         except Exception as err:  # noqa: BLE001
             self.internal_failure("finish", err)
         if not self.disabled:
             self._summarize()
         self.close()
+        if self._ranks.end_due:  # a rank asked to end the run after the last log step: "raise" is carried out here,
+            if self.config.on_unrecoverable == "raise":  # on every rank at once ("stop": the run is over anyway)
+                self._ranks.end_if_due(None, relayed, when="at the end of the fit")
+            self._ranks.end_due = False
 
     @_guarded
     def _finish(self) -> None:
@@ -754,21 +766,23 @@ class RunWatcher(WatchState):
         self._flush_clean()
         agreed = self._agreed
         for diagnosis in treatment.take_due():
+            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
+                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
+                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
+                # every rank's at once, until a rank's watch switched itself off). Nor may an alarm this rank judged
+                # alone end, or fold into, a remedy every rank watches together (a bf16_fallback's): its judgement
+                # starts with a gather, which this rank would then skip while the others wait in it.
+                if ledger.agree:
+                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
+                                  "not remedy them under DDP; it reports them.")
+                self._publish(diagnosis)
+                continue
             if treatment.folds(diagnosis):
                 self._fold(diagnosis)
                 continue
             ended = treatment.interrupted(diagnosis)
             if ended is not None:
                 self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
-            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
-                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
-                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
-                # every rank's at once, until a rank's watch switched itself off).
-                if ledger.agree:
-                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
-                                  "not remedy them under DDP; it reports them.")
-                self._publish(diagnosis)
-                continue
             try:
                 treated = self._treat(diagnosis)
             except AmpWatchError:
@@ -961,6 +975,20 @@ class RunWatcher(WatchState):
 
     def _unrecoverable(self, diagnosis: Diagnosis) -> None:
         mode = self.config.on_unrecoverable
+        if mode in ("stop", "raise") and not self._judged_by_every_rank(diagnosis):
+            # The other ranks did not meet this alarm: a rank that stopped (or raised) alone would leave them waiting
+            # in their next collective. The request goes with the log step's cross-rank sum, and every rank ends the
+            # run at that log step (:meth:`_at_log_step`); with no log step, no point is shared where it could.
+            if self._log_every:
+                self._ranks.ask_to_end(diagnosis)
+            elif "unrecoverable:alone" not in self._said:
+                self._said.add("unrecoverable:alone")
+                warnings.warn(f"AmpWatch: on_unrecoverable={mode!r} cannot be carried out by one rank alone: this rank "
+                              f"judged {diagnosis.finding.value} at step {diagnosis.step} without the others (they do "
+                              "not meet anomalies together), and with no log step (log_every_n_steps=0) there is no "
+                              "point where every rank learns of it. Stopping this rank alone would leave the others "
+                              "waiting for it; training goes on.", RuntimeWarning, stacklevel=3)
+            return
         if mode == "stop":
             if self.host is not None:
                 self.host.stop()
@@ -968,6 +996,12 @@ class RunWatcher(WatchState):
                           "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
         elif mode == "raise":
             raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
+
+    def _judged_by_every_rank(self, diagnosis: Diagnosis) -> bool:
+        """Whether every rank reached this alarm at the same step (one process; or the ranks agree, and it is no
+        rank's own finite divergence), so that each can act on it at once."""
+        return self.world_size == 1 or (
+            self._agreed and diagnosis.evidence.get("pattern") != DivergencePattern.FINITE_DIVERGENCE.value)
 
     def _run_stats(self) -> RunStats | None:
         machine, ledger = self.machine, self.ledger

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from lightning_ampwatch.machine import BatchStats
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 
 #: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
 RELAY_MAX = 32
@@ -84,6 +84,7 @@ class Relay:
     def __init__(self) -> None:
         self.held: list[Diagnosis] = []
         self.count = 0  # diagnoses held on this rank so far (the log step's cross-rank sum adds them up)
+        self.ends = 0.0  # requests to end the run the last exchange carried, summed over the ranks
         self._agreed_total = 0.0
 
     def hold(self, diagnosis: Diagnosis) -> None:
@@ -99,26 +100,47 @@ class Relay:
         self._agreed_total = agreed_held_total
         return self.exchange()
 
-    def exchange(self) -> list[Diagnosis]:
+    def exchange(self, ends: float = 0.0) -> list[Diagnosis]:
         """Every rank must call it together. Rank zero gets each other rank's held diagnoses (the rank named in
-        their evidence); the others get nothing."""
+        their evidence); the others get nothing. ``ends``: this rank's requests to end the run not yet carried by
+        a log step's sum (the last exchange's); every rank reads their sum in :attr:`ends`."""
         held, self.held = self.held, []
-        records = gather([d.to_dict() for d in held])
+        records = gather(([d.to_dict() for d in held], ends))
+        self.ends = sum(e for _, e in records)
         if rank() != 0:
             return []
         out: list[Diagnosis] = []
-        for r, dicts in enumerate(records):
+        for r, (dicts, _) in enumerate(records):
             if r == 0:
                 continue
             for d in dicts:
-                diagnosis = Diagnosis.from_dict(d)
-                out.append(replace(diagnosis, evidence={**diagnosis.evidence, "reported_from_rank": r}))
+                out.append(named_with_rank(Diagnosis.from_dict(d), r))
         return out
 
 
+#: The evidence that says where in a batch a fault sits: named with the rank when several ranks' batches are seen
+#: together (:func:`merge_step`), and in a diagnosis another rank reached alone (:func:`named_with_rank`).
+_BATCH_WHERE = ("nonfinite_where", "input_where")
+
+
+def named_with_rank(diagnosis: Diagnosis, r: int) -> Diagnosis:
+    """A diagnosis rank ``r`` reached alone, as rank zero publishes it: ``reported_from_rank``, and where the batch's
+    fault sits named with the rank in the evidence and the advice, as :func:`merge_step` names it when the ranks
+    see a step together (``rank 1: batch[0] rows [1]``)."""
+    ev, advice = dict(diagnosis.evidence), diagnosis.advice
+    for key in _BATCH_WHERE:
+        where = ev.get(key)
+        if isinstance(where, str) and where and not where.startswith("rank "):
+            ev[key] = f"rank {r}: {where}"
+            advice = advice.replace(f"({where})", f"({ev[key]})")
+    ev["reported_from_rank"] = r
+    return replace(diagnosis, evidence=ev, advice=advice)
+
+
 #: The log step's cross-rank sum, in this order: non-finite losses, diagnoses held for rank zero (Relay.count),
-#: ranks whose watch switched itself off. One reduction carries them all.
-SIGNALS = 3
+#: ranks whose watch switched itself off, requests to end the run (``on_unrecoverable``) from an alarm a rank
+#: judged alone. One reduction carries them all.
+SIGNALS = 4
 
 
 class CrossRank:
@@ -132,13 +154,27 @@ class CrossRank:
     judgements, so from then on each rank judges alone (as without a scaler) and no remedy is applied.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, on_unrecoverable: str = "warn") -> None:
         self.world_size = world_size
+        self.on_unrecoverable = on_unrecoverable
         self.relay = Relay()
         self.bystander: Bystander | None = None
         self.off = 0.0  # ranks whose watch switched itself off, as agreed (0: every rank watches)
         self._held_sent = self._off_sent = 0.0  # what this rank has added to the cross-rank sums so far
         self._ended_noted = False
+        # on_unrecoverable ("stop", "raise") after an alarm a rank judged alone: asked for on that rank, carried by the
+        # log step's sum, and carried out on every rank at the log step where the sum moved (``end_due``)
+        self.end_asked: Diagnosis | None = None  # this rank's first alarm that asked for it
+        self._ends = self._ends_sent = self._ends_agreed = 0.0
+        self.end_due = False
+
+    def ask_to_end(self, diagnosis: Diagnosis) -> None:
+        """An unrecoverable alarm this rank judged alone, with ``on_unrecoverable`` "stop" or "raise": the other
+        ranks did not meet it, so this rank must not stop (nor raise) alone, or they would wait for it in their
+        next collective. The request goes with the next log step's sum; every rank ends the run there."""
+        if self.end_asked is None:
+            self.end_asked = diagnosis
+        self._ends += 1.0
 
     def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
         """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
@@ -147,12 +183,13 @@ class CrossRank:
                 not agreed or diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value):
             self.relay.hold(diagnosis)
 
-    def signals(self) -> tuple[float, float]:
+    def signals(self) -> tuple[float, float, float]:
         """This rank's share of the log step's cross-rank sum past the non-finite count: (diagnoses held so far,
-        1 once this rank's watch switched itself off). Increments: the sum accumulates them."""
-        held, off = float(self.relay.count), 1.0 if self.bystander is not None else 0.0
-        increments = (held - self._held_sent, off - self._off_sent)
-        self._held_sent, self._off_sent = held, off
+        1 once this rank's watch switched itself off, requests to end the run). Increments: the sum accumulates
+        them."""
+        held, off, ends = float(self.relay.count), 1.0 if self.bystander is not None else 0.0, self._ends
+        increments = (held - self._held_sent, off - self._off_sent, ends - self._ends_sent)
+        self._held_sent, self._off_sent, self._ends_sent = held, off, ends
         return increments
 
     def at_log_step(self, values: Sequence[float], ledger: Any) -> list[Diagnosis]:
@@ -161,10 +198,36 @@ class CrossRank:
         Rank zero gets the others' diagnoses."""
         if len(values) < SIGNALS:
             return []
-        _, held, off = values[:SIGNALS]
+        _, held, off, ends = values[:SIGNALS]
         if off > 0:
             self.stop_agreeing(ledger, off)
+        if ends > self._ends_agreed:  # a rank asked to end the run: every rank reads the same sum, and ends here
+            self._ends_agreed = ends
+            self.end_due = True
         return self.relay.at_log_step(held)
+
+    def end_if_due(self, host: Any, relayed: Sequence[Diagnosis] = (), when: str = "at this log step") -> str | None:
+        """At a log step, after :meth:`at_log_step`, on every rank: when a rank asked to end the run, the run ends
+        here on every rank at once: ``host.stop()`` ("stop"; returns the line rank zero says), or
+        :class:`AmpWatchError` ("raise"), with this rank's own alarm, or on rank zero the one another rank relayed
+        (``relayed``: what rank zero got at this log step). ``when``: where the run ends, as said."""
+        if not self.end_due:
+            return None
+        self.end_due = False
+        own = self.end_asked
+        if own is None:
+            own = next((d for d in relayed if d.is_alarm and d.remedy is None), None)
+        on = rank() if own is None or "reported_from_rank" not in own.evidence else own.evidence["reported_from_rank"]
+        what = (f"{own.finding.value} at step {own.step} was judged on rank {on} alone" if own is not None else
+                "another rank judged an unrecoverable alarm alone (rank zero reports it)")
+        if self.on_unrecoverable == "raise":
+            message = f"every rank stops {when} (on_unrecoverable='raise'): {what}"
+            if own is not None:
+                message = f"{own.headline()}\nFix: {own.advice}\n({message})"
+            raise AmpWatchError(message, own)
+        if host is not None:
+            host.stop()
+        return f"stopping the run on every rank {when} (on_unrecoverable='stop'): {what}."
 
     def stop_agreeing(self, ledger: Any, off: float) -> None:
         self.off = max(self.off, off)
@@ -213,7 +276,14 @@ class CrossRank:
         if self.bystander is not None:
             self.bystander.finish()
             return []
-        return self.relay.exchange() if self.world_size > 1 else []
+        if self.world_size == 1:
+            return []
+        # a request to end the run that no log step carried (asked after the last one) goes with this exchange
+        ends, self._ends_sent = self._ends - self._ends_sent, self._ends
+        relayed = self.relay.exchange(ends)
+        if self.relay.ends > 0:
+            self.end_due = True
+        return relayed
 
 
 #: What a switched-off rank brings to a gather it joins only to keep its place (see :meth:`CrossRank.gather`).
@@ -297,6 +367,9 @@ class Bystander:
                 self.cross.at_log_step(metrics[0].float().cpu().tolist(), self.ledger)
         except Exception:  # noqa: BLE001
             pass
+        # another rank asked to end the run (on_unrecoverable): this rank ends with the others, or they would wait
+        # for it (AmpWatchError, "raise", goes up to the training loop)
+        self.cross.end_if_due(host)
 
     def finish(self) -> None:
         try:
@@ -308,6 +381,18 @@ class Bystander:
 class ReplayAborted(RuntimeError):
     """Another rank's part of a replay failed before it first talked to the others: this rank stops at the same
     point, so that no rank waits in a collective another rank never enters."""
+
+
+def meet(error: str | None) -> bool:
+    """Every rank at the same point of a replay that talks to every rank, each bringing its part's error (None:
+    none). Returns whether any rank brought one; raises :class:`ReplayAborted` on a rank that brought none when
+    another did, so that every rank stops there. One small gather (nothing with one process)."""
+    if world_size() == 1:
+        return error is not None
+    failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
+    if failed and error is None:
+        raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
+    return bool(failed)
 
 
 class Lockstep:
@@ -349,11 +434,7 @@ class Lockstep:
 
     def _meet(self, error: str | None) -> None:
         self._met = True
-        if world_size() == 1:
-            return
-        failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
-        if failed and error is None:
-            raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
+        meet(error)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         for handle in self._handles:

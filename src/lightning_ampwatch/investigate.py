@@ -674,6 +674,12 @@ class TrajectoryControl:
                                             f"every rank, and {_APART}: a restore on this rank alone would wait for "
                                             "the others")
                 return replace(diagnosis, evidence=ev), None
+            # a replay on this rank alone has no gradient all-reduce: its trajectory is not the run's (the other
+            # ranks' gradients, a NaN among them, are missing), so no verdict on the run can be drawn from it
+            ev["trajectory_control"] = (f"not run: {_APART}, and a replay on this rank alone would train on its own "
+                                        "gradients without the other ranks' (no all-reduce), so its trajectory "
+                                        "could not stand for the run's")
+            return replace(diagnosis, evidence=ev), None
         disagreed = None
         if agree and distributed.world_size() > 1:
             # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
@@ -701,19 +707,34 @@ class TrajectoryControl:
             # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
             # rank there (distributed.Lockstep), so that every rank reaches the gather below
             sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
+            # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
+            # every rank; the ranks meet before each (distributed.meet), so that a rank whose last replay raised
+            # stops every rank there, before the next restore, and every rank reaches the gather below
+            split = agree and distributed.world_size() > 1 and self.state.split and not sharded
 
             def lockstep() -> Any:
                 return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
 
+            runs = (("fp32", 1.0), ("amp", 1.0), ("amp", LOWER_LR_FACTOR))
+            results: list[Any] = []
+            error: str | None = None
             try:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
-                with lockstep():
-                    fp32 = replay_trajectory(self.state, snapshot, steps, precision="fp32")
-                with lockstep():
-                    amp = replay_trajectory(self.state, snapshot, steps, precision="amp")
-                with lockstep():
-                    lower = replay_trajectory(self.state, snapshot, steps, precision="amp",
-                                              lr_factor=LOWER_LR_FACTOR)
+                for precision, lr_factor in runs:
+                    if split:
+                        if distributed.meet(error):
+                            break
+                    elif error is not None:
+                        break
+                    try:
+                        with lockstep():
+                            results.append(replay_trajectory(self.state, snapshot, steps, precision=precision,
+                                                             lr_factor=lr_factor))
+                    except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
+                        error = f"{type(err).__name__}: {err}"
+                if error is not None:
+                    raise InvestigationError(error)
+                fp32, amp, lower = results
                 verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
                 # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
                 # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
@@ -722,6 +743,8 @@ class TrajectoryControl:
                                                                 margin=self.fall_margin))
                 lower_verdict = judge_lower_lr(lower, LOWER_LR_FACTOR, full=fp32, margin=self.lr_cause_margin)
                 local = (verdict, lower_verdict, trains_down(fp32))
+            except InvestigationError as err:  # a replay's own error, as it was raised
+                local = str(err)
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
                 local = f"{type(err).__name__}: {err}"
         gathered = distributed.gather(local) if agree else [local]

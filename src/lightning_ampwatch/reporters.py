@@ -119,6 +119,9 @@ def _evidence_table(rows: Sequence[tuple[str, object]]) -> Table:
 
 def _title(diagnosis: Diagnosis, tail: str = "") -> Text:
     where = f" in {diagnosis.location}" if diagnosis.location else ""
+    # a diagnosis another rank reached alone, which rank zero prints: the rank it comes from (distributed.Relay)
+    rank = diagnosis.evidence.get("reported_from_rank")
+    where += f" on rank {rank}" if isinstance(rank, int) and not isinstance(rank, bool) else ""
     return Text(f"AmpWatch: {diagnosis.finding.value} at step {diagnosis.step}{where}{tail}")
 
 
