@@ -120,12 +120,15 @@ MIN_PAIRS, MAX_PAIRS = 30, 300
 #: ``off`` (snapshots off against bare) and ``null`` (both sides bare: the machine's own spread). ``--verdicts``
 #: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times;
 #: the floor runs (below) are made only when asked for.
-VERDICT_RUNS = ("on", "off", "null", "noop", "minimal")
+VERDICT_RUNS = ("on", "off", "null", "noop", "item", "keep", "minimal")
 DEFAULT_VERDICTS = ("on", "off", "null")
 #: The floor runs among them: callbacks of the benchmark's own, toggled like AmpWatch against bare, for what any
 #: watch costs the workload's step before AmpWatch's work: ``noop`` a callback with one hook that does nothing,
-#: ``minimal`` that hook taking the loss and keeping the latest ``FLOOR_HELD`` batches (the least a replay needs).
+#: ``minimal`` that hook taking the loss and keeping the latest ``FLOOR_HELD`` batches (the least a replay needs),
+#: and its two halves apart: ``item`` (the loss taken, nothing kept) and ``keep`` (the batches kept, no loss taken).
 FLOOR_RUNS = {"noop": "a one-hook callback that does nothing",
+              "item": "that hook taking the loss as a float, keeping nothing",
+              "keep": "that hook keeping the batches, the loss not taken",
               "minimal": "that hook taking the loss and keeping the batches"}
 FLOOR_HELD = 100
 BASELINE = "bare"
@@ -546,16 +549,21 @@ class FloorWatch(pl.Callback):
 
     IDLE = IDLE_STEP_HOOKS + WANTED_STEP_HOOKS
 
-    def __init__(self, keep: bool) -> None:
+    def __init__(self, keep: bool, take: bool | None = None) -> None:
         for name in self.IDLE:
             setattr(self, name, None)
         self.keep = keep
-        self.held: deque[tuple[float, Any]] = deque(maxlen=FLOOR_HELD)
+        self.take = keep if take is None else take  # the loss taken as a float (``item``), with or without the batch
+        self.held: deque[tuple[float | None, Any]] = deque(maxlen=FLOOR_HELD)
+        self.taken = 0.0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        loss = outputs["loss"].item() if self.take else None
         if self.keep:
-            self.held.append((outputs["loss"].item(), batch))
+            self.held.append((loss, batch))
+        elif loss is not None:
+            self.taken = loss
 
 
 def switch_callback(watch: pl.Callback, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
@@ -574,11 +582,11 @@ def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workloa
     """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step.
     ``null``: the same run with AmpWatch off in every block after the settling (a bare/bare run: how far the pair
     ratios of this machine spread when nothing differs between the two sides). ``floor``: a floor run instead
-    (``"noop"`` or ``"minimal"``, :data:`FLOOR_RUNS`): a :class:`FloorWatch` on against off."""
+    (:data:`FLOOR_RUNS`): a :class:`FloorWatch` on against off."""
     warm_blocks = 2
     watch: Any
     if floor is not None:
-        watch = FloorWatch(keep=floor == "minimal")
+        watch = FloorWatch(keep=floor in ("minimal", "keep"), take=floor in ("minimal", "item"))
         toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, switch=switch_callback,
                              settled=lambda _: True)
     else:
@@ -1491,7 +1499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "always made), 'off' (snapshots off against bare), 'null' (both sides bare: what the "
                         "machine alone spreads); the floor runs, what any watch costs the step: 'noop' (a callback "
                         "with one hook doing nothing), 'minimal' (that hook taking the loss and keeping the latest "
-                        f"{FLOOR_HELD} batches) (default: on, off, null)")
+                        f"{FLOOR_HELD} batches), 'item' and 'keep' (each half of it alone) (default: on, off, null)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)

@@ -254,6 +254,13 @@ def test_the_floor_runs_toggle_watches_of_the_benchmarks_own(overhead: ModuleTyp
         watch.on_train_batch_end(None, None, {"loss": torch.tensor(float(i))}, batch, i)
     assert len(watch.held) == overhead.FLOOR_HELD
     assert watch.held[0] == (20.0, batches[20]) and watch.held[-1][1] is batches[-1]
+    # its halves apart: the loss taken and nothing kept; the batches kept and no loss taken
+    item, keep = overhead.FloorWatch(keep=False, take=True), overhead.FloorWatch(keep=True, take=False)
+    for i, batch in enumerate(batches):
+        for half in (item, keep):
+            half.on_train_batch_end(None, None, {"loss": torch.tensor(float(i))}, batch, i)
+    assert not item.held and item.taken == float(len(batches) - 1)
+    assert len(keep.held) == overhead.FLOOR_HELD and keep.held[-1] == (None, batches[-1]) and keep.taken == 0.0
     # the toggle switches the plain callback in and out, in on/off, off/on pairs: it sees the on blocks' steps only
     # (eight 10-step blocks, four of them on, then the ninth's first step, on, as the run stops)
     seen = overhead.FloorWatch(keep=True)
