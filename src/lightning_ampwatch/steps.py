@@ -347,6 +347,17 @@ class StepLedger:
             self._lrs = current_lrs(optimizers)
             self._lr_points.append((self.step_index, self._lrs))
 
+    def _lrs_changed(self, step: int, ran: tuple[Any, ...], now: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The LRs read as ``step`` is taken in differ from those it was thought to run with (``ran``): ``now`` is the
+        next step's, and a change point for the replay. Returns the LRs ``step`` ran with: ``now`` when they were set
+        before it ran (no scheduler steps between the optimizer step and this read), else ``ran``."""
+        self._lrs = now
+        if self._lrs_set_before:
+            self._lr_points.append((step, now))
+            return now
+        self._lr_points.append((step + 1, now))
+        return ran
+
     def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
         and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
@@ -444,12 +455,7 @@ class StepLedger:
         lrs = self._lrs  # the LRs this step ran with; the next step's read now
         lr = self._one_group["lr"]  # type: ignore[index]
         if lrs[0] != lr:  # as close() takes a change in
-            self._lrs = now = (lr,)
-            if self._lrs_set_before:
-                lrs = now
-                self._lr_points.append((step, now))
-            else:
-                self._lr_points.append((step + 1, now))
+            lrs = self._lrs_changed(step, lrs, (lr,))
         self.log_steps += 1
         self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
         self.deferred.append((step, [micro_batch] if self.defer_batches else _NO_BATCHES,  # type: ignore[list-item]
@@ -497,23 +503,12 @@ class StepLedger:
         if group is not None:  # ... and the next step's: one group, the usual case
             lr = group["lr"]
             if lrs[0] != lr:  # a constant LR keeps its tuple: no new object per step
-                self._lrs = now = (lr,)
-                # the change point, for the replay; dated to this step when it was set before this step ran
-                if self._lrs_set_before:
-                    lrs = now
-                    self._lr_points.append((step, now))
-                else:
-                    self._lr_points.append((step + 1, now))
+                lrs = self._lrs_changed(step, lrs, (lr,))
         else:
             now = current_lrs(trainer.optimizers) if not self._float_lrs else \
                 tuple([g["lr"] for g in self._param_groups])  # (a tensor LR is never read on a device)
             if now != lrs:  # as above
-                self._lrs = now
-                if self._lrs_set_before:
-                    lrs = now
-                    self._lr_points.append((step, now))
-                else:
-                    self._lr_points.append((step + 1, now))
+                lrs = self._lrs_changed(step, lrs, now)
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
