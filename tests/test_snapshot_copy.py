@@ -36,15 +36,18 @@ def test_only_the_optimizers_parameters_and_state_are_stepped() -> None:
         assert buf.data_ptr() not in stepped
 
 
-def test_the_scalers_tensors_are_stepped_once_it_has_them() -> None:
+def test_the_scalers_tensors_stay_on_the_compute_stream() -> None:
+    """A skipped step never calls the optimizer's step (so never its pre-hook), yet the scaler's update writes its
+    scale: the scale and growth tracker are not the optimizer's to hold back."""
     model, opt = _stepped_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    assert stepped_pointers([opt], scaler) == stepped_pointers([opt])  # not used yet: no tensors
     scaler.scale(model(torch.randn(16, 4)).pow(2).mean()).backward()
     scaler.step(opt)
     scaler.update()
-    stepped = stepped_pointers([opt], scaler)
-    assert stepped is not None and scaler._scale.data_ptr() in stepped  # noqa: SLF001 - the test reads it
+    stepped = stepped_pointers([opt])
+    assert stepped is not None
+    assert scaler._scale.data_ptr() not in stepped  # noqa: SLF001 - the test reads it
+    assert scaler._growth_tracker.data_ptr() not in stepped  # noqa: SLF001
 
 
 class NoHooks:

@@ -1,12 +1,17 @@
 """A snapshot's host copy off the compute stream (CUDA only).
 
-On CUDA, the ring's copies of the weights, the optimizer state and the scaler run on a side stream into the ring's
-pinned host buffers (allocated once per slot and reused by the snapshots after it), so that the compute stream goes
-on with the next forward and backward while they run. What the copy reads must not change under it: those tensors
-change only in the next optimizer step (and the scaler's update after it), so that step waits for the copy's event
-on the device (``current_stream().wait_event``), never on the host. Everything else a snapshot copies (buffers such
-as BatchNorm's running statistics, which the next forward writes; gradients) stays on the compute stream, as
-before. A CPU tensor never comes here: the CPU path is a plain copy, unchanged.
+On CUDA, the ring's copies of the weights and the optimizer state run on a side stream into the ring's pinned host
+buffers (allocated once per slot and reused by the snapshots after it), so that the compute stream goes on with the
+next forward and backward while they run. What the copy reads must not change under it: those tensors change in the
+next optimizer step, so that step waits for the copy's event on the device (``current_stream().wait_event``), never
+on the host. Everything else a snapshot copies stays on the compute stream, as before: buffers (the next forward
+writes BatchNorm's running statistics), gradients, and the scaler's scale and growth tracker (its update writes them
+after a skipped step too, which never calls the optimizer's step). A CPU tensor never comes here: the CPU path is a
+plain copy, unchanged.
+
+Not ordered before the copy: a write to the weights outside the optimizer's step before the next one (a callback
+that clamps the weights after the step, later in the callback list than AmpWatch). Such a snapshot may hold the
+written value.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ def _pointer(t: Any) -> int | None:
         return None
 
 
-def stepped_pointers(optimizers: Sequence[Any], scaler: Any = None) -> set[int] | None:
-    """The data pointers of every tensor the next optimizer step (and the scaler's update after it) changes in
-    place, and nothing else changes before it: the optimizers' parameters and their state, the scaler's scale and
-    growth tracker. None where an optimizer cannot hold the step back (it takes no step pre-hook: DeepSpeed's)."""
+def stepped_pointers(optimizers: Sequence[Any]) -> set[int] | None:
+    """The data pointers of every tensor the next optimizer step changes in place, and nothing else changes before
+    it: the optimizers' parameters and their state. None where an optimizer cannot hold the step back (it takes no
+    step pre-hook: DeepSpeed's)."""
     found: set[int] = set()
     for opt in optimizers:
         if not callable(getattr(opt, "register_step_pre_hook", None)):
@@ -45,11 +50,6 @@ def stepped_pointers(optimizers: Sequence[Any], scaler: Any = None) -> set[int] 
         for per in opt.state.values():
             if isinstance(per, dict):
                 found.update(p for p in map(_pointer, per.values()) if p is not None)
-    if scaler is not None:
-        for t in (compat.scale_tensor(scaler), compat.growth_tracker_tensor(scaler)):
-            p = _pointer(t)
-            if p is not None:
-                found.add(p)
     return found
 
 
@@ -77,13 +77,13 @@ class DeviceCopier:
         self._split_for: tuple[Sequence[Tensor], list[int], list[int]] | None = None
         self.copies = 0  # copies launched on the side stream (for tests and benchmarks)
 
-    def copy(self, dst: list[Tensor], src: list[Tensor], optimizers: Sequence[Any], scaler: Any = None) -> None:
+    def copy(self, dst: list[Tensor], src: list[Tensor], optimizers: Sequence[Any]) -> None:
         """``dst[i].copy_(src[i])`` for every pair, without a host sync: the optimizer-owned tensors on the side
         stream (after everything the compute stream has queued so far), the rest on the compute stream."""
         compute = torch.cuda.current_stream(self.device)
         split = self._split_for
         if split is None or split[0] is not src:  # the ring's copy plan hands the same list while it holds
-            stepped = stepped_pointers(optimizers, scaler)
+            stepped = stepped_pointers(optimizers)
             side, rest = split_for_side_stream(src, stepped) if stepped is not None else ([], list(range(len(src))))
             self._split_for = split = (src, side, rest)
         _, side, rest = split
@@ -144,7 +144,7 @@ def copier(device: torch.device) -> DeviceCopier:
 def copy_to_host(dst: list[Tensor], src: list[Tensor], state: Any) -> None:
     """A snapshot's copy into pinned host buffers ``dst`` (``state``: the ring's ``TrainState``): off the compute
     stream on CUDA."""
-    copier(state.device).copy(dst, src, state.optimizers, state.scaler)
+    copier(state.device).copy(dst, src, state.optimizers)
 
 
 def settle() -> None:

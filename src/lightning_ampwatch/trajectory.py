@@ -202,17 +202,18 @@ class Snapshot:
     @classmethod
     def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
                 slot: list[Tensor] | None, layout: list[Any] | None = None,
-                slot_layout: list[Any] | None = None) -> "Snapshot":
+                slot_layout: list[Any] | None = None, side_stream: bool = False) -> "Snapshot":
         """``layout``: the live tensors' ``(shape, dtype)`` as a copy plan keeps them; a ``slot`` made to the very
-        same layout (``slot_layout``) is reused without comparing it again."""
+        same layout (``slot_layout``) is reused without comparing it again. ``side_stream``: on CUDA, the copy runs
+        off the compute stream (the ring's snapshots; :mod:`~lightning_ampwatch.snapshot_copy`)."""
         pinned = state.device.type == "cuda"
         if slot is None or ((layout is None or slot_layout is not layout)
                             and [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]):
             slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
-        if live and pinned:  # off the compute stream: the next optimizer step waits for it on the device
+        if live and pinned and side_stream:  # off the compute stream: the next optimizer step waits for it there
             snapshot_copy.copy_to_host(slot, live, state)
         elif live:
-            compat.copy_all(slot, live)  # one call: a copy_ per tensor, in C++
+            compat.copy_all(slot, live, non_blocking=pinned)  # one call: a copy_ per tensor, in C++
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned,
                    layout=layout)
@@ -706,7 +707,7 @@ class SnapshotRing:
                                    or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
             spare = self._drop_oldest()
         self._snapshots.append(Snapshot._copied(state, step, live, parts, spare.host if spare else None, layout,
-                                                spare.layout if spare else None))
+                                                spare.layout if spare else None, side_stream=True))
         self.dropped = None
         self._prune()
 
