@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     print(f"gpu_bench on {out['device']} (torch {out['torch']}){' [tiny]' if args.tiny else ''}", flush=True)
+    if args.tiny or device.type != "cuda":
+        print("  (a check of the code path: these figures measure nothing that docs/gpu.md reports)", flush=True)
     if "realistic" not in args.skip:
         print(f"watched vs bare: {rounds} rounds of 2 fits x {steps} steps ...", flush=True)
         r = realistic(device, c, rounds, steps, warmup, log_every)
