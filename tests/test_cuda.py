@@ -169,12 +169,12 @@ def test_a_healthy_step_adds_no_sync_and_a_log_step_at_most_one(tmp_path: Path, 
     watch = AmpWatch(verbose=False, snapshot_every=4)  # snapshots on ordinary steps too: their copy must not sync
     watched, trainer = syncs_per_step(_healthy_fit(tmp_path / "watched", [watch], precision, optimizer))
     assert watch.machine is not None and watch.machine.steps_seen == trainer.global_step == MAX_STEPS
-    assert watch.machine.skipped_total == 0 and watch.diagnoses == []
+    assert watch.machine.skipped_total == 0 and _alarms(watch) == []
     added = added_syncs(watched, bare)
     assert _between_log_steps(added) == {}, f"syncs AmpWatch added on steps that are not log steps: {added}"
     assert all(added[step] <= 1 for step in LOG_STEPS), f"syncs AmpWatch added per log step: {added}"
-    # the snapshots were taken, on the side stream
-    assert copier.copies - copies >= MAX_STEPS // 4
+    # snapshots were taken (the fit's start and every 4 steps while quiet), on the side stream
+    assert copier.copies - copies >= 2
 
 
 def test_the_sync_counter_sees_a_sync_added_to_the_watch(tmp_path: Path) -> None:
