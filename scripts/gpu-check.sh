@@ -46,7 +46,7 @@ EOF
 
 status=0
 echo "== the CUDA tests and their CPU counterparts"
-timeout 330 "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="" \
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="" \
   --junitxml="$OUT_DIR/junit-gpu-check.xml" \
   tests/test_cuda.py tests/test_snapshot_copy.py tests/test_compiled_names.py tests/test_rollback_by_hand.py \
   2>&1 | tee "$OUT_DIR/pytest.log"
@@ -54,7 +54,7 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && status=1 && echo "gpu-check: the tests ended with exit status $rc"
 
 echo "== the benchmark"
-timeout 240 "$PY" benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json" 2>&1 \
+timeout 170 "$PY" benchmarks/gpu_bench.py --json "$OUT_DIR/gpu_bench.json" 2>&1 \
   | grep -v -e "LOCAL_RANK" -e "litlogger" -e "available: " -e "stopped: \`max_steps" | tee "$OUT_DIR/gpu_bench.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && status=1 && echo "gpu-check: the benchmark ended with exit status $rc"
