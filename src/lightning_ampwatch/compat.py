@@ -139,6 +139,18 @@ def tensor_version(t: Tensor) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+#: torch.compile's wrapper (``OptimizedModule``) holds the user's module as this child: a name the user never wrote
+COMPILED_CHILD = "_orig_mod"
+
+
+def user_name(name: str) -> str:
+    """A module's or parameter's qualified name as the user's model spells it: the steps torch.compile's wrapper
+    adds (``attention._orig_mod.q`` is ``attention.q``) left out."""
+    if COMPILED_CHILD not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != COMPILED_CHILD)
+
+
 def copy_all(dst: list[Tensor], src: list[Tensor], non_blocking: bool = False) -> None:
     """``dst[i].copy_(src[i])`` for every pair, in one call (``torch._foreach_copy_``: the loop in C++; on an
     accelerator, grouped launches). Falls back to the Python loop where a build lacks it."""

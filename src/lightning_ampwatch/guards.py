@@ -309,7 +309,7 @@ def float16_trainable_parameters(module: torch.nn.Module) -> tuple[list[str], in
         if param.requires_grad:
             trainable += 1
             if param.dtype == torch.float16:
-                names.append(name)
+                names.append(compat.user_name(name))
     return names, trainable
 
 

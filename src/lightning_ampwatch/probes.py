@@ -73,7 +73,7 @@ class ForwardProbe:
     magnitude and whether its inputs, positional and keyword, were finite. Read once, when the probe closes."""
 
     def __init__(self, root: nn.Module, skip_root: bool = False) -> None:
-        self._names = {m: (n or sharding.class_name(root)) for n, m in root.named_modules()
+        self._names = {m: (compat.user_name(n) or sharding.class_name(root)) for n, m in root.named_modules()
                        if not (skip_root and m is root)}
         self._leaves = {name for m, name in self._names.items() if not any(True for _ in m.children())}
         self._records: list[tuple[str, Tensor, bool]] = []  # name, [out_finite, out_absmax, in_finite], fp16
@@ -270,7 +270,7 @@ class Replayer:
         if grad_scale is not None and sharding.replay_needs_all_ranks(self.root_module()) and distributed.world_size() > 1:
             return self._run_sharded(micro_batches, use_autocast=use_autocast, grad_scale=grad_scale, probe=probe)
         result = ReplayResult(autocast=use_autocast)
-        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        params = [(compat.user_name(n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         tensors = [p for _, p in params]
         unscaled_pass = grad_scale is not None and grad_scale != 1.0
         total: Tensor | None = None
@@ -349,7 +349,7 @@ class Replayer:
         rank that raises inside the sharded forward or backward, between FSDP's own collectives, leaves the others
         waiting in FSDP's next one (NCCL waits for its timeout; gloo may abort on the mismatch)."""
         result = ReplayResult(autocast=use_autocast)
-        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        params = [(compat.user_name(n), p) for n, p in self.module.named_parameters() if p.requires_grad]
         live_grads = [p.grad for _, p in params]
         scales = [grad_scale] + ([1.0] if grad_scale != 1.0 else [])
         probe_ctx: ForwardProbe | None = ForwardProbe(self.module, skip_root=self._redirected()) if probe else None
@@ -453,7 +453,7 @@ class LiveProbe:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._params = {p: n for n, p in module.named_parameters()}
+        self._params = {p: compat.user_name(n) for n, p in module.named_parameters()}
         self._grads: list[tuple[list[str], Tensor]] = []  # per optimizer step: names, finite flags (on device)
         self._forward: ForwardProbe | None = ForwardProbe(module).__enter__()
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
+from lightning_ampwatch import compat, deepspeed_state, distributed, sharding, snapshot_copy
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.remedies.hold_lr import LrCeiling, clamp_lrs, param_groups
 from lightning_ampwatch.verdicts import TrajectoryResult
@@ -202,14 +202,17 @@ class Snapshot:
     @classmethod
     def _copied(cls, state: TrainState, step: int, live: list[Tensor], parts: dict[str, Any],
                 slot: list[Tensor] | None, layout: list[Any] | None = None,
-                slot_layout: list[Any] | None = None) -> "Snapshot":
+                slot_layout: list[Any] | None = None, side_stream: bool = False) -> "Snapshot":
         """``layout``: the live tensors' ``(shape, dtype)`` as a copy plan keeps them; a ``slot`` made to the very
-        same layout (``slot_layout``) is reused without comparing it again."""
+        same layout (``slot_layout``) is reused without comparing it again. ``side_stream``: on CUDA, the copy runs
+        off the compute stream (the ring's snapshots; :mod:`~lightning_ampwatch.snapshot_copy`)."""
         pinned = state.device.type == "cuda"
         if slot is None or ((layout is None or slot_layout is not layout)
                             and [(t.shape, t.dtype) for t in slot] != [(t.shape, t.dtype) for t in live]):
             slot = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in live]
-        if live:
+        if live and pinned and side_stream:  # off the compute stream: the next optimizer step waits for it there
+            snapshot_copy.copy_to_host(slot, live, state)
+        elif live:
             compat.copy_all(slot, live, non_blocking=pinned)  # one call: a copy_ per tensor, in C++
         return cls(step=step, host=slot, **parts, rng=torch.get_rng_state(),
                    cuda_rng=torch.cuda.get_rng_state(state.device) if pinned else None, pinned=pinned,
@@ -236,6 +239,8 @@ class Snapshot:
             why = self.stale(state)
             if why is not None:
                 raise SnapshotError(why)
+        if self.pinned:
+            snapshot_copy.settle()  # the side stream's host copies land before the compute stream reads them back
         model_sd, optim_sd = sharding.live_state(state.root, state.optimizers,
                                                  create=[k for k, _ in self.optim_state])
         self._rank = distributed.rank()
@@ -316,6 +321,8 @@ class Snapshot:
         """The scaler's state as ``GradScaler.load_state_dict`` takes it (reads host copies only)."""
         saved = self.scaler
         assert saved is not None
+        if self.pinned:
+            snapshot_copy.finish()  # read on the host: the side stream's copies complete
         scale, tracker = saved.scale, saved.tracker
         return {
             "scale": float(self.host[scale.index].item()) if isinstance(scale, _At) else scale,
@@ -700,7 +707,7 @@ class SnapshotRing:
                                    or self.held_bytes + self.bytes_per_snapshot > self.budget_bytes):
             spare = self._drop_oldest()
         self._snapshots.append(Snapshot._copied(state, step, live, parts, spare.host if spare else None, layout,
-                                                spare.layout if spare else None))
+                                                spare.layout if spare else None, side_stream=True))
         self.dropped = None
         self._prune()
 
@@ -837,7 +844,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                          f"consecutive steps from {snapshot.step + 1}")
     amp = precision == "amp"
     if state.device.type == "cuda":
-        torch.cuda.current_stream(state.device).synchronize()  # the snapshot's host copies are complete
+        snapshot_copy.finish()  # the snapshot's host copies are complete (they run on a side stream)
+        torch.cuda.current_stream(state.device).synchronize()
     scaler = None
     if amp and snapshot.scaler is not None:
         scaler = sharding.replay_scaler(state.scaler, state.device.type)

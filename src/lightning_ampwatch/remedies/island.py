@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lightning_ampwatch import deepspeed_state
+from lightning_ampwatch import compat, deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -82,12 +82,14 @@ def _island_module_name(module: nn.Module, location: str | None) -> str:
     """The module to isolate: the location itself, or the module owning a located parameter."""
     if location is None:
         raise RemedyError("the overflow was not located in a module")
-    names = dict(module.named_modules())
+    names: dict[str, str] = {}  # as the user names them -> as torch does (a compiled module's wrapper first)
+    for name, _ in module.named_modules():
+        names.setdefault(compat.user_name(name), name)
     if location in names:
-        return location
+        return names[location]
     owner = location.rsplit(".", 1)[0] if "." in location else ""
     if owner in names and owner:
-        return owner
+        return names[owner]
     raise RemedyError(f"{location!r} is not a submodule of the model")
 
 
@@ -101,7 +103,7 @@ class Fp32Island(Remedy):
         deepspeed_state.refuse(ctx.trainer, "fp32_island")
         name = _island_module_name(ctx.module, diagnosis.location)
         attach_island(ctx.module, name, ctx.device.type)
-        return {"module": name}
+        return {"module": compat.user_name(name)}
 
     def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """A checkpoint holds weights, not the island: attach it again, where the run autocasts (mixed precision).
@@ -111,7 +113,7 @@ class Fp32Island(Remedy):
         if precision != UNKNOWN and not precision.endswith("-mixed"):
             return built_with(precision)
         if record.details.get("module") is not None:
-            attach_island(ctx.module, record.details["module"], ctx.device.type)
+            attach_island(ctx.module, _island_module_name(ctx.module, record.details["module"]), ctx.device.type)
         return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
