@@ -108,7 +108,15 @@ def _say_recovery(watch: object, console: Console) -> None:
 
 def _report(args: argparse.Namespace, console: Console) -> int:
     """Print the episode table of a run; with ``--plot`` / ``--html`` draw its timeline too."""
-    from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, render_plot, run_title
+    from lightning_ampwatch.report import (
+        load_run,
+        locate_run,
+        print_report,
+        record_gap,
+        render_html,
+        render_plot,
+        run_title,
+    )
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # never break a path across lines
     try:
@@ -144,7 +152,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             errors.print(f"ampwatch report: cannot write {out}: {err}", markup=False)
             return 2
         console.print(f"Wrote {out}", markup=False)
-    return 0
+    # the report is written, but the event log does not account for the run: a script must not read it as healthy
+    return 1 if record_gap(files, diagnoses, timeline) is not None else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
