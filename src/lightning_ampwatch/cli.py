@@ -84,7 +84,7 @@ def _list_scenarios(scenarios: dict[str, Any], console: Console) -> None:
 def _say_recovery(watch: object, console: Console) -> None:
     """After a ``--remediate`` demo: each alarm's remedy, where the run went back to, and whether it was verified;
     or why it got none."""
-    from lightning_ampwatch.reporters import unremedied_reason
+    from lightning_ampwatch.reporters import rollback_line, unremedied_reason
     from lightning_ampwatch.summary import remedy_outcome
 
     diagnoses = list(getattr(watch, "diagnoses", []))
@@ -102,6 +102,8 @@ def _say_recovery(watch: object, console: Console) -> None:
         for key in ("rollback", "recovery"):
             value = d.evidence.get(key)
             text = value.get("reason") if isinstance(value, dict) else value
+            if key == "rollback" and isinstance(text, str):
+                text = rollback_line(text, d)  # how many batches it skipped, and what sets how many
             if text and text not in said:  # a recovery not verified: its reason is already in the line above
                 console.print(f"  {key}: {text}", markup=False, soft_wrap=True)
 

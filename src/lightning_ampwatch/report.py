@@ -577,7 +577,7 @@ def _place_labels(fig: Any, ax: Any, markers: Sequence[tuple[int, str, str, str]
     box = ax.get_window_extent(renderer)
     at = blended_transform_factory(ax.transData, ax.transAxes)
     px = fig.dpi / 72  # pixels per point
-    cursor = -math.inf  # the right edge of the label placed last, in pixels
+    placed: list[tuple[Any, float, float, float]] = []  # text, its line's x, its left edge, its width (pixels)
     for step, label, colour, _ in sorted(markers, key=lambda m: m[0]):
         text = ax.text(step, 0.97, label, transform=at, rotation=90, va="top", ha="left", fontsize=8, color=colour,
                        clip_on=False, bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75})
@@ -590,13 +590,22 @@ def _place_labels(fig: Any, ax: Any, markers: Sequence[tuple[int, str, str, str]
         else:  # a panel too short for any folding: a smaller font (never a label cut short)
             text.set_fontsize(max(3.0, 8 * 0.94 * box.height / extent.height))
             extent = text.get_window_extent(renderer)
-        width = extent.width + 4 * px  # and the bbox's padding
         line_x = ax.transData.transform((step, 0))[0]
-        left = max(line_x + 2 * px, cursor)
-        if left + width > box.x1:  # past the right edge: left of the line, or as far right as it fits
-            left = max(min(line_x - 2 * px - width, box.x1 - width), box.x0)
+        placed.append((text, line_x, line_x + 2 * px, extent.width + 4 * px))  # and the bbox's padding
+    # Left to right, each right of its line and of the label before it; then, from the right edge back, the ones
+    # that would run past it pushed left, each left of the one after it: side by side, none cut off
+    cursor = -math.inf
+    lefts: list[float] = []
+    for _, _, left, width in placed:
+        lefts.append(max(left, cursor))
+        cursor = lefts[-1] + width + px
+    limit = box.x1
+    for i in range(len(placed) - 1, -1, -1):
+        width = placed[i][3]
+        lefts[i] = max(min(lefts[i], limit - width), box.x0)
+        limit = lefts[i] - px
+    for (text, line_x, _, _), left in zip(placed, lefts):
         text.set_transform(offset_copy(at, fig=fig, x=(left - line_x) / px, y=0, units="points"))
-        cursor = left + width + px
 
 
 def _foldings(label: str) -> list[str]:
@@ -610,7 +619,10 @@ def _foldings(label: str) -> list[str]:
     for n in range(1, len(parts) + 1):
         size = math.ceil(len(parts) / n)
         lines = [".".join(parts[i:i + size]) for i in range(0, len(parts), size)]
-        out.append("\n".join([head, "in " + lines[0], *lines[1:]]))
+        lines = [line + "." for line in lines[:-1]] + lines[-1:]  # each split keeps its dot at the line's end
+        folded = "\n".join([head, "in " + lines[0], *lines[1:]])
+        if folded != out[-1]:
+            out.append(folded)
     return out
 
 

@@ -411,7 +411,7 @@ def jsonl_rows(path: Path, row_noun: str, file_noun: str,
                         if cut is not None:
                             cut.append(lineno)
                         return
-                    raise ValueError(f"{path}:{lineno}: not {row_noun}: {json_error(err, lineno)}") from err
+                    raise ValueError(f"{path}:{lineno}: not {row_noun} ({json_error(err, lineno)})") from err
                 yield lineno, value
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not {file_noun} (not UTF-8 text: {err.reason})") from err
