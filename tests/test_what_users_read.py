@@ -72,7 +72,7 @@ def figure_of(root: Path, extra: Callable[[list[Any], Any], list[Any]] | None = 
 
 
 def loss_axes(fig: Any) -> Any:
-    return next(ax for ax in fig.axes if ax.get_ylabel().startswith("loss\n"))
+    return next(ax for ax in fig.axes if ax.get_ylabel().startswith("loss") and ax.get_ylabel() != "loss scale")
 
 
 def test_the_loss_is_drawn_only_where_it_was_read(demo: Callable[[str], Run]) -> None:
