@@ -407,7 +407,8 @@ def no_diagnosis_line(timeline: TimelineData | None) -> str:
     stats = timeline_stats(timeline)
     if stats is not None and stats.nonfinite:
         return (f"No diagnosis was made (the timeline, complete to the fit's end, names none), yet it holds "
-                f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}: not a healthy run.")
+                f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}: something went wrong "
+                "that the scaler does not see (an empty batch's mean, a NaN the gradients do not reach).")
     return "No diagnoses were made."
 
 
