@@ -300,3 +300,9 @@ def test_the_rollback_line_says_how_many_batches_it_skipped(demo: Callable[[str]
     # the event log keeps the sentence as it was: scripts read it
     logged = [json.loads(line) for line in (root / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
     assert any(row["evidence"].get("rollback") == sentence for row in logged)
+
+
+def test_the_reports_page_lists_each_panel_label() -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reports.md").read_text(encoding="utf-8")
+    for key in {k for keys in KEY_EVIDENCE.values() for k in keys} | set(ALWAYS_SHOWN):
+        assert f"| `{key}` | {EVIDENCE_LABELS[key]} |" in page, key
