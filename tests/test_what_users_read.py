@@ -290,12 +290,12 @@ def test_the_rollback_line_says_how_many_batches_it_skipped(demo: Callable[[str]
     skipped = int(went.group(1)) - int(went.group(2))
     assert skipped > 1
     text = flat(out)
-    assert (f"rollback {sentence}: {skipped} batches, never trained on; snapshot_every sets how many: a snapshot "
-            "every N steps, and the rollback goes back to the newest from before the onset") in text, text
+    assert (f"rollback {sentence}: {skipped} batches, never trained on (snapshot_every, the steps between "
+            "snapshots, sets how many)") in text, text
     # the line `ampwatch demo lr_schedule --remediate` prints after the run says the same
     said = io.StringIO()
     _say_recovery(watch, Console(file=said, width=400))
-    assert f"rollback: {sentence}: {skipped} batches, never trained on; snapshot_every sets how many" in \
+    assert f"rollback: {sentence}: {skipped} batches, never trained on (snapshot_every, the steps" in \
         flat(said.getvalue())
     # the event log keeps the sentence as it was: scripts read it
     logged = [json.loads(line) for line in (root / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
@@ -306,3 +306,19 @@ def test_the_reports_page_lists_each_panel_label() -> None:
     page = (Path(__file__).resolve().parent.parent / "docs" / "reports.md").read_text(encoding="utf-8")
     for key in {k for keys in KEY_EVIDENCE.values() for k in keys} | set(ALWAYS_SHOWN):
         assert f"| `{key}` | {EVIDENCE_LABELS[key]} |" in page, key
+
+
+def test_a_rollback_to_a_checkpoint_file_says_what_sets_how_many_it_skipped() -> None:
+    from lightning_ampwatch import Diagnosis, Finding
+    from lightning_ampwatch.records import Rollback, RollbackKind, with_facts
+    from lightning_ampwatch.reporters import rollback_line
+
+    rollback = Rollback(RollbackKind.CHECKPOINT, now=40, to_step=10, path="ckpt/epoch=0.ckpt")
+    alarm = with_facts(Diagnosis(Finding.GRADIENT_OVERFLOW, 38, evidence={"rollback": rollback.sentence()}),
+                       rollback=rollback)
+    line = rollback_line(rollback.sentence(), alarm)
+    assert line == (f"{rollback.sentence()}: 30 batches, never trained on (the newest checkpoint file from before "
+                    "the onset sets how many; snapshot_every keeps in-memory snapshots closer)")
+    assert rollback_line(rollback.sentence()) == line  # read back from the event log, without the record
+    retrained = rollback.after_retraining([0.5, 0.4])
+    assert rollback_line(retrained.sentence(), with_facts(alarm, rollback=retrained)) == retrained.sentence()

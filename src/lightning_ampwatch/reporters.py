@@ -251,12 +251,9 @@ def rollback_line(sentence: str, diagnosis: Diagnosis | None = None) -> str:
         kind = RollbackKind.CHECKPOINT if "(the checkpoint file " in sentence else RollbackKind.SNAPSHOT
     batches = f"{skipped} batch{'es' if skipped != 1 else ''}, never trained on"
     if kind is RollbackKind.CHECKPOINT:
-        how = ("the newest checkpoint file from before the onset sets how many; snapshot_every keeps in-memory "
-               "snapshots closer (one every N steps)")
-    else:
-        how = ("snapshot_every sets how many: a snapshot every N steps, and the rollback goes back to the newest "
-               "from before the onset")
-    return f"{sentence}: {batches}; {how}"
+        return (f"{sentence}: {batches} (the newest checkpoint file from before the onset sets how many; "
+                "snapshot_every keeps in-memory snapshots closer)")
+    return f"{sentence}: {batches} (snapshot_every, the steps between snapshots, sets how many)"
 
 
 def _reason(value: object) -> object:
