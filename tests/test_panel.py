@@ -15,11 +15,23 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
-from lightning_ampwatch.reporters import ALWAYS_SHOWN, KEY_EVIDENCE
+from lightning_ampwatch.reporters import ALWAYS_SHOWN, EVIDENCE_LABELS, KEY_EVIDENCE
 from lightning_ampwatch.scenarios import run_scenario
 
 ROW = re.compile(r"^│ ([a-z][a-z0-9_]*)\s{2,}\S")
 TITLE = re.compile(r"^╭─ AmpWatch: (\w+) at step (\d+)")
+#: The compact panel shows each row under its plain label (verbose="full" under its key): read back as the key
+KEY_OF_LABEL = {label: key for key, label in EVIDENCE_LABELS.items()}
+
+
+def row_key(line: str) -> str | None:
+    """The evidence key of a panel line that is an evidence row, shown under its plain label or its key."""
+    body = line[2:] if line.startswith("│ ") else ""
+    for label in sorted(KEY_OF_LABEL, key=len, reverse=True):
+        if body.startswith(label) and re.match(r"\s{2,}\S", body[len(label):]):
+            return KEY_OF_LABEL[label]
+    match = ROW.match(line)
+    return match.group(1) if match else None
 
 
 def panels(out: str) -> list[tuple[str, list[str], str]]:
@@ -32,7 +44,7 @@ def panels(out: str) -> list[tuple[str, list[str], str]]:
         elif lines is not None:
             lines.append(line)
             if line.startswith("╰"):
-                keys = [m.group(1) for m in map(ROW.match, lines) if m]
+                keys = [k for k in map(row_key, lines) if k]
                 found.append((lines[0], keys, "\n".join(lines)))
                 lines = None
     return found

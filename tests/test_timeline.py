@@ -118,7 +118,7 @@ def test_a_reused_directory_reads_as_its_last_run_and_a_resume_as_one(tmp_path: 
 
 
 @pytest.mark.parametrize("line, why", [
-    ("{not json", "Expecting property name"),
+    ("{not json", "line 3 is not valid JSON: at column 2, a key in double quotes was expected here"),
     ('{"scale": 2.0}', "integer 'step'"),
     ('{"step": 3, "loss": [1]}', "not a number"),
 ])

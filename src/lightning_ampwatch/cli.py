@@ -84,7 +84,7 @@ def _list_scenarios(scenarios: dict[str, Any], console: Console) -> None:
 def _say_recovery(watch: object, console: Console) -> None:
     """After a ``--remediate`` demo: each alarm's remedy, where the run went back to, and whether it was verified;
     or why it got none."""
-    from lightning_ampwatch.reporters import unremedied_reason
+    from lightning_ampwatch.reporters import rollback_line, unremedied_reason
     from lightning_ampwatch.summary import remedy_outcome
 
     diagnoses = list(getattr(watch, "diagnoses", []))
@@ -102,13 +102,23 @@ def _say_recovery(watch: object, console: Console) -> None:
         for key in ("rollback", "recovery"):
             value = d.evidence.get(key)
             text = value.get("reason") if isinstance(value, dict) else value
+            if key == "rollback" and isinstance(text, str):
+                text = rollback_line(text, d)  # how many batches it skipped, and what sets how many
             if text and text not in said:  # a recovery not verified: its reason is already in the line above
                 console.print(f"  {key}: {text}", markup=False, soft_wrap=True)
 
 
 def _report(args: argparse.Namespace, console: Console) -> int:
     """Print the episode table of a run; with ``--plot`` / ``--html`` draw its timeline too."""
-    from lightning_ampwatch.report import load_run, locate_run, print_report, render_html, render_plot, run_title
+    from lightning_ampwatch.report import (
+        load_run,
+        locate_run,
+        print_report,
+        record_gap,
+        render_html,
+        render_plot,
+        run_title,
+    )
 
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # never break a path across lines
     try:
@@ -144,7 +154,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             errors.print(f"ampwatch report: cannot write {out}: {err}", markup=False)
             return 2
         console.print(f"Wrote {out}", markup=False)
-    return 0
+    # the report is written, but the event log does not account for the run: a script must not read it as healthy
+    return 1 if record_gap(files, diagnoses, timeline) is not None else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lightning_ampwatch.reporters import EVENT_LOG_NAME, format_value, panel_rows
-from lightning_ampwatch.summary import Episode, RunStats, counts_line, episodes, remedy_outcome
+from lightning_ampwatch.summary import RECOVERY_GAP, Episode, RunStats, counts_line, episodes, remedy_outcome
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, TimelineData, jsonl_rows, read_timeline
 
@@ -63,6 +63,8 @@ class LoggedDiagnoses:
     shown: list[Diagnosis] = field(default_factory=list)
     total: int = 0
     alarm_steps: list[int] = field(default_factory=list)  # every alarm's step: the episode spans end at the next
+    keys: set[tuple[str, int]] = field(default_factory=set)  # every record's (finding, step)
+    cut_line: int | None = None  # the number of a last line cut short and left out (the run died writing it)
 
     @property
     def alarms(self) -> int:
@@ -79,7 +81,8 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
     out = LoggedDiagnoses()
     earliest: list[tuple[int, int, Diagnosis]] = []  # a max-heap (negated) of the ``keep`` earliest by step
     seen: set[tuple[Finding, int]] = set()
-    for lineno, row in jsonl_rows(path, "an AmpWatch diagnosis", "an AmpWatch event log"):
+    cut: list[int] = []
+    for lineno, row in jsonl_rows(path, "an AmpWatch diagnosis", "an AmpWatch event log", cut):
         try:
             finding = _finding(row)
             key = (finding, row["step"])
@@ -87,6 +90,7 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
                 _replace(earliest, key, Diagnosis.from_dict(row))  # withdrawal): it takes the record's place
                 continue
             seen.add(key)
+            out.keys.add((finding.value, row["step"]))
             out.total += 1
             if finding.is_alarm:
                 out.alarm_steps.append(row["step"])
@@ -99,6 +103,7 @@ def read_diagnoses(path: str | os.PathLike[str], keep: int = MAX_EPISODES) -> Lo
             raise ValueError(f"{path}:{lineno}: not an AmpWatch diagnosis ({err})") from err
     out.shown = [d for _, _, d in sorted(earliest, reverse=True)]
     out.alarm_steps.sort()
+    out.cut_line = cut[0] if cut else None
     return out
 
 
@@ -200,6 +205,101 @@ def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
                     scale=timeline.scales[-1], precision="bf16" if fell_back else timeline.precision)
 
 
+def _complete(timeline: TimelineData) -> bool:
+    """Whether the timeline runs to its fit's end (an end row at or after its last row): its diagnosis markers are
+    then every diagnosis the watch made. A killed run's timeline stops at its last log step."""
+    ends = timeline.of_kind("end")
+    return bool(ends) and bool(timeline.steps) and ends[-1].get("step", -1) >= timeline.steps[-1]
+
+
+def _steps_said(steps: Sequence[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+@dataclass(frozen=True)
+class RecordGap:
+    """The event log does not account for the run: the timeline holds non-finite or skipped steps, or names
+    diagnoses, that no record in ``diagnoses.jsonl`` explains, because the file is missing, empty or damaged."""
+
+    state: str  # "missing", "empty" or "damaged"
+    why: str  # the file's state in words
+    shows: str  # what the timeline shows
+    unrecorded: tuple[tuple[str, int], ...] = ()  # diagnoses the timeline names that the event log lacks
+
+    def sentences(self) -> list[str]:
+        """What the report says in place of its table (or under it)."""
+        lines = [f"The record of this run is lost: {self.why}.", f"The timeline shows {self.shows}."]
+        if self.unrecorded:
+            named = ", ".join(f"{finding} at step {step}" for finding, step in self.unrecorded[:5])
+            more = f" and {len(self.unrecorded) - 5} more" if len(self.unrecorded) > 5 else ""
+            lines.append(f"It names {len(self.unrecorded)} diagnos{'es' if len(self.unrecorded) != 1 else 'is'} "
+                         f"that no record holds: {named}{more}.")
+        elif self.state == "missing":
+            lines.append("No record explains them (lost, or the run ended before AmpWatch judged them).")
+        lines.append("This report cannot say what went wrong, nor that the run was healthy; the run's console "
+                     "output (AmpWatch's panels and summary) may still hold the diagnoses.")
+        return lines
+
+
+def _event_log_state(files: RunFiles, diagnoses: LoggedDiagnoses) -> tuple[str, str]:
+    if files.diagnoses is None:
+        return "missing", f"{EVENT_LOG_NAME} is missing from {files.directory}"
+    if diagnoses.cut_line is not None:
+        return "damaged", (f"{files.diagnoses} is damaged: its last line ({diagnoses.cut_line}) is cut short and was "
+                           "left out")
+    if not diagnoses.total:
+        return "empty", f"{files.diagnoses} is empty"
+    return "ok", ""
+
+
+def _trouble(timeline: TimelineData | None) -> tuple[str, bool]:
+    """What the timeline shows, in words, and whether it holds trouble that AmpWatch had time to record: a
+    non-finite loss, or a skipped step with at least ``RECOVERY_GAP`` steps after it (the watch has called every
+    such skip by then, normal or not)."""
+    if timeline is None or not timeline.steps:
+        return "nothing: there is no timeline beside the event log", False
+    skipped = [s for s, k in zip(timeline.steps, timeline.skipped) if k]
+    nonfinite = [s for s, f in zip(timeline.steps, timeline.loss_finite) if f is False]
+    stats = timeline_stats(timeline)
+    parts = []
+    if skipped:
+        n = stats.skipped if stats is not None else len(skipped)
+        parts.append(f"{n} of {stats.steps if stats else len(timeline)} steps skipped by the scaler "
+                     f"({_steps_said(skipped)})")
+    if nonfinite:
+        n = stats.nonfinite if stats is not None else len(nonfinite)
+        parts.append(f"{n} non-finite loss{'es' if n != 1 else ''} ({_steps_said(nonfinite)})")
+    if not parts:
+        return f"{counts_line(stats) if stats else 'its steps'}, with no skipped step and no non-finite loss", False
+    judged = bool(nonfinite) or timeline.steps[-1] - skipped[0] >= RECOVERY_GAP
+    return " and ".join(parts), judged
+
+
+def record_gap(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: TimelineData | None) -> RecordGap | None:
+    """Where the event log does not account for what the timeline shows; None where it does.
+
+    The record is lost when the timeline names diagnoses the event log lacks (the watch writes a marker to the
+    timeline for each one); when no record could be read from an event log that is there (emptied, or its only
+    line cut short); or when there is no event log and a timeline cut short (a killed run) holds trouble the watch
+    would have recorded. A complete timeline that names no diagnosis is the watch's own word that it made none."""
+    state, why = _event_log_state(files, diagnoses)
+    shows, judged = _trouble(timeline)
+    named = set() if timeline is None else {(str(e.get("finding")), e["step"]) for e in timeline.of_kind("diagnosis")}
+    unrecorded = tuple(sorted(named - diagnoses.keys, key=lambda k: (k[1], k[0])))
+    if unrecorded:
+        if state == "ok":
+            state, why = "damaged", (f"{files.diagnoses} is damaged: it lacks {len(unrecorded)} of the "
+                                     f"{len(named)} diagnoses the timeline names")
+        return RecordGap(state, why, shows, unrecorded)
+    if diagnoses.total:
+        return None
+    if state in ("empty", "damaged"):
+        return RecordGap(state, why, shows)
+    if timeline is not None and judged and not _complete(timeline):
+        return RecordGap(state, why, shows)
+    return None
+
+
 def _fits_counted(ends: Sequence[dict[str, Any]], starts: Sequence[int]) -> tuple[int, int, int]:
     """The run's counters from its fits' end rows. A fit resumed from a checkpoint counts on from it (its end row
     holds the whole run's counts); a second ``fit`` of the same watch counts its own steps only (it starts afresh),
@@ -261,8 +361,13 @@ def report_lines(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
         if timeline is not None else None
     if fallback is not None:
         counts += f", bf16 from step {fallback['step']} on (bf16_fallback dropped the scaler)"
+    gap = record_gap(files, diagnoses, timeline)
     if alarms:
         verdict = f"{alarms} alarm{'s' if alarms != 1 else ''}"
+        if gap is not None:
+            verdict += f", and the record is incomplete ({gap.state} {EVENT_LOG_NAME})"
+    elif gap is not None:
+        verdict = f"no record explains it: {EVENT_LOG_NAME} is {gap.state}"
     elif stats is not None and stats.steps == 0:
         verdict = "no optimizer step: nothing was judged"
     elif stats is not None and stats.nonfinite:
@@ -279,6 +384,7 @@ def print_report(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
     evidence row (``AmpWatch(verbose="full")``'s panel), in step order."""
     for line in report_lines(files, diagnoses, timeline):
         console.print(line, markup=False, highlight=False)
+    gap = record_gap(files, diagnoses, timeline)
     if diagnoses.total:
         console.print(episodes_table(report_episodes(diagnoses, timeline)))
         if diagnoses.hidden:
@@ -288,8 +394,22 @@ def print_report(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
 
             for d in sorted(diagnoses.shown, key=lambda d: d.step):
                 console.print(diagnosis_panel(d, verbose="full"))
-    else:
-        console.print("  No diagnoses were made.", markup=False)
+    elif gap is None:
+        console.print(f"  {no_diagnosis_line(timeline)}", markup=False, highlight=False)
+    if gap is not None:
+        for line in gap.sentences():
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)  # never break a path
+
+
+def no_diagnosis_line(timeline: TimelineData | None) -> str:
+    """The line in place of an empty table, where the event log accounts for the run (see :func:`record_gap`):
+    "No diagnoses were made." only where the timeline holds no non-finite loss."""
+    stats = timeline_stats(timeline)
+    if stats is not None and stats.nonfinite:
+        return (f"No diagnosis was made (the timeline, complete to the fit's end, names none), yet it holds "
+                f"{stats.nonfinite} non-finite loss{'es' if stats.nonfinite != 1 else ''}: something went wrong "
+                "that the scaler does not see (an empty batch's mean, a NaN the gradients do not reach).")
+    return "No diagnoses were made."
 
 
 def _pow2_label(value: float, _pos: Any = None) -> str:
@@ -317,7 +437,7 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    from matplotlib.transforms import blended_transform_factory, offset_copy
+    from matplotlib.transforms import blended_transform_factory
 
     if not timeline.steps:
         raise ValueError(f"{timeline.path}: the timeline holds no steps to draw")
@@ -346,14 +466,23 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
         ax.yaxis.set_major_formatter(FuncFormatter(_pow2_label))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, p: ""))
         ax.set_ylabel("loss scale")
-        ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+        ax.legend(**_OUTSIDE)
 
     ax = ax_of["loss"]
     finite = [(s, v) for s, v in zip(steps, timeline.losses) if v is not None and math.isfinite(v)]
     nonfinite = [s for s, f in zip(steps, timeline.loss_finite) if f is False]
     if finite:
-        ax.plot([p[0] for p in finite], [p[1] for p in finite], ".-", ms=4, lw=0.7, alpha=0.8, color="tab:green",
-                label="loss (where read)")
+        # a marker at each step whose loss was read; a line only between steps read one after the other (a NaN
+        # breaks it): nothing is drawn across the steps in between, which nobody measured
+        xs: list[float] = []
+        ys: list[float] = []
+        for s, v in finite:
+            if xs and s != xs[-1] + 1:
+                xs.append(math.nan)
+                ys.append(math.nan)
+            xs.append(s)
+            ys.append(v)
+        ax.plot(xs, ys, marker="o", ms=3.5, ls="-", lw=0.8, alpha=0.85, color="tab:green", label="loss (read)")
         values = [p[1] for p in finite]
         if min(values) > 0 and max(values) / min(values) > 100:
             ax.set_yscale("log")
@@ -364,10 +493,9 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
         top = blended_transform_factory(ax.transData, ax.transAxes)
         ax.scatter(nonfinite, [0.94] * len(nonfinite), transform=top, marker="x", s=30, color="tab:red",
                    zorder=3, label=f"non-finite loss ({len(nonfinite)}, drawn at the top)", clip_on=False)
-    ax.set_ylabel("loss")
+    ax.set_ylabel(f"loss\n({loss_sampling(timeline)})")
     if finite or nonfinite:
-        ax.legend(loc="upper left" if nonfinite and nonfinite[0] > (steps[0] + steps[-1]) / 2 else "upper right",
-                  fontsize=8, framealpha=0.9)
+        ax.legend(**_OUTSIDE)
 
     if n_groups:
         ax = ax_of["lr"]
@@ -384,7 +512,7 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
         ax.set_ylabel("learning rate")
         if n_groups > 1:
             extra = f" (first {shown} of {n_groups})" if n_groups > shown else ""
-            ax.legend(loc="upper left", fontsize=8, framealpha=0.9, title=f"param groups{extra}", title_fontsize=8)
+            ax.legend(**_OUTSIDE, title=f"param groups{extra}", title_fontsize=8)
 
     markers: list[tuple[int, str, str, str]] = []  # step, label, colour, line style
     for d in diagnoses:
@@ -402,30 +530,101 @@ def timeline_figure(timeline: TimelineData, diagnoses: Sequence[Diagnosis], titl
         ax.grid(True, which="major", alpha=0.25)
         for step, _, colour, style in markers:
             ax.axvline(step, color=colour, ls=style, lw=1.1, alpha=0.85, zorder=1)
-    top_ax = axes[0]
-    label_at = blended_transform_factory(top_ax.transData, top_ax.transAxes)
-    previous: float | None = None
-    lane = 0
-    # In step order, so that labels at the same (or a nearby) step take lanes side by side, each a label's line
-    # height (in points, whatever the figure's width) to the right of the one before: they never overlap.
-    for step, label, colour, _ in sorted(markers, key=lambda m: m[0]):
-        lane = lane + 1 if previous is not None and step - previous < 0.03 * span else 0
-        previous = step
-        at = offset_copy(label_at, fig=fig, x=2 + 10.5 * lane, y=0, units="points")
-        top_ax.text(step, 0.97, label, transform=at, rotation=90,
-                    va="top", ha="left", fontsize=8, color=colour, clip_on=True,
-                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75})
     if markers:
         kinds = {("tab:red", "--"): "alarm", ("tab:purple", "--"): "normal scaling", ("tab:green", "-."): "remedy"}
         used = {(c, s) for _, _, c, s in markers}
         handles = [Line2D([], [], color=c, ls=s, label=name) for (c, s), name in kinds.items() if (c, s) in used]
-        axes[-1].legend(handles=handles, loc="lower right", fontsize=8, framealpha=0.9)
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     axes[-1].set_xlabel("optimizer step")
     stats = timeline_stats(timeline)
     fig.suptitle(title, fontsize=12, fontweight="bold")
     if stats is not None:
         axes[0].set_title(counts_line(stats), fontsize=9, color="0.3")
+    if markers:
+        _place_labels(fig, axes[0], markers)
     return fig
+
+
+#: Every legend beside its panel, right of the axes: none covers a curve (the layout makes room for it)
+_OUTSIDE: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0, "fontsize": 8,
+                            "framealpha": 0.9}
+
+
+def loss_sampling(timeline: TimelineData) -> str:
+    """How often the loss was read, for the loss axis: "read every step", "read every 5 steps", or "read at 9 of
+    240 steps" where the reads are irregular (log steps and anomalies)."""
+    read = [s for s, v in zip(timeline.steps, timeline.losses) if v is not None]
+    if not read:
+        return "never read"
+    span = timeline.steps[-1] - timeline.steps[0] + 1
+    gaps = {b - a for a, b in zip(read, read[1:])}
+    if len(read) == span:
+        return "read every step"
+    if len(gaps) == 1:
+        (gap,) = gaps
+        return f"read every {gap} steps" if gap > 1 else f"read at {len(read)} of {span} steps"
+    return f"read at {len(read)} of {span} steps"
+
+
+def _place_labels(fig: Any, ax: Any, markers: Sequence[tuple[int, str, str, str]]) -> None:
+    """Each marker's label, written upwards beside its line at the top of the top panel, measured once the layout
+    is done so that none is cut off: a label longer than the panel is tall goes over several lines (the location
+    under the finding, then split at its dots); one that would run past the panel's right edge goes left of its
+    line; labels at nearby steps stand side by side, never on top of each other."""
+    from matplotlib.transforms import blended_transform_factory, offset_copy
+
+    fig.draw_without_rendering()  # the layout: where the axes are, in pixels
+    renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    at = blended_transform_factory(ax.transData, ax.transAxes)
+    px = fig.dpi / 72  # pixels per point
+    placed: list[tuple[Any, float, float, float]] = []  # text, its line's x, its left edge, its width (pixels)
+    for step, label, colour, _ in sorted(markers, key=lambda m: m[0]):
+        text = ax.text(step, 0.97, label, transform=at, rotation=90, va="top", ha="left", fontsize=8, color=colour,
+                       clip_on=False, bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.75})
+        text.set_in_layout(False)  # placed after the layout: it must not move the axes it was measured against
+        for folded in _foldings(label):
+            text.set_text(folded)
+            extent = text.get_window_extent(renderer)
+            if extent.height <= 0.94 * box.height:
+                break
+        else:  # a panel too short for any folding: a smaller font (never a label cut short)
+            text.set_fontsize(max(3.0, 8 * 0.94 * box.height / extent.height))
+            extent = text.get_window_extent(renderer)
+        line_x = ax.transData.transform((step, 0))[0]
+        placed.append((text, line_x, line_x + 2 * px, extent.width + 4 * px))  # and the bbox's padding
+    # Left to right, each right of its line and of the label before it; then, from the right edge back, the ones
+    # that would run past it pushed left, each left of the one after it: side by side, none cut off
+    cursor = -math.inf
+    lefts: list[float] = []
+    for _, _, left, width in placed:
+        lefts.append(max(left, cursor))
+        cursor = lefts[-1] + width + px
+    limit = box.x1
+    for i in range(len(placed) - 1, -1, -1):
+        width = placed[i][3]
+        lefts[i] = max(min(lefts[i], limit - width), box.x0)
+        limit = lefts[i] - px
+    for (text, line_x, _, _), left in zip(placed, lefts):
+        text.set_transform(offset_copy(at, fig=fig, x=(left - line_x) / px, y=0, units="points"))
+
+
+def _foldings(label: str) -> list[str]:
+    """A label as one line, then over more and more lines: the location under the finding, then split at its
+    dots (``FORWARD_OVERFLOW in blocks.0.attn``), each line as long as the longest word allows."""
+    head, sep, where = label.partition(" in ")
+    out = [label]
+    if not sep:
+        return out
+    parts = where.split(".")
+    for n in range(1, len(parts) + 1):
+        size = math.ceil(len(parts) / n)
+        lines = [".".join(parts[i:i + size]) for i in range(0, len(parts), size)]
+        lines = [line + "." for line in lines[:-1]] + lines[-1:]  # each split keeps its dot at the line's end
+        folded = "\n".join([head, "in " + lines[0], *lines[1:]])
+        if folded != out[-1]:
+            out.append(folded)
+    return out
 
 
 def _evidence_html(d: Diagnosis) -> str:
@@ -463,7 +662,7 @@ def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: LoggedD
              ".evidence{border-collapse:collapse;font-size:88%;width:100%}"
              ".evidence td{padding:0;overflow-wrap:anywhere;vertical-align:top}"
              ".evidence td:first-child{color:#555;padding:0 .6em 0 0;white-space:nowrap}summary{cursor:pointer;color:#555;font-size:88%}"
-             ".dim{color:#666}",
+             ".dim{color:#666}.lost{color:#b00}",
              "</style></head><body>", f"<h1>AmpWatch report: {title}</h1>"]
     header = report_lines(files, diagnoses, timeline)
     parts.append(f'<p class="dim">{html.escape(str(files.directory))}</p>')  # the title already names the run
@@ -488,7 +687,10 @@ def render_html(out: str | os.PathLike[str], files: RunFiles, diagnoses: LoggedD
         parts.append("</table>")
         if diagnoses.hidden:
             parts.append(f"<p>{html.escape(more_line(diagnoses, files))}</p>")
-    else:
-        parts.append("<p>No diagnoses were made.</p>")
+    gap = record_gap(files, diagnoses, timeline)
+    if gap is not None:
+        parts += [f'<p class="lost">{html.escape(line)}</p>' for line in gap.sentences()]
+    elif not diagnoses.total:
+        parts.append(f"<p>{html.escape(no_diagnosis_line(timeline))}</p>")
     parts.append("</body></html>")
     Path(out).write_text("\n".join(parts) + "\n", encoding="utf-8")

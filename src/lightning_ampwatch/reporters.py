@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import warnings
 import weakref
@@ -24,7 +25,7 @@ from rich.text import Text
 
 from lightning_ampwatch import compat, distributed
 from lightning_ampwatch.summary import RunStats, judged, remedy_outcome, summary_lines
-from lightning_ampwatch.taxonomy import Diagnosis, Finding
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
 
 EVENT_LOG_NAME = "diagnoses.jsonl"
@@ -91,6 +92,178 @@ ALWAYS_SHOWN = ("replay", "live_probe", "rollback")
 SUPERSEDED = ("batch_control_verdict",)
 
 
+#: What the compact panel calls each evidence row: plain words for the key names of the event log (which keep their
+#: names: scripts read them). ``verbose="full"`` and ``ampwatch report --full`` show the keys as they are. Every
+#: key the compact panel can show is here (``KEY_EVIDENCE``, ``ALWAYS_SHOWN``, and the rows a later update adds); a
+#: test runs the demo scenarios and fails on a row without one.
+EVIDENCE_LABELS: dict[str, str] = {
+    # the batch and its data
+    "nonfinite_where": "non-finite values in the batch",
+    "input_absmax": "largest input magnitude",
+    "input_where": "inputs past float16's range",
+    "batch_idx": "batches replayed",
+    # the replay at the run's precision, and where it failed
+    "replay": "replay",
+    "replay_note": "replay note",
+    "replay_loss": "replayed loss at run precision",
+    "replay_grads_finite": "gradients finite when replayed",
+    "replay_unscaled_grads_finite": "gradients finite unscaled",
+    "replay_grad_absmax": "largest gradient, unscaled",
+    "replay_first_nonfinite_module": "first module to go non-finite",
+    "replay_first_nonfinite_param": "first non-finite gradient",
+    "live_probe": "live probe",
+    "live_first_nonfinite_module": "first module non-finite (live)",
+    "live_first_nonfinite_param": "first non-finite gradient, live",
+    "fp16_headroom_log2": "headroom below float16's max",
+    "precision": "precision",
+    "loss": "loss",
+    # the FP32 controls
+    "control_verdict": "float32 control",
+    "batch_control_verdict": "float32 control, one batch",
+    "fp32_control_loss": "loss in float32",
+    "fp32_control_grads_finite": "float32 gradients finite",
+    "fp32_control_grad_absmax": "largest float32 gradient",
+    "fp32_control": "float32 control replay",
+    "fp32_control_first_nonfinite_param": "first non-finite in float32",
+    "fp32_control_first_nonfinite_module": "first module non-finite, float32",
+    "fp32_control_unscaled_grads_finite": "float32 grads finite unscaled",
+    "fp32_control_grads": "float32 gradients",
+    "replay_grads": "replayed gradients",
+    "trajectory_verdict": "float32 replay verdict",
+    "trajectory_reason": "float32 replay of the run says",
+    "trajectory_window": "steps replayed in float32",
+    "trajectory_snapshot_step": "replayed from snapshot at step",
+    "trajectory_fp32_losses": "losses replayed in float32",
+    "trajectory_amp_losses": "losses replayed at run precision",
+    "trajectory_amp_skipped": "skips replayed at run precision",
+    "trajectory_judged_by": "replay judged by",
+    "trajectory_start_loss": "replay's first loss",
+    "trajectory_snapshot_bytes": "snapshot size (bytes)",
+    "trajectory_control": "float32 replay of the run",
+    "trajectory_rank": "float32 replay run on rank",
+    "lower_lr_verdict": "lower LR verdict",
+    "lower_lr_reason": "same steps at a lower LR",
+    "lower_lr_factor": "LR lowered by",
+    "lower_lr_losses": "losses at the lower LR",
+    "lower_lr_skipped": "skips at the lower LR",
+    "lower_lr_margin": "fall needed to blame the LR",
+    "superseded_amp_evidence": "AMP evidence set aside",
+    # the loss and its level
+    "divergence": "loss climb",
+    "diverged_first": "loss climbed before any skip",
+    "loss_at_onset": "loss at the onset",
+    "loss_at_start": "loss at the start",
+    "loss_level": "usual loss before the trouble",
+    "loss_level_from": "usual loss taken from",
+    "loss_reference": "healthy loss reference",
+    "loss_reference_why": "healthy loss level",
+    "loss_reference_steps": "healthy level from steps",
+    # the scaler
+    "pattern": "pattern of the skips",
+    "skipped_in_row": "steps skipped in a row",
+    "scale_history": "loss scale, skip by skip",
+    "scale": "loss scale",
+    "init_scale": "initial loss scale",
+    "onset_scale": "loss scale at the onset",
+    "safe_scale": "a safe loss scale",
+    "safe_scale_from": "safe scale measured from",
+    "skipped_steps": "steps skipped",
+    "steps": "steps seen",
+    "growth_steps": "steps where the scale grew",
+    "span": "steps watched",
+    "skip_rate": "share of steps skipped",
+    "growth_interval": "scaler's growth interval",
+    "growth_factor": "scaler's growth factor",
+    "backoff_factor": "scaler's backoff factor",
+    "withdrawn": "withdrawn",
+    "withdrawn_by": "withdrawn by the alarm",
+    "withdrawn_at": "withdrawn at step",
+    "alarm_onset": "the alarm's onset step",
+    "first_nonfinite_step": "first non-finite step",
+    # the learning rate
+    "lr_event": "learning-rate change",
+    "lr_before": "learning rate before",
+    "lr_after": "learning rate after",
+    "lr_change_step": "learning rate changed at step",
+    "lr_tried": "learning rates tried",
+    # recipe checks
+    "loss_op": "loss computed by",
+    "loss_dtype": "loss dtype",
+    "call_site": "in your code at",
+    "code": "the line",
+    "via": "called through",
+    "clip_limit": "clip limit",
+    "limit_in_real_units": "limit in unscaled units",
+    "optimizer": "optimizer",
+    "optimizer_state": "optimizer state",
+    "factor": "loss multiplied by",
+    "second_scaler_scale": "second scaler's scale",
+    "float16_parameters": "float16 parameters",
+    "first_float16": "first float16 parameter",
+    "param_group": "parameter group",
+    "eps": "optimizer eps",
+    "eps_in_float16": "eps in float16",
+    # ranks
+    "fault_ranks": "ranks at fault",
+    "investigated_on_rank": "investigated on rank",
+    "reported_from_rank": "reported from rank",
+    "judged_alone": "judged on one rank alone",
+    # a remedy and what came of it
+    "rollback": "rollback",
+    "remedy_details": "remedy changed",
+    "skips_saved_estimate": "skipped steps saved (estimate)",
+    "recovery": "recovery",
+    "remedies_tried": "remedies tried before",
+    "remedies_failed": "remedies that could not apply",
+    "alarms_during_episode": "alarms during the episode",
+    "treatment_failed": "treatment failed",
+}
+#: Scales shown as the user types them (``2**10``)
+_POW2_KEYS = frozenset({"scale", "init_scale", "onset_scale", "safe_scale", "scale_history", "second_scaler_scale"})
+
+
+def plain_row(key: str, value: object, diagnosis: Diagnosis | None = None) -> tuple[str, str]:
+    """An evidence row as the compact panel shows it: its plain label (the key itself where none is set: a test
+    keeps that from happening on the demo scenarios) and its value in a few plain words."""
+    label = EVIDENCE_LABELS.get(key, key)
+    if key == "fp16_headroom_log2" and isinstance(value, dict):
+        return label, ", ".join(f"{where}: 2**{format_value(v)}" for where, v in value.items())
+    if key in _POW2_KEYS:
+        shown = [format_pow2(v) for v in value] if isinstance(value, list) else format_pow2(value)
+        return label, format_value(shown) if isinstance(shown, list) else shown
+    if key == "skip_rate" and isinstance(value, float):
+        return label, f"{value:.0%}"
+    if key == "rollback" and isinstance(value, str):
+        return label, rollback_line(value, diagnosis)
+    return label, format_value(_reason(value))
+
+
+_SKIPPED = re.compile(r"the batches of steps (\d+)\.\.(\d+) are skipped$")
+
+
+def rollback_line(sentence: str, diagnosis: Diagnosis | None = None) -> str:
+    """The rollback row of the compact panel: the evidence's sentence and, when the episode's batches were skipped,
+    how many, and that ``snapshot_every`` (how far back the newest snapshot is) sets how many."""
+    from lightning_ampwatch.records import RollbackKind, facts_of
+
+    rollback = facts_of(diagnosis).rollback if diagnosis is not None else None
+    if rollback is not None:
+        if rollback.resumed_at is None or rollback.retrained is not None:
+            return sentence
+        skipped, kind = rollback.now - rollback.resumed_at, rollback.kind
+    else:  # a diagnosis read back from the event log: its sentence is all there is
+        match = _SKIPPED.search(sentence)
+        if match is None:
+            return sentence
+        skipped = int(match.group(2)) - int(match.group(1)) + 1
+        kind = RollbackKind.CHECKPOINT if "(the checkpoint file " in sentence else RollbackKind.SNAPSHOT
+    batches = f"{skipped} batch{'es' if skipped != 1 else ''}, never trained on"
+    if kind is RollbackKind.CHECKPOINT:
+        return (f"{sentence}: {batches} (the newest checkpoint file from before the onset sets how many; "
+                "snapshot_every keeps in-memory snapshots closer)")
+    return f"{sentence}: {batches} (snapshot_every, the steps between snapshots, sets how many)"
+
+
 def _reason(value: object) -> object:
     """A dict with a ``reason`` (``recovery``) shows as that sentence on the console."""
     if isinstance(value, dict) and isinstance(value.get("reason"), str):
@@ -108,12 +281,15 @@ def panel_rows(diagnosis: Diagnosis, full: bool = False) -> list[tuple[str, obje
     return [(k, evidence[k]) for k in keys if k in evidence]
 
 
-def _evidence_table(rows: Sequence[tuple[str, object]]) -> Table:
+def _evidence_table(rows: Sequence[tuple[str, object]], full: bool = True,
+                    diagnosis: Diagnosis | None = None) -> Table:
+    """The rows with their keys (``full``), or in plain words (:func:`plain_row`)."""
     table = Table.grid(padding=(0, 2))
-    table.add_column(style="dim")
+    table.add_column(style="dim", no_wrap=not full)  # a plain label stays on one line (none is over 32 characters)
     table.add_column()
     for key, value in rows:
-        table.add_row(Text(str(key)), Text(format_value(_reason(value))))
+        label, text = (str(key), format_value(_reason(value))) if full else plain_row(str(key), value, diagnosis)
+        table.add_row(Text(label), Text(text))
     return table
 
 
@@ -143,7 +319,7 @@ def diagnosis_panel(diagnosis: Diagnosis, verbose: bool | str = True, more_at: s
     rows = panel_rows(diagnosis, full)
     parts: list[Any] = [Text(diagnosis.summary, style="bold")]
     if rows:
-        parts.append(_evidence_table(rows))
+        parts.append(_evidence_table(rows, full, diagnosis))
     parts.append(Text("Fix: " + diagnosis.advice))
     if diagnosis.remedy:
         parts.append(Text(f"Applied: {applied_text(diagnosis.remedy, diagnosis.evidence)}", style="green"))
@@ -172,9 +348,9 @@ def applied_text(remedy: str, evidence: Mapping[str, Any]) -> str:
         return str(remedy)
 
 
-def update_panel(before: Diagnosis, after: Diagnosis) -> Panel:
+def update_panel(before: Diagnosis, after: Diagnosis, full: bool = False) -> Panel:
     """A later fact about a diagnosis already printed (a remedy's outcome, the next rung, a withdrawal): one short
-    panel that refers to the first, with only what changed."""
+    panel that refers to the first, with only what changed (its rows in plain words, or with ``full`` by key)."""
     parts: list[Any] = []
     if after.remedy != before.remedy and after.remedy:
         parts.append(Text(f"Applied: {applied_text(after.remedy, after.evidence)}"
@@ -184,7 +360,7 @@ def update_panel(before: Diagnosis, after: Diagnosis) -> Panel:
     changed = [(k, v) for k, v in after.evidence.items()
                if k not in SUPERSEDED and before.evidence.get(k) != v and k not in unsaid]
     if changed:
-        parts.append(_evidence_table(changed))
+        parts.append(_evidence_table(changed, full, after))
     if after.advice != before.advice:
         parts.append(Text("Fix: " + after.advice))
     if judged(after):
@@ -400,7 +576,7 @@ class Reporters:
             more_at = str(self.dir.parent) if self.writable else None
             self.console.print(diagnosis_panel(diagnosis, self.verbose, more_at))
         else:
-            self.console.print(update_panel(before, diagnosis))
+            self.console.print(update_panel(before, diagnosis, full=self.verbose == "full"))
         self._printed[key] = diagnosis
 
     def record_remedy(self, step: int, name: str) -> None:

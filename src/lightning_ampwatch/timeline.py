@@ -364,12 +364,38 @@ def _parse_loss(value: Any) -> float | None:
     raise ValueError(f"loss {value!r} is not a number")
 
 
-def jsonl_rows(path: Path, row_noun: str, file_noun: str) -> Iterator[tuple[int, Any]]:
+#: The JSON parser's messages (``json.JSONDecodeError.msg``) in plain words
+_JSON_ERRORS = {
+    "Invalid control character at": "a control character (a raw newline, tab or other byte below 0x20) inside a "
+                                    "string",
+    "Expecting value": "a value was expected here",
+    "Unterminated string starting at": "a string is never closed",
+    "Expecting ',' delimiter": "a comma was expected here",
+    "Expecting ':' delimiter": "a colon was expected here",
+    "Expecting property name enclosed in double quotes": "a key in double quotes was expected here",
+    "Extra data": "more text follows the end of the JSON value",
+    "Invalid \\escape": "a backslash escape that JSON does not have",
+    "Invalid \\uXXXX escape": "a \\u escape without four hex digits",
+}
+
+
+def json_error(err: ValueError, lineno: int) -> str:
+    """Why a line is not JSON, in plain words: the line, the column, and what the parser found there."""
+    msg = getattr(err, "msg", None)
+    if not isinstance(msg, str):
+        return f"line {lineno} is not valid JSON ({err})"
+    column = getattr(err, "colno", None)
+    what = _JSON_ERRORS.get(msg, msg[:1].lower() + msg[1:])
+    return f"line {lineno} is not valid JSON: at column {column}, {what}"
+
+
+def jsonl_rows(path: Path, row_noun: str, file_noun: str,
+               cut: list[int] | None = None) -> Iterator[tuple[int, Any]]:
     """Stream a JSON-lines file as (line number, value), one line in memory at a time.
 
     A last line cut short (no newline and not JSON: a crash or a full disk mid-write) is left out with one
-    warning, so the run before it can still be read; any other bad line raises ``ValueError`` naming the
-    file and the line.
+    warning (and its number appended to ``cut``), so the run before it can still be read; any other bad line
+    raises ``ValueError`` naming the file, the line and the column.
     """
     try:
         with path.open(encoding="utf-8") as fh:
@@ -382,8 +408,10 @@ def jsonl_rows(path: Path, row_noun: str, file_noun: str) -> Iterator[tuple[int,
                     if not line.endswith("\n"):  # only the last line can lack its newline
                         warnings.warn(f"{path}:{lineno}: the last line is cut short (the run was interrupted while "
                                       "writing it?); it is left out", RuntimeWarning, stacklevel=2)
+                        if cut is not None:
+                            cut.append(lineno)
                         return
-                    raise ValueError(f"{path}:{lineno}: not {row_noun} ({err})") from err
+                    raise ValueError(f"{path}:{lineno}: not {row_noun} ({json_error(err, lineno)})") from err
                 yield lineno, value
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: not {file_noun} (not UTF-8 text: {err.reason})") from err

@@ -99,21 +99,29 @@ def parse_remediate(remediate: Any) -> frozenset[RemedyName]:
         return frozenset(RemedyName)
     if remediate is False or remediate is None:
         return frozenset()
-    valid = ", ".join(r.value for r in RemedyName)
+    valid = _valid_values()
     if isinstance(remediate, str):
-        remediate = [remediate]
+        try:
+            return frozenset([RemedyName(remediate)])
+        except ValueError:
+            raise ValueError(f"remediate={remediate!r} is not valid; {valid}") from None
     try:
         items = list(remediate)
     except TypeError:
-        raise ValueError(f"remediate={remediate!r} is not valid; use True, False, 'all', a remedy name or a list of them "
-                         f"({valid})") from None
+        raise ValueError(f"remediate={remediate!r} is not valid; {valid}") from None
     names = []
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"remediate holds {item!r} ({type(item).__name__}), not a remedy name; valid names "
-                             f"are {valid}")
+            raise ValueError(f"remediate holds {item!r} ({type(item).__name__}), not a remedy name; {valid}")
         try:
             names.append(RemedyName(item))
         except ValueError:
-            raise ValueError(f"remediate has unknown remedy {item!r}; valid names are {valid}") from None
+            raise ValueError(f"remediate has unknown remedy {item!r}; {valid}") from None
     return frozenset(names)
+
+
+def _valid_values() -> str:
+    """What ``remediate=`` takes, for its error messages: the remedy names and the three other values."""
+    names = ", ".join(r.value for r in RemedyName)
+    return (f"valid names are {names} (one, or a list of them); or use True (every remedy but reduce_lr), "
+            "False (none) or 'all' (every remedy, reduce_lr included)")
