@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat, distributed
-from lightning_ampwatch.lr_history import LrLog
-from lightning_ampwatch.machine import Observation
+from lightning_ampwatch.machine import LrLog, Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
     DeferredRead,
