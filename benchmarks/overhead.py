@@ -3,14 +3,10 @@
 Run it from the repository root, on a quiet machine (other load inflates every wall-clock number)::
 
     python benchmarks/overhead.py             # the toy and the mlp workloads (a few minutes on 2 CPU cores)
-    python benchmarks/overhead.py --quick     # a smoke run (well under a minute): the toy, few pairs, rarely a verdict
+    python benchmarks/overhead.py --quick     # a smoke run: the toy, few pairs, rarely a verdict
     python benchmarks/overhead.py --pairs 300 --strict  # more pairs; exit 1 if over budget, 2 if inconclusive
     python benchmarks/overhead.py --workloads mlp --verdict-seconds 1200 --verdicts on  # a verdict on the slow step
-    python benchmarks/overhead.py --workloads toy --verdict-seconds 210 --verdicts on null noop minimal  # + the floor
     python benchmarks/overhead.py --model mypkg.train:Net   # your own LightningModule (its own train_dataloader)
-    python benchmarks/overhead.py --anatomy   # also: Python calls, memory per kind of step (deterministic measures)
-    python benchmarks/overhead.py --profile   # also: each hook's time per kind of step, and cProfile
-    python benchmarks/overhead.py --snapshots # also: what one in-memory snapshot of a 1M..50M model costs
 
 Every run trains with real float16 autocast and a real default GradScaler on the CPU (``--device cuda`` on a
 GPU), from the same seed, one torch thread, with a logger that writes nothing (``DummyLogger``), so that every
@@ -19,37 +15,40 @@ on every step while nothing is wrong. The workloads (``--workloads``): ``toy``, 
 ``scenarios.Regressor`` (about 1 ms a step), and ``mlp``, 3 Linear layers of width 256, batch 64, AdamW (several
 ms a step); ``--model`` adds yours.
 
+The budget (decided in issue 29):
+
+- a step of ``RATIO_STEP_MS`` (5 ms) or more: watched/bare at most ``BUDGET`` (1.01), judged from on/off blocks of
+  one run, with the verdict "within the budget" only when the 95% interval lies below it on both clocks;
+- a shorter step (the toy's): absolute figures, an ordinary step's hooks at most 8 us, a log step's extra at most
+  400 us, the snapshot's share at ``"auto"`` at most 0.5% of a bare step; its ratio is printed for information.
+  The Python calls per step, which no load can change, are counted by ``benchmarks/step_counts.py`` (at most 25
+  on an ordinary step, held by ``tests/test_step_counts.py``).
+
 What it prints, from the least to the most robust on a busy machine:
 
 1. A table of separate runs of the toy, interleaved (round 1: A B C D, round 2: B C D A, ...), each run's
    per-step time over the bare run's in the same round, by wall clock and by the process's CPU time. Separate
    runs on a shared 2-core machine drift by tens of percent, so the table compares configurations; no verdict.
-2. Per workload, the verdicts: one run in which AmpWatch is switched on and off every 50 steps (Lightning's
+2. Per workload, the on/off blocks: one run in which AmpWatch is switched on and off every 50 steps (Lightning's
    logging interval, so each block holds one log step), in pairs ordered on/off, off/on, ...; once with its
    defaults (snapshots on) and once with ``snapshot_every=0`` (snapshots off). Each pair gives a ratio of
    neighbouring blocks, which drift barely touches. The median ratio comes with its quartiles and a 95%
-   confidence interval (order statistics, no assumption about the noise); the verdict is "within the budget"
-   only when the interval lies below the budget on both clocks, "over the budget" when it lies above it on
-   either, and otherwise "inconclusive on this machine (spread too wide)". A third run, the null run, has both
+   confidence interval (order statistics, no assumption about the noise). A third run, the null run, has both
    sides of every pair bare: how far this machine alone spreads the ratios. Each run takes about 15 s of blocks
    (``--verdict-seconds``; ``--pairs`` fixes the count instead); on a several-millisecond step that leaves the
    interval about three points wide, and a verdict against a 1% budget needs about ten minutes, which
-   ``--verdicts on`` spends on the defaults' run alone. ``--verdicts noop minimal`` adds two floor runs, callbacks
-   of the benchmark's own against bare in the same blocks (one hook doing nothing; that hook taking the loss and
-   keeping the latest batches): what any watch costs the step before AmpWatch's own work.
-3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, with log
-   steps and snapshot steps spread over their intervals; and the snapshot's per-step share: one snapshot's time
-   (a snapshot step's hooks over an ordinary step's, less the deferred clean steps' bookkeeping the snapshot
-   step takes in first, reported on its own line as the hooks' time) divided by the interval in force, as a
-   share of a bare step, with the part of it that goes to the batches held since the last snapshot (which grows
-   with the interval). Load from elsewhere inflates a median call far less than a whole step: the robust
-   numbers. With ``snapshot_every="auto"`` nothing is timed (neither these hooks nor the on/off blocks of 2.)
-   until the cadence has chosen its interval, so that its measure of the first snapshots sees a plain run.
+   ``--verdicts on`` spends on the defaults' run alone.
+3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, an ordinary
+   step's, a log step's extra, and the snapshot's per-step share (a snapshot step's hooks over an ordinary
+   step's, divided by the interval in force, as a share of a bare step). Load from elsewhere inflates a median
+   call far less than a whole step: the robust numbers. With ``snapshot_every="auto"`` nothing is timed until
+   the cadence has chosen its interval, so that its measure of the first snapshots sees a plain run.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor
    ``tolist``/``numpy``, counted with torch.profiler by ``tests/_reads.py``), per log step and per other step.
 
-The budget for ``AmpWatch()`` is a median ratio of at most 1.01. The last block of the output sums it all up
-in a few lines that can be quoted as they are. ``benchmarks/FINDINGS.md`` says where the time goes.
+The last block of the output sums it all up in a few lines that can be quoted as they are.
+``benchmarks/FINDINGS.md`` says where the time goes. What one snapshot costs per model size and strategy:
+``benchmarks/snapshot_cost.py``.
 
 To compare another set-up (say, AmpWatch with probes armed), add an entry to ``CONFIGURATIONS``: a name mapped
 to a function of the run's directory that returns a ``Setup`` (callbacks and extra ``Trainer`` arguments).
@@ -58,22 +57,18 @@ to a function of the run's directory that returns a ``Setup`` (callbacks and ext
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
 import gc
 import importlib
-import io
 import logging
 import math
 import os
-import pstats
 import statistics
 import sys
 import tempfile
 import time
-import tracemalloc
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -89,17 +84,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch
-from lightning_ampwatch.callback import IDLE_STEP_HOOKS, WANTED_STEP_HOOKS
 from lightning_ampwatch.cadence import MAX_INTERVAL
-from lightning_ampwatch.core import RunWatcher
 from lightning_ampwatch.guards import RecipeGuards
-from lightning_ampwatch.investigate import Investigator
-from lightning_ampwatch.machine import PrecisionMode
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from lightning_ampwatch.signals import StepTaken
 from lightning_ampwatch import steps as ampwatch_steps
-from lightning_ampwatch import trajectory
-from lightning_ampwatch.trajectory import SnapshotRing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the one host-read counter
 from _reads import added_reads, reads_per_step  # noqa: E402
@@ -108,7 +97,7 @@ BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
 DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go round it again
 SETTLE_STEPS = 700  # at most this many steps for the "auto" cadence to choose, before anything is timed
-BUDGET = 1.01  # AmpWatch() on a healthy run: at most 1% slower per step than the bare run
+BUDGET = 1.01  # AmpWatch() on a healthy step of RATIO_STEP_MS or more: at most 1% slower than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
 #: With no ``--pairs``: as many on/off pairs per verdict as take about this many seconds of blocks at the workload's
 #: step (the watched run's median step, as the hooks' timer saw it), at least ``MIN_PAIRS`` and at most ``MAX_PAIRS``.
@@ -118,19 +107,14 @@ PAIR_SECONDS = 15.0
 MIN_PAIRS, MAX_PAIRS = 30, 300
 #: The paired runs a verdict block can hold: ``on`` (AmpWatch's defaults against bare: the verdict, always made),
 #: ``off`` (snapshots off against bare) and ``null`` (both sides bare: the machine's own spread). ``--verdicts``
-#: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times;
-#: the floor runs (below) are made only when asked for.
-VERDICT_RUNS = ("on", "off", "null", "noop", "item", "keep", "minimal")
+#: picks among them, so that a long verdict on a slow step (``--verdict-seconds``) need not be paid three times.
+VERDICT_RUNS = ("on", "off", "null")
 DEFAULT_VERDICTS = ("on", "off", "null")
-#: The floor runs among them: callbacks of the benchmark's own, toggled like AmpWatch against bare, for what any
-#: watch costs the workload's step before AmpWatch's work: ``noop`` a callback with one hook that does nothing,
-#: ``minimal`` that hook taking the loss and keeping the latest ``FLOOR_HELD`` batches (the least a replay needs),
-#: and its two halves apart: ``item`` (the loss taken, nothing kept) and ``keep`` (the batches kept, no loss taken).
-FLOOR_RUNS = {"noop": "a one-hook callback that does nothing",
-              "item": "that hook taking the loss as a float, keeping nothing",
-              "keep": "that hook keeping the batches, the loss not taken",
-              "minimal": "that hook taking the loss and keeping the batches"}
-FLOOR_HELD = 100
+#: The step from which the ratio is judged (ms); a shorter step is judged by the absolute budgets below.
+RATIO_STEP_MS = 5.0
+ORDINARY_BUDGET_US = 8.0  # an ordinary step's hooks, their own time
+LOG_STEP_BUDGET_US = 400.0  # what a log step adds to them
+SNAPSHOT_SHARE_BUDGET = 0.005  # the snapshot's per-step share at "auto", of a bare step
 BASELINE = "bare"
 WATCHED = "AmpWatch()"
 
@@ -416,7 +400,7 @@ class BlockToggle(pl.Callback):
         self.watch, self.block, self.blocks = watch, block, blocks
         self.null = null  # the null run: the "on" blocks are switched off too (both sides of each pair bare)
         # how the watch is switched, and whether its cadences have chosen: AmpWatch's (switch_watch,
-        # cadence_settled), or a floor run's plain callback (switch_callback, settled at once)
+        # cadence_settled, unless told otherwise)
         self._switch = switch if switch is not None else switch_watch
         self._settled = settled if settled is not None else cadence_settled
         self.steps = 0
@@ -485,6 +469,7 @@ class PairedRatios:
     wall: list[float]
     cpu: list[float]
     bare_step_s: float = float("nan")  # the median off block's time per step (wall clock)
+    bare_cpu_step_s: float = float("nan")  # the same by the process's CPU time, which load from elsewhere barely moves
     #: garbage collections per 1000 steps and their time per step (seconds), in the on blocks and in the off blocks
     gc_per_1000: tuple[float, float] = (float("nan"), float("nan"))
     gc_s_per_step: tuple[float, float] = (float("nan"), float("nan"))
@@ -542,56 +527,15 @@ def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:
     return int(ring.every), [(s.step, s.nbytes) for s in ring.snapshots]
 
 
-class FloorWatch(pl.Callback):
-    """A floor run's watch: ``on_train_batch_end`` only (the per-step hooks AmpWatch can leave idle set to None on
-    the instance, as it does on a healthy step), doing nothing, or (``keep``) taking the loss as a float and keeping
-    the latest ``FLOOR_HELD`` batches with it, as a replay from a snapshot needs them."""
-
-    IDLE = IDLE_STEP_HOOKS + WANTED_STEP_HOOKS
-
-    def __init__(self, keep: bool, take: bool | None = None) -> None:
-        for name in self.IDLE:
-            setattr(self, name, None)
-        self.keep = keep
-        self.take = keep if take is None else take  # the loss taken as a float (``item``), with or without the batch
-        self.held: deque[tuple[float | None, Any]] = deque(maxlen=FLOOR_HELD)
-        self.taken = 0.0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        loss = outputs["loss"].item() if self.take else None
-        if self.keep:
-            self.held.append((loss, batch))
-        elif loss is not None:
-            self.taken = loss
-
-
-def switch_callback(watch: pl.Callback, trainer: pl.Trainer, pl_module: pl.LightningModule, on: bool) -> None:
-    """A floor run's switch: the plain callback in or out of the trainer's callbacks (it has no hooks of its own
-    to remove and no cadence to wait for)."""
-    callbacks = trainer.callbacks
-    if on and watch not in callbacks:
-        callbacks.append(watch)
-    elif not on and watch in callbacks:
-        callbacks.remove(watch)
-
-
 def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workload: Workload = TOY,
                   make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False),
-                  null: bool = False, floor: str | None = None) -> PairedRatios:
+                  null: bool = False) -> PairedRatios:
     """AmpWatch on against off in alternating blocks of one healthy run; also the bare blocks' time per step.
     ``null``: the same run with AmpWatch off in every block after the settling (a bare/bare run: how far the pair
-    ratios of this machine spread when nothing differs between the two sides). ``floor``: a floor run instead
-    (:data:`FLOOR_RUNS`): a :class:`FloorWatch` on against off."""
+    ratios of this machine spread when nothing differs between the two sides)."""
     warm_blocks = 2
-    watch: Any
-    if floor is not None:
-        watch = FloorWatch(keep=floor in ("minimal", "keep"), take=floor in ("minimal", "item"))
-        toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, switch=switch_callback,
-                             settled=lambda _: True)
-    else:
-        watch = make_watch()
-        toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)
+    watch = make_watch()
+    toggle = BlockToggle(watch, block, 2 * pairs + warm_blocks, null=null)
     # the cadence's choice first (about 80 steps of a healthy run), then the blocks; the toggle stops the run
     total = (2 * pairs + warm_blocks) * block + 1 + SETTLE_STEPS
     pl.seed_everything(seed, verbose=False)
@@ -605,12 +549,16 @@ def paired_blocks(pairs: int, seed: int, block: int = LOG_EVERY_N_STEPS, workloa
             gc.callbacks.remove(toggle.on_gc)
     off = [(end[0] - start[0]) / block for start, end, on in zip(toggle.starts, toggle.ends, toggle.on)
            if not on][warm_blocks // 2:]
+    off_cpu = [(end[1] - start[1]) / block for start, end, on in zip(toggle.starts, toggle.ends, toggle.on)
+               if not on][warm_blocks // 2:]
     timed = {side: block * sum(on == side for on in toggle.on[: len(toggle.ends)]) for side in (True, False)}
     per_1000 = tuple(1000 * toggle.gc_runs[side] / timed[side] if timed[side] else float("nan")
                      for side in (True, False))
     per_step = tuple(toggle.gc_s[side] / timed[side] if timed[side] else float("nan") for side in (True, False))
     return PairedRatios(toggle.pair_ratios(warm_blocks, 0), toggle.pair_ratios(warm_blocks, 1),
-                        statistics.median(off) if off else float("nan"), per_1000, per_step)  # type: ignore[arg-type]
+                        statistics.median(off) if off else float("nan"),
+                        statistics.median(off_cpu) if off_cpu else float("nan"),
+                        per_1000, per_step)  # type: ignore[arg-type]
 
 
 def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
@@ -647,32 +595,6 @@ def describe_ratios(values: Sequence[float]) -> str:
     interval = f"{CONFIDENCE:.0%} CI {ci[0]:.3f}..{ci[1]:.3f}" if ci else f"no {CONFIDENCE:.0%} CI"
     quartiles = statistics.quantiles(values, n=4) if len(values) >= 2 else [median, median, median]
     return f"median {median:.3f}, {interval}, quartiles {quartiles[0]:.3f}..{quartiles[-1]:.3f}"
-
-
-def armed_cost(seed: int, repeats: int = 5) -> tuple[float, float]:
-    """What one armed episode costs: the probes' replay under autocast plus the FP32 control on one batch (ms),
-    against one training step (ms). It runs at most once per episode, never on a healthy step."""
-    from lightning_ampwatch.probes import MicroBatch
-
-    watch = AmpWatch(verbose=False)
-    clock = StepClock()
-    pl.seed_everything(seed, verbose=False)
-    data = healthy_data(seed)
-    with tempfile.TemporaryDirectory(prefix="ampwatch-armed-") as root:
-        trainer = healthy_trainer(root, 60, [clock, watch])
-        trainer.fit(Regressor(), data)
-        module = trainer.lightning_module
-        investigator = Investigator(module, trainer.precision_plugin.forward_context, module.device,
-                                    PrecisionMode.FP16, localize=True, control=True, automatic=True)
-        batch = next(iter(data))
-        timings = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            investigator.collect([MicroBatch(batch, 0)], scale=2.0**16, fault_ranks=[0],
-                                 weights_stepped=False, loss_level=None, agree=False)
-            timings.append(time.perf_counter() - start)
-    step = per_step_time(clock.stamps[10:], 25)
-    return statistics.median(timings) * 1e3, step * 1e3
 
 
 # ---------------------------------------------------------------- host reads per step
@@ -733,7 +655,7 @@ def describe_reads(reads: HostReads) -> str:
 
 # ---------------------------------------------------------------- where AmpWatch's time goes
 
-# Lightning's hooks that run on every training step; those AmpWatch overrides are the ones profiled.
+# Lightning's hooks that run on every training step; those AmpWatch overrides are the ones timed.
 PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
                   "on_before_zero_grad", "on_train_batch_end")
 
@@ -743,19 +665,16 @@ PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backwa
 STEP_KINDS = ("ordinary", "log", "metrics", "snapshot")
 
 
-def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | None = None,
-               workload: Workload = TOY, make_watch: Callable[[], AmpWatch] | None = None,
-               anatomy: bool = False, settled: bool = False, min_snapshots: int = 0) -> "_HookTimer":
+def hook_times(steps: int, warmup: int, seed: int, workload: Workload = TOY,
+               make_watch: Callable[[], AmpWatch] | None = None, settled: bool = False,
+               min_snapshots: int = 0) -> "_HookTimer":
     """AmpWatch's per-step hooks (and the optimizer step hooks it registers) timed inside one watched run.
-    ``anatomy``: also cProfile per kind of step (calls, not times) and tracemalloc around every hook call.
     ``settled``: the window starts only once the snapshot interval is settled (:func:`cadence_settled`), so that
     its snapshot steps are the ones of the rest of a run (the ``"auto"`` cadence's first snapshots are timed step
-    by step, and no clean step is deferred meanwhile). ``min_snapshots``: the window goes on past ``steps`` until
-    it holds that many snapshot steps (at most ``min_snapshots`` times the longest interval the cadence picks)."""
-    timer = _HookTimer(warmup, steps, profiler, anatomy, settled, min_snapshots)
+    by step). ``min_snapshots``: the window goes on past ``steps`` until it holds that many snapshot steps (at most
+    ``min_snapshots`` times the longest interval the cadence picks)."""
+    timer = _HookTimer(warmup, steps, settled, min_snapshots)
     watch = (make_watch or (lambda: AmpWatch(verbose=False)))()
-    if anatomy:
-        tracemalloc.start()
     try:
         with tempfile.TemporaryDirectory(prefix="ampwatch-hooks-") as root:
             if not settled and not min_snapshots:
@@ -771,54 +690,7 @@ def hook_times(steps: int, warmup: int, seed: int, profiler: cProfile.Profile | 
                 workload.fit(trainer, seed)
     finally:
         timer.restore()
-        if anatomy:
-            tracemalloc.stop()
     return timer
-
-
-def print_hook_table(timer: "_HookTimer", steps: int, warmup: int) -> None:
-    print(f"\nAmpWatch's hooks, wall clock without a profiler, {steps} steps after {warmup} warm-up "
-          f"(median us per call):")
-    print(f"  {'hook':<30} {'ordinary step':>14} {'log step':>10} {'snapshot step':>14}")
-    for hook, times in timer.medians().items():
-        print(f"  {hook:<30} {times['ordinary'] * 1e6:14.1f} {times['log'] * 1e6:10.1f} "
-              f"{times['snapshot'] * 1e6:14.1f}")
-
-
-def print_cprofile(steps: int, warmup: int, seed: int, top: int = 30) -> None:
-    """The same hooks under cProfile (which inflates everything): where their time goes."""
-    profiler = cProfile.Profile()
-    hook_times(steps, warmup, seed, profiler)
-    out = io.StringIO()
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_callees("on_train_batch_end|on_before_optimizer_step|_resolve")
-    print(f"\ncProfile of the same hooks (inflated by the profiler):\n{out.getvalue()}")
-
-
-def print_anatomy(timer: "_HookTimer", workload: Workload, top: int = 12) -> None:
-    """Deterministic measures of the hooks, per kind of step: Python calls (cProfile's count, which load from
-    elsewhere cannot change), the calls made most, and memory from tracemalloc (bytes allocated and still held
-    at the end of the call, and the transient peak above the start)."""
-    print(f"\nAnatomy of AmpWatch's hooks on {workload.name} ({workload.describe}), per kind of step:")
-    for kind in STEP_KINDS:
-        n = timer.step_count(kind)
-        prof = timer.profilers.get(kind)
-        if not n or prof is None:
-            print(f"  {kind:<9} no such step in the window")
-            continue
-        stats = pstats.Stats(prof)
-        own = {key: row for key, row in stats.stats.items()  # type: ignore[attr-defined]
-               if "_lsprof.Profiler" not in key[2]}  # the profiler's own disable() is no call of AmpWatch's
-        calls = sum(row[1] for row in own.values())
-        retained, peak = timer.memory.get(kind, ([0], [0]))
-        print(f"  {kind:<9} {n:4d} steps: {calls / n:7.1f} Python calls per step; tracemalloc: "
-              f"{sum(retained) / n:+.0f} bytes held per step after the hooks, transient peak "
-              f"{statistics.median(peak):.0f} bytes per hook call (median)")
-        rows = sorted(own.items(), key=lambda kv: -kv[1][1])[:top]
-        for (filename, line, func), (_, ncalls, tottime, _, _) in rows:
-            where = f"{Path(filename).name}:{line}({func})" if line else func
-            print(f"      {ncalls / n:7.2f} calls per step  {where}")
 
 
 def empty_call_s(calls: int = 5000) -> float:
@@ -851,43 +723,29 @@ class _StopWhen(pl.Callback):
 
 
 class _HookTimer:
-    """Wraps AmpWatch's per-step hooks on one instance: wall time per call, and cProfile switched on inside.
+    """Wraps AmpWatch's per-step hooks on one instance, and the optimizer step hooks it registers: wall time per call.
 
     Only the measured window counts (warm-up steps are left out; with ``settled``, also the steps before the
     snapshot interval is settled). Medians per call, for ordinary steps, log steps and snapshot steps apart, are
-    robust to load from elsewhere on the machine. The watcher's hand-over of deferred clean steps
-    (``RunWatcher._flush_clean``: the steps' bookkeeping, taken in at the next log step or snapshot step) is timed
-    on its own inside the hooks, so that a snapshot step's extra time can be told apart from it.
+    robust to load from elsewhere on the machine. A snapshot step's extra time is the snapshot's as the hooks pay
+    it: the copy, and the bookkeeping of the clean steps taken in there.
     """
 
-    def __init__(self, warmup: int, steps: int, profiler: cProfile.Profile | None, anatomy: bool = False,
-                 settled: bool = False, min_snapshots: int = 0) -> None:
-        self.warmup, self.steps, self.profiler = warmup, steps, profiler
-        self.anatomy = anatomy
+    def __init__(self, warmup: int, steps: int, settled: bool = False, min_snapshots: int = 0) -> None:
+        self.warmup, self.steps = warmup, steps
         self.settled, self.min_snapshots = settled, min_snapshots
         self.start: int | None = None if settled else warmup  # the window's first batch
         self.end: int | None = None if settled or min_snapshots else warmup + steps  # one past its last
         self.calls: dict[str, list[tuple[int, float]]] = {}  # hook -> (batch index, seconds) per call
-        self.handover: dict[tuple[int, str], float] = {}  # (batch, hook) -> seconds in _flush_clean inside it
-        #: (batch, part) -> seconds a snapshot spent on the held batches: "count" (their bytes, for the memory
-        #: budget), "release" (the oldest snapshot and the batches only it could replay let go)
-        self.held: dict[tuple[int, str], float] = {}
-        #: batch -> seconds the ring spent taking the bytes of batches as they were added (a run's at its hand-over,
-        #: a step's own when it is not deferred), outside a snapshot's count: the hooks' own time
-        self.added: dict[int, float] = {}
-        self._in_snapshot = self._in_held = self._in_added = False
-        self._hook: str | None = None  # the hook being timed (the hand-over is charged to it)
         self.clock: StepClock | None = None
         self.watch: AmpWatch | None = None
         self.snapshot_batches: set[int] = set()  # batches whose on_train_batch_end took a snapshot
         self.every = 0  # the snapshot interval in force at the end of the run (0: off)
         self.snapshots: list[tuple[int, int]] = []  # (step, bytes) of the snapshots held at the end
-        self.profilers: dict[str, cProfile.Profile] = {k: cProfile.Profile() for k in STEP_KINDS} if anatomy else {}
-        self.memory: dict[str, tuple[list[int], list[int]]] = {k: ([], []) for k in STEP_KINDS}
         self._newest = -1
         self._judge: int | None = None  # the log cadence's interval when the window started
-        self._expected: dict[int, str] = {}  # batch -> the kind of step it was profiled as
         self.empty_s = 0.0  # what timing an empty hook measures (the call and the clock): taken off every median
+        self._saved: list[tuple[Any, str, Any]] = []
 
     def _batch(self) -> int:
         assert self.clock is not None
@@ -923,9 +781,6 @@ class _HookTimer:
     def kind(self, batch: int) -> str:
         if batch in self.snapshot_batches:
             return "snapshot"
-        return self._log_kind(batch)
-
-    def _log_kind(self, batch: int) -> str:
         if (batch + 1) % LOG_EVERY_N_STEPS:
             return "ordinary"
         return "metrics" if (batch + 1) % self.judge_every() else "log"
@@ -936,14 +791,6 @@ class _HookTimer:
         if self._judge is None and self.start is not None and self.watch is not None:
             self._judge = judge_interval(self.watch)
         return self._judge or LOG_EVERY_N_STEPS
-
-    def _expected_kind(self, batch: int) -> str:
-        """The kind of step a batch will be, before its hooks run: a snapshot is due when the step (the batch
-        index, no accumulation here) is a multiple of the interval in force."""
-        every = watch_snapshots(self.watch)[0] if self.watch is not None else 0
-        if every and batch % every == 0:
-            return "snapshot"
-        return self._log_kind(batch)
 
     def _took_snapshot(self, batch: int) -> None:
         if self.watch is None:
@@ -965,104 +812,19 @@ class _HookTimer:
                 finally:
                     if name == "on_train_batch_end":
                         self._took_snapshot(-1)
-            kind = self._expected.setdefault(batch, self._expected_kind(batch))  # the anatomy's; timings: what happened
-            prof = self.profiler or self.profilers.get(kind)
-            if self.anatomy:
-                tracemalloc.reset_peak()
-                before = tracemalloc.get_traced_memory()[0]
-            self._hook = name
             t0 = time.perf_counter()
-            if prof is not None:
-                prof.enable()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if prof is not None:
-                    prof.disable()
                 elapsed = time.perf_counter() - t0
-                self._hook = None
                 if name == "on_train_batch_end":
                     self._took_snapshot(batch)
                 self.calls.setdefault(name, []).append((batch, elapsed))
-                if self.anatomy:
-                    now, peak = tracemalloc.get_traced_memory()
-                    retained, peaks = self.memory[kind]
-                    retained.append(now - before)
-                    peaks.append(peak - before)
         return timed
-
-    def _wrap_handover(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(watcher: Any) -> Any:
-            hook = self._hook
-            if hook is None or not watcher.ledger or not watcher.ledger.deferred:
-                return fn(watcher)  # outside the timed hooks, or nothing to hand over
-            t0 = time.perf_counter()
-            try:
-                return fn(watcher)
-            finally:
-                key = (self._batch(), hook)
-                self.handover[key] = self.handover.get(key, 0.0) + time.perf_counter() - t0
-        return timed
-
-    def _wrap_snapshot(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(ring: Any, *args: Any, **kwargs: Any) -> Any:
-            self._in_snapshot = True
-            try:
-                return fn(ring, *args, **kwargs)
-            finally:
-                self._in_snapshot = False
-        return timed
-
-    def _wrap_held(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
-        def timed(ring: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._in_snapshot or self._hook is None or self._in_held:
-                return fn(ring, *args, **kwargs)  # outside a timed snapshot, or inside one of these (no double count)
-            self._in_held = True
-            t0 = time.perf_counter()
-            try:
-                return fn(ring, *args, **kwargs)
-            finally:
-                self._in_held = False
-                key = (self._batch(), part)
-                self.held[key] = self.held.get(key, 0.0) + time.perf_counter() - t0
-        return timed
-
-    def _wrap_added(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._hook is None or self._in_held or self._in_added:
-                return fn(*args, **kwargs)  # outside the timed hooks, inside a snapshot's count, or nested
-            self._in_added = True
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._in_added = False
-                batch = self._batch()
-                self.added[batch] = self.added.get(batch, 0.0) + time.perf_counter() - t0
-        return timed
-
-    def added_count_s(self) -> float | None:
-        """What counting the held batches' bytes as they were added cost per snapshot interval: the window's total
-        over its steps, times the interval in force (these counts run at the hand-overs, the log steps' among
-        them: the hooks' own time, not the snapshot step's). None: no interval or no timed step."""
-        every = self.snapshot_interval()
-        steps = {b for calls in self.calls.values() for b, _ in calls}
-        if not every or not steps:
-            return None
-        return sum(self.added.values()) / len(steps) * every
-
-    def snapshot_held_s(self, part: str) -> float | None:
-        """Of a snapshot step's own time, what goes to the batches held since the last snapshot, median over the
-        window's snapshot steps: ``"count"``, counting their bytes for the memory budget; ``"release"``, letting the
-        oldest snapshot and the batches only it could replay go (freeing batches a bare run frees step by step).
-        Both grow with the interval: per held step, not per snapshot. None: no snapshot taken."""
-        own = [self.held.get((b, part), 0.0) for b, _ in self.calls.get("on_train_batch_end", [])
-               if self.kind(b) == "snapshot"]
-        return statistics.median(own) if own else None
 
     def step_count(self, kind: str) -> int:
-        """Steps of ``kind`` in the window: as they were profiled (the anatomy), by the kind expected."""
-        return sum(1 for k in self._expected.values() if k == kind)
+        """Steps of ``kind`` in the window."""
+        return len({b for calls in self.calls.values() for b, _ in calls if self.kind(b) == kind})
 
     def medians(self) -> dict[str, dict[str, float]]:
         """Per hook: the median call on each kind of step (an ordinary step's where a kind has no call), less what
@@ -1104,26 +866,15 @@ class _HookTimer:
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         return int(statistics.median(gaps)) if gaps else 0
 
-    def _handover_in(self, batch: int, hook: str = "on_train_batch_end") -> float:
-        return self.handover.get((batch, hook), 0.0)
-
     def snapshot_copy_s(self) -> float | None:
-        """One snapshot as the ring takes it (copy and bookkeeping): a snapshot step's ``on_train_batch_end``, less
-        the deferred clean steps it takes in first (:meth:`snapshot_handover_s`), over an ordinary step's; median.
-        None when no snapshot was taken in the window."""
+        """One snapshot as the hooks pay it (the copy, the ring's bookkeeping, the clean steps taken in there): a
+        snapshot step's ``on_train_batch_end`` over an ordinary step's; median. None when no snapshot was taken in
+        the window."""
         t = self.medians().get("on_train_batch_end")
-        own = [s - self._handover_in(b) for b, s in self.calls.get("on_train_batch_end", [])
-               if self.kind(b) == "snapshot"]
+        own = [s for b, s in self.calls.get("on_train_batch_end", []) if self.kind(b) == "snapshot"]
         if t is None or not own:
             return None
         return max(statistics.median(own) - self.empty_s - t["ordinary"], 0.0)
-
-    def snapshot_handover_s(self) -> float | None:
-        """The deferred clean steps' bookkeeping a snapshot step takes in before its snapshot (the steps since the
-        last hand-over, at most the interval), median over the window's snapshot steps: the hooks' own work, handed
-        over there, not the snapshot's. None when no snapshot was taken in the window."""
-        own = [self._handover_in(b) for b, _ in self.calls.get("on_train_batch_end", []) if self.kind(b) == "snapshot"]
-        return statistics.median(own) if own else None
 
     def instrument(self, setup: Setup, clock: StepClock) -> None:
         self.clock = clock
@@ -1134,99 +885,18 @@ class _HookTimer:
                 for hook in PER_STEP_HOOKS:
                     if getattr(type(cb), hook) is not getattr(pl.Callback, hook):
                         setattr(cb, hook, self._wrap(hook, getattr(cb, hook)))
-        # internal: the optimizer step pre/post hooks and the recipe guard's step pre-hook, made at fit start, so
-        # timed at their class (this process runs one benchmark at a time); put back by ``restore``
+        # the optimizer step pre/post hooks and the recipe guard's step pre-hook, made at fit start, so timed at their
+        # class (this process runs one benchmark at a time); put back by ``restore``
         self._saved = [(StepTaken, n, StepTaken.__dict__[n]) for n in ("_pre", "_post")]
         self._saved.append((RecipeGuards, "_before_optimizer_step", RecipeGuards.__dict__["_before_optimizer_step"]))
         for owner, name, fn in self._saved:
             label = f"optimizer step {name}" if owner is StepTaken else "recipe guard step pre-hook"
             setattr(owner, name, self._wrap(label, fn))
-        if self.anatomy or self.profiler is not None:
-            return  # the parts below are timed by wrappers that cProfile would count as AmpWatch's calls
-        self._saved.append((RunWatcher, "_flush_clean", RunWatcher.__dict__["_flush_clean"]))
-        RunWatcher._flush_clean = self._wrap_handover(RunWatcher.__dict__["_flush_clean"])  # type: ignore[method-assign]
-        self._saved.append((SnapshotRing, "after_step", SnapshotRing.__dict__["after_step"]))
-        SnapshotRing.after_step = self._wrap_snapshot(SnapshotRing.__dict__["after_step"])  # type: ignore[method-assign]
-        for name, part in (("_count_batches", "count"), ("_drop_oldest", "release"), ("_prune", "release")):
-            self._saved.append((SnapshotRing, name, SnapshotRing.__dict__[name]))
-            setattr(SnapshotRing, name, self._wrap_held(SnapshotRing.__dict__[name], part))
-        for name in ("_column_nbytes", "_nbytes"):  # the batches' bytes, taken as they are added to the ring
-            self._saved.append((trajectory, name, getattr(trajectory, name)))
-            setattr(trajectory, name, self._wrap_added(getattr(trajectory, name)))
 
     def restore(self) -> None:
-        for owner, name, fn in getattr(self, "_saved", []):
+        for owner, name, fn in self._saved:
             setattr(owner, name, fn)
         self._saved = []
-
-
-# ---------------------------------------------------------------- what one in-memory snapshot costs
-
-SNAPSHOT_SIZES = (1_000_000, 10_000_000, 50_000_000)  # parameters, each trained with AdamW
-SNAPSHOT_EVERY = (50, 100)
-SNAPSHOT_WIDTH = 1000  # the models are stacks of 1000x1000 linear layers (about 1M parameters each)
-
-
-@dataclass
-class SnapshotCost:
-    """One model's snapshot: its size and the time of one host copy, against a training step of that model."""
-
-    params: int
-    bytes: int
-    copy_ms: float
-    step_ms: float
-
-
-def snapshot_cost(params: int, repeats: int = 5) -> SnapshotCost:
-    """Bytes and time of one snapshot the way a ring of them would take it: ``copy_`` of every parameter, buffer
-    and optimizer state tensor into host buffers allocated once, plus the scaler's state and the RNG state.
-
-    The model is trained five float32 AdamW steps first (batch 32), so the optimizer state is real; the
-    median of the last four is the step it is set beside. On an accelerator the buffers would be pinned host memory and
-    the copy would cross the bus: this measures the CPU's memory bandwidth, one thread."""
-    torch.manual_seed(0)
-    layers = max(1, round(params / (SNAPSHOT_WIDTH * (SNAPSHOT_WIDTH + 1))))
-    model = nn.Sequential(nn.BatchNorm1d(SNAPSHOT_WIDTH),  # buffers too, as a real model has
-                          *[nn.Linear(SNAPSHOT_WIDTH, SNAPSHOT_WIDTH) for _ in range(layers)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu")
-    x = torch.randn(BATCH_SIZE, SNAPSHOT_WIDTH)
-    step_times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        step_times.append(time.perf_counter() - start)
-    sources = [*model.parameters(), *model.buffers(),
-               *[t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]]
-    buffers = [torch.empty_like(t, device="cpu") for t in sources]
-    copies = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for dst, src in zip(buffers, sources):
-            dst.copy_(src)
-        rng, scaler_state = torch.get_rng_state(), scaler.state_dict()
-        copies.append(time.perf_counter() - start)
-    size = sum(t.numel() * t.element_size() for t in buffers) + rng.numel() * rng.element_size()
-    size += 8 * len(scaler_state)  # a handful of Python numbers
-    return SnapshotCost(sum(p.numel() for p in model.parameters()), size, statistics.median(copies) * 1e3,
-                        statistics.median(step_times[1:]) * 1e3)
-
-
-def print_snapshots(costs: Sequence[SnapshotCost], console: Console) -> None:
-    table = Table(title="One snapshot: params, buffers, AdamW state, scaler, RNG")
-    table.add_column("params", justify="right")
-    table.add_column("MB", justify="right")
-    table.add_column("copy ms", justify="right")
-    table.add_column("step ms", justify="right")  # one float32 AdamW training step of that model, batch 32
-    for every in SNAPSHOT_EVERY:
-        table.add_column(f"every {every}: ms/step", justify="right")
-    for c in costs:
-        table.add_row(f"{c.params / 1e6:.1f}M", f"{c.bytes / 1e6:.0f}", f"{c.copy_ms:.1f}", f"{c.step_ms:.1f}",
-                      *[f"{c.copy_ms / every:.2f} ({c.copy_ms / every / c.step_ms:.1%})" for every in SNAPSHOT_EVERY])
-    console.print(table)
 
 
 # ---------------------------------------------------------------- the summary
@@ -1244,29 +914,20 @@ class WorkloadCost:
     log_step_extra_us: float  # what a log step that does its work adds to the hooks, once per judge_every steps
     log_every: int
     snapshot_every: int  # the interval in force (0: snapshots off or never taken)
-    snapshot_copy_ms: float | None  # one snapshot as the ring takes it (copy and bookkeeping); None: none taken
+    snapshot_copy_ms: float | None  # one snapshot as the hooks pay it; None: none taken
     snapshot_bytes: int | None
     snapshots_on: PairedRatios  # AmpWatch() with its defaults against off, in one run
     snapshots_off: PairedRatios | None  # AmpWatch(snapshot_every=0) against off, in another; None: not run
     saw_log_step: bool
-    #: the deferred clean steps' bookkeeping a snapshot step takes in before its snapshot (the hooks' own time,
-    #: in ``hooks_us``; not in ``snapshot_copy_ms``); None: no snapshot taken
-    handover_ms: float | None = None
-    #: of ``snapshot_copy_ms``, the held batches' parts, which grow with the interval: their bytes counted, and the
-    #: oldest snapshot with its batches let go; None: no snapshot taken
-    count_ms: float | None = None
-    release_ms: float | None = None
     #: the steps between two log steps that do the work (the log cadence's interval; ``log_every`` when unchanged),
     #: and what one of the other log steps (the metrics only) adds to the hooks
     judge_every: int = LOG_EVERY_N_STEPS
     metrics_step_extra_us: float = 0.0
     #: the null run (both sides of every pair bare): the machine's own spread of the pair ratios; None: not run
     null: PairedRatios | None = None
-    #: the held batches' bytes taken as they were added, per snapshot interval (at the hand-overs: the hooks' own
-    #: time, in ``hooks_us``, not in ``snapshot_copy_ms``); None: not measured
-    added_count_ms: float | None = None
-    #: the floor runs made (``--verdicts noop minimal``), by name: what any watch costs this step
-    floors: dict[str, PairedRatios] = field(default_factory=dict)
+    #: the bare step by the process's CPU time (ms): what tells a short step from a long one (the wall clock of a
+    #: loaded machine made the toy's 1 ms step 6 ms); NaN: not measured, the wall clock's is used
+    bare_cpu_step_ms: float = float("nan")
 
     @property
     def snapshot_us_per_step(self) -> float | None:
@@ -1285,15 +946,46 @@ class WorkloadCost:
     def hooks_share(self) -> float:
         return self.hooks_us / (self.bare_step_ms * 1e3)
 
-    def verdict(self, snapshots: bool = True) -> str:
+    @property
+    def judged_by_ratio(self) -> bool:
+        """A step of ``RATIO_STEP_MS`` or more (by CPU time, which load from elsewhere barely moves) is judged by its
+        watched/bare ratio; a shorter one by the absolute budgets (its ratio is printed for information)."""
+        step_ms = self.bare_cpu_step_ms if math.isfinite(self.bare_cpu_step_ms) else self.bare_step_ms
+        return step_ms >= RATIO_STEP_MS
+
+    def over_absolute(self) -> list[str]:
+        """The absolute budgets this workload's figures exceed, in words (empty: within them all)."""
+        over = []
+        if self.ordinary_us > ORDINARY_BUDGET_US:
+            over.append(f"an ordinary step's hooks take {self.ordinary_us:.1f} us (budget {ORDINARY_BUDGET_US:g})")
+        if self.log_step_extra_us > LOG_STEP_BUDGET_US:
+            over.append(f"a log step adds {self.log_step_extra_us:.0f} us (budget {LOG_STEP_BUDGET_US:g})")
+        share = self.snapshot_share
+        if share is not None and share > SNAPSHOT_SHARE_BUDGET:
+            over.append(f"the snapshot's share is {share:.2%} (budget {SNAPSHOT_SHARE_BUDGET:.1%})")
+        return over
+
+    def ratio_verdict(self, snapshots: bool = True) -> str:
+        """What the on/off blocks support about the ratio budget (snapshots on, or off)."""
         paired = self.snapshots_on if snapshots else self.snapshots_off
         if paired is None:
             return "not measured (--verdicts)"
         return verdict([median_interval(paired.wall), median_interval(paired.cpu)])
 
+    def verdict(self, snapshots: bool = True) -> str:
+        """The workload's verdict: by ratio on a step of ``RATIO_STEP_MS`` or more, else by the absolute budgets
+        (``snapshots=False``: the run with snapshots off, judged the same way without the snapshot's share)."""
+        if self.judged_by_ratio:
+            return self.ratio_verdict(snapshots)
+        if not snapshots and self.snapshots_off is None:
+            return "not measured (--verdicts)"
+        over = [o for o in self.over_absolute() if snapshots or "snapshot" not in o]
+        return "over the budget: " + "; ".join(over) if over else "within the budget"
+
     def lines(self) -> list[str]:
         """The workload's block of the summary: plain lines that can be quoted as they are."""
-        lines = [f"{self.workload}: {self.describe}; bare step {self.bare_step_ms:.2f} ms",
+        cpu = f" ({self.bare_cpu_step_ms:.2f} ms of CPU time)" if math.isfinite(self.bare_cpu_step_ms) else ""
+        lines = [f"{self.workload}: {self.describe}; bare step {self.bare_step_ms:.2f} ms{cpu}",
                  f"  hooks' own time   {self.hooks_us:.1f} us per step = {self.hooks_share:.2%} of a bare step "
                  f"(an ordinary step {self.ordinary_us:.1f} us; a log step adds {self.log_step_extra_us:.0f} us, "
                  f"once in {self.judge_every}" + ("" if self.saw_log_step else ", none in the window")
@@ -1310,27 +1002,25 @@ class WorkloadCost:
             lines.append(f"  snapshot          one copy {self.snapshot_copy_ms:.3f} ms{size}, every "
                          f"{self.snapshot_every} steps: {self.snapshot_us_per_step:.1f} us per step = {share:.2%} "
                          "of a bare step (the snapshot's per-step share)")
-            if self.count_ms is not None and self.release_ms is not None:
-                added = "" if self.added_count_ms is None else (
-                    f" (and {self.added_count_ms:.3f} ms per interval as they came in, at the hand-overs: the hooks' "
-                    "own time)")
-                lines.append(f"    of which        the batches of the {self.snapshot_every} steps held since the last "
-                             f"snapshot: their bytes counted {self.count_ms:.3f} ms{added}, the oldest snapshot and "
-                             f"its batches let go {self.release_ms:.3f} ms (per held step: a longer interval does not "
-                             "thin them out; a bare run frees its batches step by step)")
-            if self.handover_ms is not None:
-                lines.append(f"  hand-over         a snapshot step first takes in the clean steps deferred since the "
-                             f"last log step or snapshot: {self.handover_ms:.3f} ms, the hooks' own time (in the "
-                             "hooks' line above), not the snapshot's")
+        if not self.judged_by_ratio:
+            lines.append(f"  budgets           a step under {RATIO_STEP_MS:g} ms is judged by absolute figures: an "
+                         f"ordinary step's hooks at most {ORDINARY_BUDGET_US:g} us, a log step's extra at most "
+                         f"{LOG_STEP_BUDGET_US:g} us, the snapshot's share at most {SNAPSHOT_SHARE_BUDGET:.1%} "
+                         f"(the calls per step: benchmarks/step_counts.py)")
+            lines.append(f"    verdict         {self.verdict()}")
         for label, paired, snapshots in (("snapshots on", self.snapshots_on, True),
                                          ("snapshots off", self.snapshots_off, False)):
             if paired is None:
                 continue
             lines += [f"  {label:<17} {len(paired.wall)} pairs of on/off blocks, watched/bare:",
                       f"    wall clock      {describe_ratios(paired.wall)}",
-                      f"    CPU time        {describe_ratios(paired.cpu)}",
-                      f"    verdict         {self.verdict(snapshots)} (budget {BUDGET:.2f}; {CONFIDENCE:.0%} CI, "
-                      "both clocks)"]
+                      f"    CPU time        {describe_ratios(paired.cpu)}"]
+            if self.judged_by_ratio:
+                lines.append(f"    verdict         {self.ratio_verdict(snapshots)} (budget {BUDGET:.2f}; "
+                             f"{CONFIDENCE:.0%} CI, both clocks)")
+            else:
+                lines.append(f"    ratio           for information only (a step under {RATIO_STEP_MS:g} ms): "
+                             f"{self.ratio_verdict(snapshots)} against {BUDGET:.2f}")
             (runs_on, runs_off), (gc_on, gc_off) = paired.gc_per_1000, paired.gc_s_per_step
             if math.isfinite(runs_on) and math.isfinite(runs_off):
                 lines.append(f"    garbage         Python's collections: {runs_on:.1f} per 1000 steps on, "
@@ -1354,12 +1044,7 @@ class WorkloadCost:
                              f"{low:.3f}: the blocks alone differ by more than the budget's {BUDGET - 1:.0%} here, so "
                              "the ratios above can be off by as much either way; the parts above say where the time "
                              "goes")
-        for name, paired in self.floors.items():
-            lines += [f"  floor: {name:<10} {len(paired.wall)} pairs, {FLOOR_RUNS[name]}, against bare (what "
-                      "any watch costs this step):",
-                      f"    wall clock      {describe_ratios(paired.wall)}",
-                      f"    CPU time        {describe_ratios(paired.cpu)}"]
-        if self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
+        if self.judged_by_ratio and self.hooks_share > BUDGET - 1:  # a lower bound on the cost, whatever the blocks say
             lines.append(f"  note              the hooks' own time alone is more than the budget's {BUDGET - 1:.0%}")
         return lines
 
@@ -1379,13 +1064,12 @@ def auto_pairs(step_s: float, block: int = LOG_EVERY_N_STEPS, seconds: float = P
 
 
 def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: int, seed: int,
-                     anatomy: bool = False, block: int = LOG_EVERY_N_STEPS, seconds: float = PAIR_SECONDS,
+                     block: int = LOG_EVERY_N_STEPS, seconds: float = PAIR_SECONDS,
                      verdicts: Sequence[str] = DEFAULT_VERDICTS) -> tuple[WorkloadCost, "_HookTimer"]:
     """AmpWatch() on ``workload``: on/off blocks with snapshots on and off, and the hooks timed per kind of step.
-    The timer returned is the anatomy's (a run of its own: cProfile and tracemalloc inflate times) if asked for.
     ``pairs``: on/off pairs per verdict; None: :func:`auto_pairs` over ``seconds`` at the step the hooks' timer
     saw. ``verdicts``: the paired runs made besides the defaults' (``"on"``, always made): ``"off"`` (snapshots
-    off), ``"null"`` (both sides bare), and the floor runs ``"noop"`` and ``"minimal"`` (:data:`FLOOR_RUNS`)."""
+    off) and ``"null"`` (both sides bare)."""
     # the window starts once "auto" has chosen its interval, and holds at least three snapshots at it
     timer = hook_times(steps, warmup, seed, workload=workload, settled=True, min_snapshots=3)
     if pairs is None:
@@ -1397,43 +1081,32 @@ def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: 
     off = (paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
            if "off" in verdicts else None)
     null = paired_blocks(pairs, seed, block, workload, null=True) if "null" in verdicts else None
-    floors = {name: paired_blocks(pairs, seed, block, workload, floor=name) for name in FLOOR_RUNS if name in verdicts}
     copy_s = timer.snapshot_copy_s()
-    handover_s = timer.snapshot_handover_s()
-    count_s, release_s = timer.snapshot_held_s("count"), timer.snapshot_held_s("release")
-    added_s = timer.added_count_s()
     every = timer.snapshot_interval()
     sizes = [nbytes for _, nbytes in timer.snapshots]
     bare = on.bare_step_s if math.isfinite(on.bare_step_s) or off is None else off.bare_step_s
+    bare_cpu = on.bare_cpu_step_s if math.isfinite(on.bare_cpu_step_s) or off is None else off.bare_cpu_step_s
     cost = WorkloadCost(workload.name, workload.describe, bare * 1e3, hooks_s * 1e6, ordinary * 1e6,
                         (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
                         None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
-                        None if copy_s is None or handover_s is None else handover_s * 1e3,
-                        *(None if copy_s is None or x is None else x * 1e3 for x in (count_s, release_s)),
                         judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6,
-                        null=null, added_count_ms=None if copy_s is None or added_s is None else added_s * 1e3,
-                        floors=floors)
-    return cost, (hook_times(steps, warmup, seed, workload=workload, anatomy=True, settled=True, min_snapshots=3)
-                  if anatomy else timer)
+                        null=null, bare_cpu_step_ms=bare_cpu * 1e3)
+    return cost, timer
 
 
-def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None, snapshots: Sequence[SnapshotCost]) -> str:
+def print_summary(costs: Sequence[WorkloadCost], reads: HostReads | None) -> str:
     """The closing block, plain lines the README can quote as they are; returns the worst verdict with the
     defaults (snapshots on)."""
     lines = [f"AmpWatch() on a healthy fp16 run: {DEVICE['type'].upper()}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} thread(s)",
-             f"(watched/bare: the per-step time with AmpWatch over that without it, in neighbouring "
-             f"{LOG_EVERY_N_STEPS}-step blocks of one run; budget {BUDGET:.2f})"]
+             f"(a step of {RATIO_STEP_MS:g} ms or more: watched/bare, the per-step time with AmpWatch over that "
+             f"without it, in neighbouring {LOG_EVERY_N_STEPS}-step blocks of one run, budget {BUDGET:.2f}; a "
+             "shorter step: the absolute budgets)"]
     for cost in costs:
         lines += cost.lines()
     if reads is not None:
         lines.append(f"host reads (toy)    {describe_reads(reads)}, on the accelerator's path (on the CPU each "
                      "loss is taken as a float at once: no device to wait for)")
-    for c in snapshots:
-        every = ", ".join(f"{c.copy_ms / n:.2f} ms/step every {n}" for n in SNAPSHOT_EVERY)
-        name = f"snapshot {c.params / 1e6:.0f}M"
-        lines.append(f"{name:<19} {c.bytes / 1e6:.0f} MB, {c.copy_ms:.1f} ms a copy: {every} "
-                     f"(a step: {c.step_ms:.0f} ms)")
     print("\n".join(["", "-" * 30 + " summary " + "-" * 30, *lines]))
     order = ("over the budget", "inconclusive", "within the budget")
     outcomes = [cost.verdict() for cost in costs]
@@ -1463,12 +1136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default 30; --quick 20)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer steps, rounds and pairs, the toy "
-                        "workload only")
+                        "workload only, the defaults' blocks only; rarely a verdict")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None,
                         help="built-in workloads to measure AmpWatch() on: " + "; ".join(
                             f"{w.name}: {w.describe}" for w in WORKLOADS.values())
                         + " (default: all; --quick: toy; with --model: none unless named); the table of separate "
-                        "runs, the host reads and the armed probes' cost come with the toy")
+                        "runs and the host reads come with the toy")
     parser.add_argument("--model", metavar="MODULE:ATTR", default=None,
                         help="measure your own LightningModule (the built-in workloads too only if --workloads "
                         "names them): MODULE:ATTR names an instance, its class or a function of no arguments "
@@ -1476,11 +1149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "train_dataloader()")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where every run trains, in true fp16 with a default GradScaler (default cpu)")
-    parser.add_argument("--profile", action="store_true", help="also each hook's time, and cProfile of the hooks")
-    parser.add_argument("--anatomy", action="store_true", help="also the deterministic measures: Python calls "
-                        "per ordinary, log and snapshot step, the functions called most, and tracemalloc's bytes")
-    parser.add_argument("--snapshots", action="store_true", help="also what one in-memory snapshot costs "
-                        f"({', '.join(f'{n // 1_000_000}M' for n in SNAPSHOT_SIZES)} parameters with AdamW)")
     parser.add_argument("--only", nargs="+", type=configuration_name, default=None, metavar="NAME",
                         help="compare only these configurations in the table of separate runs: "
                         + ", ".join(repr(n) for n in CONFIGURATIONS)
@@ -1489,29 +1157,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "one is inconclusive (the defaults' verdicts, snapshots on)")
     parser.add_argument("--pairs", type=int, default=None, help="on/off block pairs for each verdict (default: about "
                         f"--verdict-seconds of blocks per verdict at the workload's step, {MIN_PAIRS} to {MAX_PAIRS} "
-                        f"pairs per {PAIR_SECONDS:.0f} s; --quick 10)")
+                        f"pairs per {PAIR_SECONDS:.0f} s; --quick 6)")
     parser.add_argument("--verdict-seconds", type=float, default=PAIR_SECONDS, metavar="S",
                         help=f"seconds of on/off blocks per verdict when --pairs is not given (default "
                         f"{PAIR_SECONDS:.0f}); the interval narrows as one over the square root of the time: on a "
                         "several-millisecond step a verdict against a 1%% budget needs about ten minutes")
-    parser.add_argument("--verdicts", nargs="+", choices=VERDICT_RUNS, default=list(DEFAULT_VERDICTS), metavar="RUN",
+    parser.add_argument("--verdicts", nargs="+", choices=VERDICT_RUNS, default=None, metavar="RUN",
                         help="the paired runs to make per workload: 'on' (the defaults against bare: the verdict, "
                         "always made), 'off' (snapshots off against bare), 'null' (both sides bare: what the "
-                        "machine alone spreads); the floor runs, what any watch costs the step: 'noop' (a callback "
-                        "with one hook doing nothing), 'minimal' (that hook taking the loss and keeping the latest "
-                        f"{FLOOR_HELD} batches), 'item' and 'keep' (each half of it alone) (default: on, off, null)")
+                        "machine alone spreads) (default: on, off, null; --quick: on)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (40 if args.quick else 300)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (20 if args.quick else 30)
-    pairs = args.pairs if args.pairs is not None else (10 if args.quick else None)  # None: per workload
+    pairs = args.pairs if args.pairs is not None else (6 if args.quick else None)  # None: per workload
     for flag, value, low in (("--steps", steps, 1), ("--rounds", rounds, 1), ("--warmup", warmup, 0),
                              ("--pairs", 1 if pairs is None else pairs, 1)):
         if value < low:
             parser.error(f"{flag}={value} is not valid; use an integer >= {low}")
     if not (math.isfinite(args.verdict_seconds) and args.verdict_seconds > 0):
         parser.error(f"--verdict-seconds={args.verdict_seconds} is not valid; use a number of seconds above 0")
-    verdicts = ["on", *(run for run in VERDICT_RUNS if run != "on" and run in args.verdicts)]
+    asked = args.verdicts if args.verdicts is not None else (["on"] if args.quick else list(DEFAULT_VERDICTS))
+    verdicts = ["on", *(run for run in VERDICT_RUNS if run != "on" and run in asked)]
     names = list(CONFIGURATIONS) if args.only is None else [BASELINE] + [n for n in args.only if n != BASELINE]
     if args.workloads is not None:
         workloads = [WORKLOADS[n] for n in args.workloads]
@@ -1533,32 +1200,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{len(names)} configurations, {rounds} rounds x {steps} steps (+{warmup} warm-up); "
                   f"{pairs or f'about {args.verdict_seconds:.0f} s of'} on/off pairs per verdict "
                   f"({', '.join(verdicts)}); workloads: {', '.join(w.name for w in workloads)}")
-    with_toy = TOY in workloads  # the separate runs' table, the host reads and the armed cost are the toy's
+    with_toy = TOY in workloads  # the separate runs' table and the host reads are the toy's
     if with_toy:
         results = measure(steps, rounds, warmup, args.seed, names, console)
         print_table(results, steps, rounds, console)
     costs = []
     for workload in workloads:
-        cost, timer = measure_workload(workload, pairs, hook_steps, warmup, args.seed, anatomy=args.anatomy,
-                                       seconds=args.verdict_seconds, verdicts=verdicts)
+        cost, _ = measure_workload(workload, pairs, hook_steps, warmup, args.seed, seconds=args.verdict_seconds,
+                                   verdicts=verdicts)
         costs.append(cost)
         console.print(f"[dim]{workload.name} measured[/dim]")
-        if args.profile:
-            print_hook_table(timer, hook_steps, warmup)
-        if args.anatomy:
-            print_anatomy(timer, workload)
-    if args.profile:
-        print_cprofile(hook_steps, warmup, args.seed)
     reads = host_reads(args.seed) if with_toy and args.device == "cpu" else None
-    if with_toy:
-        armed_ms, step_ms = armed_cost(args.seed)
-        console.print(f"Armed probes: one episode's replay with probes plus the FP32 control costs {armed_ms:.2f} ms "
-                      f"({armed_ms / step_ms:.1f} training steps of {step_ms:.2f} ms), once per episode, never on a "
-                      "healthy step.")
-    snapshots = [snapshot_cost(n) for n in SNAPSHOT_SIZES] if args.snapshots else []
-    if snapshots:
-        print_snapshots(snapshots, console)
-    outcome = print_summary(costs, reads, snapshots)
+    outcome = print_summary(costs, reads)
     if not args.strict or outcome == "within the budget":
         return 0
     return 1 if outcome == "over the budget" else 2

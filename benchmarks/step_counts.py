@@ -1,12 +1,14 @@
-"""Deterministic counts of AmpWatch's own work per kind of step (ordinary, log, snapshot), which load from elsewhere
-on the machine cannot change: Python calls inside the hooks (cProfile, as ``overhead.py --anatomy`` counts them)
-and bytecodes executed in ``lightning_ampwatch``'s frames from one batch start to the next (``sys.settrace``
-opcode events; the toy's own ``training_step``, which lives in ``lightning_ampwatch.scenarios``, left out).
+"""Deterministic counts of AmpWatch's own work on each step of a healthy fp16 run: the Python calls its hooks make
+(function calls and calls of builtins, counted with ``sys.setprofile``), which load from elsewhere on the machine
+cannot change. ``tests/test_step_counts.py`` holds the budget on them; ``overhead.py`` prints the times.
 
-    python benchmarks/step_counts.py                      # toy, snapshot_every=20, both counts
-    python benchmarks/step_counts.py --workload mlp --snapshot-every auto --by-function
+    python benchmarks/step_counts.py                       # the toy, AmpWatch's defaults (snapshot_every="auto")
+    python benchmarks/step_counts.py --steps 400 --by-function
 
-Used for benchmarks/FINDINGS.md (section 10). Steps 30 to 430 of one run are counted.
+A step's count runs over every call made while one of AmpWatch's per-step hooks is on the stack: the callback's
+hooks Lightning calls, and the optimizer step hooks the watch registers (found on the optimizer at train start).
+A step is "ordinary" when it is neither a log step (``(batch + 1) % log_every_n_steps == 0``) nor a step whose
+hooks took a snapshot. The steps before ``SETTLED`` are counted and not judged: the "auto" cadences time them.
 """
 
 from __future__ import annotations
@@ -14,120 +16,165 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import pstats
 import statistics
 import sys
 import tempfile
-from typing import Any
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
+from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lightning.pytorch as pl
+from lightning.pytorch.loggers.logger import DummyLogger
+from torch.utils.data import DataLoader
 
-import lightning.pytorch as pl  # noqa: E402
+from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 
-import overhead as ob  # noqa: E402
-from lightning_ampwatch.callback import AmpWatch  # noqa: E402
-
-WARMUP, STEPS = 30, 400
-
-
-def _watch(snapshot_every: str) -> AmpWatch:
-    return AmpWatch(verbose=False, **({} if snapshot_every == "auto" else {"snapshot_every": int(snapshot_every)}))
-
-
-def calls(workload: ob.Workload, snapshot_every: str, top: int) -> None:
-    timer = ob.hook_times(STEPS, WARMUP, 0, workload=workload, anatomy=True, make_watch=lambda: _watch(snapshot_every))
-    total = []
-    print(f"Python calls in AmpWatch's hooks ({workload.name}, snapshot_every={snapshot_every}):")
-    for kind in ob.STEP_KINDS:
-        n, prof = timer.step_count(kind), timer.profilers.get(kind)
-        if not n or prof is None:
-            continue
-        own = {k: r for k, r in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
-               if "_lsprof.Profiler" not in k[2]}
-        count = sum(r[1] for r in own.values())
-        total.append((n, count))
-        print(f"  {kind:9} {n:4d} steps {count / n:8.1f} calls per step")
-        for (filename, line, func), row in sorted(own.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"      {row[1] / n:7.2f}  {os.path.basename(filename)}:{line}({func})")
-    print(f"  all kinds spread over the window: {sum(c for _, c in total) / sum(n for n, _ in total):.2f} per step")
+#: the budget on an ordinary step (issue 29): at most this many Python calls in the watch's hooks
+ORDINARY_CALLS_BUDGET = 25
+LOG_EVERY = 50
+#: Lightning's per-step callback hooks; those AmpWatch defines are counted
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+              "on_before_zero_grad", "on_train_batch_end")
+KINDS = ("ordinary", "log", "snapshot")
+#: the steps counted from: the "auto" cadences decide within the toy's first 100 steps (they time its first
+#: snapshots and log steps), from here on every step is one of a long run
+SETTLED = 100
 
 
-def bytecodes(workload: ob.Workload, snapshot_every: str, top: int, by_function: bool) -> None:
-    counts: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    state: dict[str, Any] = {"step": -1}
+@dataclass
+class StepCounts:
+    """Python calls inside AmpWatch's hooks, per batch index, and what kind of step each was."""
 
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            name = os.path.basename(frame.f_code.co_filename)
-            counts[state["step"]][f"{name}:{frame.f_code.co_name}" if by_function else name] += 1
-        return local
+    calls: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    kinds: dict[int, str] = field(default_factory=dict)
+    where: dict[int, collections.Counter[str]] = field(default_factory=dict)
 
-    def outer(frame: Any, event: str, arg: Any) -> Any:
-        if "lightning_ampwatch" in frame.f_code.co_filename:
-            frame.f_trace_opcodes = True
-            return local
-        return None
+    def of_kind(self, kind: str, first: int = 0) -> dict[int, int]:
+        """The counts of the steps of ``kind`` from batch ``first`` on."""
+        return {b: self.calls.get(b, 0) for b, k in sorted(self.kinds.items()) if k == kind and b >= first}
 
-    watch = _watch(snapshot_every)
-    snapshot_steps: set[int] = set()
 
-    class Marker(pl.Callback):  # first in the list: a step's count runs from its batch start to the next one's
+class _Counter:
+    """A ``sys.setprofile`` function that counts the calls made while an entry code object is running."""
+
+    def __init__(self, by_function: bool) -> None:
+        self.entries: set[CodeType] = set()
+        self.batch = -1
+        self.counts = StepCounts()
+        self.by_function = by_function
+        self._inside: FrameType | None = None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        inside = self._inside
+        if inside is None:
+            if event == "call" and frame.f_code in self.entries:
+                self._inside = inside = frame
+            else:
+                return
+        if event == "call" or event == "c_call":
+            self.counts.calls[self.batch] += 1
+            if self.by_function:
+                name = (f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}" if event == "call"
+                        else f"<builtin {getattr(arg, '__qualname__', arg)}>")
+                self.counts.where.setdefault(self.batch, collections.Counter())[name] += 1
+        elif event == "return" and frame is inside:
+            self._inside = None
+
+
+def _ampwatch_code(fn: Any) -> CodeType | None:
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    return code if code is not None and "lightning_ampwatch" in code.co_filename else None
+
+
+def count_steps(steps: int = 200, seed: int = 0, log_every: int = LOG_EVERY, by_function: bool = False,
+                make_watch: Callable[[], AmpWatch] = lambda: AmpWatch(verbose=False)) -> StepCounts:
+    """One healthy run of the toy (``scenarios.Regressor``, true fp16 with a default GradScaler on the CPU) of
+    ``steps`` steps under ``make_watch()``; every step's calls counted."""
+    watch = make_watch()
+    counter = _Counter(by_function)
+    for name in STEP_HOOKS:  # the callback's own hooks (a subclass's too, wherever it is written)
+        hook = getattr(type(watch), name)
+        if hook is not getattr(pl.Callback, name) and hasattr(hook, "__code__"):
+            counter.entries.add(hook.__code__)
+
+    class Marker(pl.Callback):
+        """First in the callbacks: dates each batch, finds the optimizer hooks, tells snapshot steps."""
+
         newest = -1
 
-        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-            sys.settrace(None)
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            for opt in trainer.optimizers:  # the optimizer step hooks the watch registered at fit start
+                for hooks in (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks):
+                    for hook in hooks.values():
+                        code = _ampwatch_code(hook)
+                        if code is not None:
+                            counter.entries.add(code)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            counter.batch = batch_idx
+            counts.kinds[batch_idx] = "log" if (batch_idx + 1) % log_every == 0 else "ordinary"
+
+    class After(pl.Callback):
+        """Last in the callbacks: a step whose hooks took a snapshot is a snapshot step."""
+
+        newest = -1
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             control = watch.watcher.trajectory
             held = control.ring.snapshots if control is not None else ()
             newest = held[-1].step if held else -1
             if newest != self.newest:
                 self.newest = newest
-                snapshot_steps.add(state["step"])
-            state["step"] = trainer.global_step
-            if WARMUP <= trainer.global_step < WARMUP + STEPS:
-                sys.settrace(outer)
+                counts.kinds[counter.batch] = "snapshot"
 
-        def on_train_end(self, *args: Any) -> None:
-            sys.settrace(None)
+    counts = counter.counts
+    pl.seed_everything(seed, verbose=False)
+    data = DataLoader(regression_data(n=32 * 1024, seed=seed), batch_size=32, shuffle=False)
+    with tempfile.TemporaryDirectory(prefix="ampwatch-counts-") as root:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, plugins=[true_fp16_plugin()],
+                             logger=DummyLogger(), default_root_dir=root, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=log_every,
+                             callbacks=[Marker(), watch, After()])
+        previous = sys.getprofile()
+        sys.setprofile(counter)
+        try:
+            trainer.fit(Regressor(), data)
+        finally:
+            sys.setprofile(previous)
+    return counts
 
-    with tempfile.TemporaryDirectory() as root:
-        ob.train_once(ob.WATCHED, STEPS, WARMUP, 0, root, None, workload, ob.Setup([Marker(), watch]))
-    per_kind: dict[str, list[int]] = collections.defaultdict(list)
-    where: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for step, counter in counts.items():
-        if not WARMUP <= step < WARMUP + STEPS:
-            continue
-        kind = "snapshot" if step in snapshot_steps else \
-            ("log" if (step + 1) % ob.LOG_EVERY_N_STEPS == 0 else "ordinary")
-        own = collections.Counter({k: v for k, v in counter.items() if not k.startswith("scenarios.py")})
-        per_kind[kind].append(sum(own.values()))
-        where[kind].update(own)
-    print(f"Bytecodes in lightning_ampwatch's frames per step ({workload.name}, snapshot_every={snapshot_every}):")
-    for kind in ob.STEP_KINDS:
-        values = per_kind.get(kind)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps of the run (default 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--by-function", action="store_true", help="also the calls made most, per kind of step")
+    parser.add_argument("--top", type=int, default=12, help="with --by-function: entries shown per kind")
+    args = parser.parse_args(argv)
+    if args.steps < SETTLED + LOG_EVERY:
+        parser.error(f"--steps={args.steps} is not valid; use at least {SETTLED + LOG_EVERY} (the cadences' "
+                     "choice, then a log interval)")
+    counts = count_steps(args.steps, args.seed, by_function=args.by_function)
+    print(f"Python calls in AmpWatch's hooks per step (toy, {args.steps} steps, log every {LOG_EVERY}; from step "
+          f"{SETTLED} on, once the cadences have decided):")
+    for kind in KINDS:
+        values = list(counts.of_kind(kind, first=SETTLED).values())
         if not values:
             continue
-        print(f"  {kind:9} {len(values):4d} steps: median {statistics.median(values):.0f}, mean "
-              f"{statistics.mean(values):.1f}")
-        for name, n in where[kind].most_common(top):
-            print(f"      {n / len(values):8.1f}  {name}")
-    all_values = [v for values in per_kind.values() for v in values]
-    print(f"  all kinds spread over the window (mean): {statistics.mean(all_values):.1f} per step")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(ob.WORKLOADS), default="toy")
-    parser.add_argument("--snapshot-every", default="20", help="a number of steps, or 'auto' (the default's)")
-    parser.add_argument("--only", choices=("calls", "bytecodes"), help="one of the two counts (default: both)")
-    parser.add_argument("--by-function", action="store_true", help="bytecodes by function, not by file")
-    parser.add_argument("--top", type=int, default=12, help="the biggest entries shown per kind of step")
-    args = parser.parse_args()
-    workload = ob.WORKLOADS[args.workload]
-    if args.only in (None, "calls"):
-        calls(workload, args.snapshot_every, args.top)
-    if args.only in (None, "bytecodes"):
-        bytecodes(workload, args.snapshot_every, args.top, args.by_function)
+        print(f"  {kind:9} {len(values):4d} steps: median {statistics.median(values):.0f}, max {max(values)}"
+              + (f" (budget {ORDINARY_CALLS_BUDGET})" if kind == "ordinary" else ""))
+        if args.by_function:
+            where: collections.Counter[str] = collections.Counter()
+            for b in counts.of_kind(kind, first=SETTLED):
+                where.update(counts.where.get(b, {}))
+            for name, n in where.most_common(args.top):
+                print(f"      {n / len(values):8.2f}  {name}")
+    ordinary = list(counts.of_kind("ordinary", first=SETTLED).values())
+    return 0 if ordinary and max(ordinary) <= ORDINARY_CALLS_BUDGET else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,13 +20,14 @@ from _sharded import RowsByRank
 from torch.utils.data import TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
+from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 HERE = Path(__file__).parent
 
 
-def _child(function: str, out_dir: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+def _child(function: str, out_dir: Path, timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_collective_safety as t; "
             f"t.{function}({str(out_dir)!r})")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)

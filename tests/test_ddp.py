@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
+from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -92,7 +93,7 @@ def test_without_a_scaler_a_nan_on_one_rank_does_not_hang_the_run(tmp_path: Path
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_ddp; "
             f"test_ddp._fit_ddp_without_scaler({precision!r}, {str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     # rank 1 read the NaN in its own batch; rank 0 met it one step later, through the averaged gradients
@@ -194,7 +195,7 @@ def bf16_nan_on_rank_one(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any,
     out = tmp_path_factory.mktemp("bf16_nan_on_rank_one")
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_ddp; "
             f"test_ddp._fit_bf16_nan_on_rank_one({str(out)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     return done, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -16,6 +16,7 @@ import pytest
 from lightning_ampwatch import AmpWatch
 from lightning_ampwatch.cli import main
 from lightning_ampwatch.reporters import ALWAYS_SHOWN, KEY_EVIDENCE
+from _limits import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -40,7 +41,7 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "quick_start.py"
     script.write_text(code, encoding="utf-8")
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
     assert "AmpWatch" in out and "32 optimizer steps" in out, out[-3000:]  # 512 rows / 32 a batch, 2 epochs
@@ -68,7 +69,7 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     a docstring the API reference cannot render fails here."""
     site = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)
+                          env=_env(), capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     for word in ("Watch a mixed-precision run", "Attributes", "diagnoses", "applied", "Raises", "AmpWatchError",

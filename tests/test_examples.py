@@ -24,11 +24,11 @@ from typing import Iterator
 import pytest
 
 from lightning_ampwatch import Finding
+from _limits import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 BENCHMARK = ROOT / "benchmarks" / "overhead.py"
-SCRIPT_TIMEOUT_S = 90  # each script takes ~10 s alone on 2 cores; generous for a loaded CI machine
 
 # example script -> the finding it must make
 ALL_EXAMPLES: dict[str, Finding] = {
@@ -57,7 +57,7 @@ BENCHMARK_ARGS = ("--quick", "--steps", "8", "--warmup", "2", "--rounds", "1")
 def _run(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONWARNINGS="ignore", COLUMNS="120")
     return subprocess.run([sys.executable, *args], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=SCRIPT_TIMEOUT_S)
+                          timeout=HANG_S)
 
 
 class _Launcher:

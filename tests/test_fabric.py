@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ampwatch import AmpWatch, Diagnosis, Finding
 from lightning_ampwatch.fabric import FabricWatch
 from lightning_ampwatch.scenarios import ExpAttention, regression_data
+from _limits import HANG_S
 
 # --------------------------------------------------------------------------------------------- models and losses
 
@@ -885,7 +886,7 @@ def _two_ranks(out_dir: Path, scenario: str) -> tuple[list[dict[str, Any]], list
     for p in ranks:
         p.start()
     for p in ranks:
-        p.join(timeout=120)
+        p.join(timeout=HANG_S)
     assert [p.exitcode for p in ranks] == [0, 0]
     rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2))
     assert rank0 == rank1, "both ranks must reach the same diagnoses"

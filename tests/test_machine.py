@@ -868,7 +868,7 @@ def test_the_level_is_rejudged_as_statistics_medians_say(window: list[float], be
     makes, or keeps, is the one its definition gives with ``statistics.median``, huge finite losses included."""
     import statistics
 
-    from lightning_ampwatch.reference import HEALTHY_RISE, Reference
+    from lightning_ampwatch.machine import HEALTHY_RISE, Reference
 
     m = AmpStateMachine("fp16", thresholds=Thresholds(loss_window=24))
     s = m.state

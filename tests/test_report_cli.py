@@ -299,7 +299,8 @@ def test_a_huge_log_is_read_in_seconds_and_printed_in_a_screenful(tmp_path: Path
     code, out, err = report(str(logs), "--html", str(tmp_path / "r.html"))
     took = time.perf_counter() - start
     assert code == 0, err
-    assert took < 20, f"{took:.1f} s"
+    # a read quadratic in the rows would take hours here: the limit catches that, never a slow machine (5 s under load)
+    assert took < 120, f"{took:.1f} s"
     assert len(out) < 60_000, f"{len(out)} characters printed"
     assert "10000 alarms." in out
     assert f"... {n_diagnoses - 50} more episodes, all in {logs / 'diagnoses.jsonl'}" in out

@@ -17,6 +17,7 @@ from test_trajectory_e2e import LrJump
 
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import regression_data, true_fp16_plugin
+from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -126,7 +127,7 @@ def test_a_rank_whose_watch_switched_itself_off_still_meets_the_others_and_rank_
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_ddp as t; "
             f"t._fit_switched_off({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "switches itself off" in done.stderr
     assert [(tmp_path / f"steps{r}").read_text() for r in range(2)] == ["9", "9"]

@@ -16,6 +16,7 @@ from _sharded import DEEPSPEED, NO_DEEPSPEED
 
 from lightning_ampwatch import Finding
 from lightning_ampwatch.deepspeed_state import NOT_UNDER_DEEPSPEED
+from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not DEEPSPEED, reason=NO_DEEPSPEED)
 
@@ -41,7 +42,7 @@ def _fit(out_dir: str) -> None:
 def test_deepspeed_starts_and_a_nan_on_rank_one_reaches_rank_zero(tmp_path: Path) -> None:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
             f"t._fit({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -121,7 +122,7 @@ def _run_fp16(tmp_path: Path, initial_scale_power: int, max_steps: int,
               **kwargs: Any) -> tuple[list[dict[str, Any]], str]:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
             f"t._fit_fp16({str(tmp_path)!r}, {initial_scale_power}, {max_steps}, **{kwargs!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -300,7 +301,7 @@ def test_deepspeed_an_lr_jump_rolls_back_each_rank_s_partition_and_reduce_lr_rec
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
             f"t._fit_lr_jump({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -375,7 +376,7 @@ def test_deepspeed_bf16_a_snapshot_of_zero2_s_partitions_is_put_back_whole_on_bo
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_deepspeed as t; "
             f"t._fit_snapshot_bf16({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"state{r}.pt") for r in range(2)]
     for saved in ranks:

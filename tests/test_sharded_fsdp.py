@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import true_fp16_plugin
+from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -510,7 +511,7 @@ def _one_rank_snapshots_alone(rank: int, out_dir: str, port: int) -> None:
     from lightning_ampwatch.trajectory import Snapshot, TrainState
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=HANG_S))
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     root = FullyShardedDataParallel(module, device_id=torch.device("cpu"), use_orig_params=True)
@@ -542,15 +543,22 @@ def _one_rank_snapshots_alone(rank: int, out_dir: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    """A port the OS reports free (tests run side by side under pytest-xdist: a port made from the pid could clash)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_fsdp1_a_rank_takes_and_restores_its_snapshot_alone(tmp_path: Path) -> None:
     # FSDP1's own state-dict calls are collectives (one rank alone waits for the other until gloo gives up): a
     # snapshot or restore taken by one rank and not another, as an episode on one rank's data makes them, would
     # hang the run. AmpWatch's read and write this rank's shards only.
-    import os
-
     import torch.multiprocessing as mp
 
-    mp.start_processes(_one_rank_snapshots_alone, args=(str(tmp_path), 29400 + os.getpid() % 500), nprocs=2,
+    mp.start_processes(_one_rank_snapshots_alone, args=(str(tmp_path), _free_port()), nprocs=2,
                        start_method="fork")
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["restored"] is True
@@ -566,7 +574,7 @@ def _rank1_judged_alone_in_a_child(tmp_path: Path, fit: str) -> None:
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharded_fsdp as t; "
             f"t.{fit}({str(tmp_path)!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "internal error" not in done.stderr, done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))

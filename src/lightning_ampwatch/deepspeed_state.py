@@ -17,6 +17,7 @@ from collections.abc import MutableMapping
 from typing import Any, Iterator
 
 from lightning_ampwatch import compat
+from lightning_ampwatch.errors import RemedyError
 
 #: How the evidence names DeepSpeed's loss scaler (the advice then speaks of DeepSpeed's settings, not GradScaler's).
 LOSS_SCALER = "deepspeed"
@@ -69,8 +70,6 @@ class DeepSpeedLossScale:
 
     def _dynamic_only(self) -> None:
         if not self.dynamic:
-            from lightning_ampwatch.remedies.base import RemedyError
-
             raise RemedyError("DeepSpeed's loss scale is static in this run (\"loss_scale\" > 0 in its config)")
 
     def update(self, new_scale: float) -> None:
@@ -135,8 +134,6 @@ NOT_UNDER_DEEPSPEED = {
 def refuse(trainer: Any, remedy: str) -> None:
     """Raise the remedy's ``RemedyError`` when ``trainer`` runs under DeepSpeed, where it cannot act."""
     if under_deepspeed(trainer):
-        from lightning_ampwatch.remedies.base import RemedyError
-
         raise RemedyError(NOT_UNDER_DEEPSPEED[remedy])
 
 

@@ -199,7 +199,7 @@ class FabricWatch:
                                  "once per optimizer step (an object with step(), state_dict() and load_state_dict(), "
                                  "as torch.optim.lr_scheduler's are), a list of them, or None")
         other = _ATTACHED.get(id(self.fabric))
-        if other is not None and other is not self and other._host is not None:
+        if other is not None and other is not self and other.attached:
             raise ValueError(f"this Fabric is already watched by another {other!r}, attached and not closed: a "
                              "second one would take over the hooks the first one reads the loop through, and blind "
                              "it. Use one FabricWatch per Fabric (close the other one first to replace it).")
@@ -334,6 +334,11 @@ class FabricWatch:
             if host is not None:
                 host.uninstall()
             self._host = None
+
+    @property
+    def attached(self) -> bool:
+        """Whether this watch is attached to its loop (``attach`` called, not closed since)."""
+        return self._host is not None
 
     def _need_host(self) -> "FabricHost":
         host = self._host

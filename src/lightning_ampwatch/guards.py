@@ -557,17 +557,15 @@ class RecipeGuards:
                 self._patched.append((module, name, original, wrapper))
 
     def _clip_wrapper(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        guards = self
-
         @functools.wraps(original)
         def clip_guard(*args: Any, **kwargs: Any) -> Any:
-            if not guards._active:
+            if not self._active:
                 return original(*args, **kwargs)
             args, kwargs = _materialise_parameters(args, kwargs)
             params = args[0] if args else kwargs.get("parameters", ())
             limit = args[1] if len(args) > 1 else kwargs.get("max_norm", kwargs.get("clip_value"))
-            guards._guard(guards._check_clip, name, params, limit)
-            factor = guards._clip_factor(params) if guards.rescale_clipping else 1.0
+            self._guard(self._check_clip, name, params, limit)
+            factor = self._clip_factor(params) if self.rescale_clipping else 1.0
             if factor == 1.0:
                 return original(*args, **kwargs)
             # Still-scaled gradients: clip at limit x scale, which clips exactly what the unscaled

@@ -388,7 +388,8 @@ def print_report(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: Timeline
     if diagnoses.total:
         console.print(episodes_table(report_episodes(diagnoses, timeline)))
         if diagnoses.hidden:
-            console.print(more_line(diagnoses, files), markup=False, highlight=False)
+            # one line, never wrapped: the path in it stays whole, to copy (a long temporary directory passed 120)
+            console.print(more_line(diagnoses, files), markup=False, highlight=False, soft_wrap=True)
         if full:
             from lightning_ampwatch.reporters import diagnosis_panel
 

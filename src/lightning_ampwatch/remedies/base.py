@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Ty
 import torch
 from torch import nn
 
+from lightning_ampwatch.errors import RemedyError  # defined below the remedies: the DeepSpeed adapter raises it too
 from lightning_ampwatch.taxonomy import Diagnosis
 
 if TYPE_CHECKING:
@@ -42,10 +43,6 @@ class Effect(Enum):
     SCALER = "scaler"  # the scaler's scale or growth settings: mirror them again
     PRECISION = "precision"  # the trainer's precision plugin: a new mode, maybe no scaler
     OPTIMIZERS = "optimizers"  # the learning rates (or the param groups themselves): read them again
-
-
-class RemedyError(RuntimeError):
-    """A remedy could not be applied here (e.g. bf16 on a device without it); the next allowed rung is tried."""
 
 
 @dataclass

@@ -1,38 +1,17 @@
 """The learning rate's history, as the state machine keeps it: the change points only (a constant LR costs
-nothing per step) and the latest rise, in :class:`~lightning_ampwatch.machine_state.MachineState`; and which LR
-event, if any, came just before an onset (a warmup that just peaked, or a plain increase). Pure Python.
+nothing per step) and the latest rise, in :class:`~lightning_ampwatch.machine.state.MachineState`; and which LR
+event, if any, came just before an onset (a warmup that just peaked, or a plain increase). Pure Python; imports the
+machine package's ``state`` and ``vocabulary`` only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lightning_ampwatch.machine.state import LrPoint, LrRise, MachineState
+from lightning_ampwatch.machine.vocabulary import Thresholds
 from lightning_ampwatch.taxonomy import LrEvent
-
-if TYPE_CHECKING:
-    from lightning_ampwatch.machine import Thresholds
-    from lightning_ampwatch.machine_state import MachineState
-
-
-@dataclass
-class LrPoint:
-    """A step at which the (largest) learning rate changed, and its new value."""
-
-    step: int
-    lr: float
-
-
-@dataclass
-class LrRise:
-    """The latest rise of the learning rate: increases in a row, each within ``lr_lookback`` steps of the last."""
-
-    start_step: int
-    start_lr: float
-    top_step: int
-    top_lr: float
-    points: int = 1
 
 
 def record_lr(s: MachineState, t: Thresholds, step: int, lrs: tuple[float, ...]) -> None:

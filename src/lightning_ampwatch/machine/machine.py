@@ -3,141 +3,24 @@
 Pure Python (no torch, no Lightning) so that every rule can be tested with synthetic sequences.
 It decides *what* is wrong; how the numbers were measured and what to do about them live elsewhere. The loss level
 it compares with (the healthy reference, the climb, the level after a rollback) is tracked by the
-:class:`~lightning_ampwatch.reference.HealthyReference` it owns (``reference.py``); what it carries from step to step,
-and its checkpoint, is ``machine_state.py``'s. The names of both stay importable from here.
+:class:`~lightning_ampwatch.machine.reference.HealthyReference` it owns, which reports a climb that lasts and leaves
+the alarm to the machine; what it carries from step to step, and its checkpoint, is ``state.py``'s. The last module of
+the package: it imports the others, none of them imports it.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, fields
-from enum import Enum
+from dataclasses import fields
 from itertools import compress
-from typing import Any, Iterable, Mapping, Sequence, get_type_hints
+from typing import Any, Iterable, Mapping, Sequence
 
-# what the machine carries, and the healthy reference it owns: their names stay importable from here
-from lightning_ampwatch.lr_history import lr_event, record_lr
-from lightning_ampwatch.machine_state import (  # noqa: F401
-    SCALE_HISTORY, Episode, LrPoint, LrRise, MachineState, NormalCall, Streak, decode, plain,
-)
-from lightning_ampwatch.reference import (  # noqa: F401
-    HEALTHY_RISE, SKIP_LOG, Climb, HealthyReference, LevelAt, Reference,
-)
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, LrEvent, advise
-
-
-class PrecisionMode(str, Enum):
-    """What arithmetic the watched run uses; decides which findings are possible."""
-
-    FP16 = "fp16"  # float16 autocast with a GradScaler
-    BF16 = "bf16"  # bfloat16 autocast, no scaler
-    FP32 = "fp32"  # no reduced precision at all: the FP32 control is the run itself
-    HALF = "half"  # parameters in float16 ("16-true"), no scaler
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When a pattern becomes an alarm. The defaults suit a GradScaler with its default settings."""
-
-    startup_streak: int = 4
-    """Skips in a row from the first step before the start-up is called a gradient overflow (2**4 = 16x too high)."""
-    streak: int = 4
-    """Skips in a row later in the run that make a gradient-overflow alarm."""
-    window: int = 32
-    """Steps over which the skip rate is measured."""
-    window_skip_rate: float = 0.25
-    """Skip rate over ``window`` that makes a persistent gradient-overflow alarm."""
-    floor_scale: float = 1.0
-    """A scale below this that still overflows means the unscaled gradients overflow float16."""
-    growth_repeats: int = 3
-    """Growths followed straight away by a skip before it counts as growth overflow."""
-    growth_lag: int = 2
-    """A skip within this many steps after a growth counts as caused by it."""
-    growth_skip_rate: float = 0.02
-    """Below this skip rate, growth-then-skip is the scaler's normal equilibrium, not a fault."""
-    lr_lookback: int = 5
-    """How many steps before the onset an LR increase is taken as the cause."""
-    lr_rise: float = 0.1
-    """Relative LR increase inside ``lr_lookback`` that counts as an increase."""
-    warmup_ratio: float = 2.0
-    """The peak must be this many times the LR the climb started from for the climb to count as a warmup."""
-    input_limit: float = 1e4
-    """Batch values beyond this magnitude are out of float16's comfortable range."""
-    recovery_steps: int = 8
-    """Clean steps in a row that end an episode (and that must follow a skip before it is called normal)."""
-    loss_window: int = 16
-    """Healthy losses whose median is the run's loss level: recent enough to follow training, robust to a few
-    hard batches."""
-    divergence_ratio: float = 4.0
-    """A loss this many times the loss level is part of a climb. Minibatch noise seldom takes a healthy loss to
-    twice its recent median, while a diverging run passes 4x on its way to the 8x and more of a diverged one
-    (30 against a healthy 0.82 in the case that motivated it): 4x dates the climb near its start."""
-    climb_steps: int = 2
-    """Losses in a row above ``divergence_ratio`` x the level before they count as a climb: one is a hard batch."""
-    divergence_steps: int = 8
-    """Losses read in a row above ``divergence_ratio`` x the healthy reference (or the run's first loss, when there
-    is none yet) that make a finite divergence an alarm on their own, with no skip and no NaN: a few hard batches
-    come back well before this many."""
-    lr_cause_margin: float = 0.1
-    """The lower-LR counterfactual blames the learning rate only when its loss falls by at least this fraction (the
-    median of its last three losses under its first) and ends at least this fraction under the full-LR FP32 replay's
-    on the same steps: on a plateau, noise moves both by less, and the two replays see the same batches."""
-    fall_margin: float = 0.2
-    """With no healthy level to compare with, an FP32 replay is a remedy's recovery reference only when its loss falls
-    decisively: the median of its last three losses at least this fraction under its first. Minibatch noise on a
-    plateau seldom moves a median of three that far; a smaller fall is no evidence that the replay was healthy."""
-
-    def __post_init__(self) -> None:
-        kinds = get_type_hints(Thresholds)
-        for f in fields(self):
-            value, kind = getattr(self, f.name), kinds[f.name]
-            wanted = "a positive integer" if kind is int else "a positive finite number"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or (kind is int and not isinstance(value, int)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"Thresholds.{f.name} must be {wanted}, got {value!r}")
-        for name in ("window_skip_rate", "growth_skip_rate"):
-            if getattr(self, name) > 1:
-                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {getattr(self, name)!r}")
-        for name in ("lr_cause_margin", "fall_margin"):
-            if getattr(self, name) >= 1:
-                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)!r}")
-        if self.divergence_ratio <= 1:
-            raise ValueError(f"Thresholds.divergence_ratio must be above 1 (a loss above its level), "
-                             f"got {self.divergence_ratio!r}")
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """What the adapter found in the batch of an anomalous step."""
-
-    nonfinite: bool = False
-    nonfinite_where: str | None = None
-    absmax: float = 0.0
-    absmax_where: str | None = None
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One optimizer step, as plain numbers.
-
-    ``loss`` and ``loss_finite`` may be ``None`` when the adapter did not read them (a healthy step under
-    a scaler costs nothing to watch); a clean step's loss feeds the loss level and the divergence rule.
-    ``scale`` is the scale the step ran with.
-    """
-
-    step: int
-    skipped: bool = False
-    loss: float | None = None
-    loss_finite: bool | None = None
-    scale: float | None = None
-    grew: bool = False
-    lrs: tuple[float, ...] = ()
-    batch: BatchStats | None = None
-
-    @property
-    def anomalous(self) -> bool:
-        return self.skipped or self.loss_finite is False
+from lightning_ampwatch.machine.lr_history import lr_event, record_lr
+from lightning_ampwatch.machine.reference import SKIP_LOG, HealthyReference, LevelAt
+from lightning_ampwatch.machine.state import Climb, Episode, MachineState, NormalCall, Streak, decode, plain
+from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
 
 
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
@@ -172,7 +55,7 @@ class AmpStateMachine:
         that holds is not known yet; the adapter measures it from the replay's gradients."""
         self.state = self._fresh_state()
         self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
-        self.healthy = HealthyReference(self)
+        self.healthy = HealthyReference(self, self._climb_lasted)
         """The healthy-reference tracker: the loss level, the climb, the level after a rollback."""
         self.divergence_opens_episode = True
         """A finite divergence opens an episode (later alarms are part of it). Off under DDP, where each rank finds
@@ -321,12 +204,12 @@ class AmpStateMachine:
 
     # the tracker's fast path and counter, as tests read them on the machine
     def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
-        return self.healthy._note_healthy_run(batch)
+        return self.healthy.note_healthy_run(batch)
 
     @property
     def _since_promote(self) -> int:
         """Candidate losses taken since the healthy level was last judged (the tracker's)."""
-        return self.healthy._since_promote
+        return self.healthy.since_promote
 
     def reference_for(self, onset: int) -> Reference | None:
         """The healthy level from before ``onset``, or None (:meth:`HealthyReference.reference_for`)."""
@@ -649,6 +532,21 @@ class AmpStateMachine:
     def _recent_skips_after(self, step: int) -> bool:
         skips = self.state.recent_skips
         return bool(skips) and skips[-1] > step
+
+    def _climb_lasted(self, climb: Climb) -> None:
+        """The healthy reference found a climb that lasted (a finite divergence): the machine raises it now (an
+        episode, unless it is off under DDP, where it is noted once), among the pending alarms."""
+        finding, onset, found = self.healthy.finite_divergence(climb)
+        ev: dict[str, Any] = {"precision": self.mode.value, **found}
+        s = self.state
+        if not self.divergence_opens_episode:
+            s.divergence_noted = True
+            self._pending.append(self._make(finding, onset, ev))
+            return
+        out = self._raise(self._make(finding, onset, ev), climb.last_step)
+        assert s.episode is not None
+        s.episode.finite = True
+        self._pending.extend(out)
 
     def _raise(self, alarm: Diagnosis, step: int) -> list[Diagnosis]:
         """Open the alarm's episode; withdraw a ``NORMAL_SCALING`` call whose skip turns out to have begun it."""

@@ -4,7 +4,11 @@ Pure Python (no torch, no Lightning), like the machine that owns it. :class:`Hea
 adapter reads (one step's, or a log step's batch), keeps the candidate stretch, makes it the healthy level when it looks
 healthy (:class:`Reference`), marks a climb above it (:class:`Climb`), and after a rollback finds the level the run had
 where it went back to (:class:`LevelAt`). A climb that lasts is a finite divergence, an alarm of its own. Its fields
-live in the machine's :class:`~lightning_ampwatch.machine_state.MachineState` (one checkpoint, one format).
+live in the machine's :class:`~lightning_ampwatch.machine.state.MachineState` (one checkpoint, one format).
+
+It imports the machine's state, vocabulary and LR history, never the machine: it reads its owner through
+:class:`ReferenceOwner`, and a climb that lasts is handed to the owner's ``on_climb``, which decides what it is (the
+machine raises it as an alarm).
 """
 
 from __future__ import annotations
@@ -12,13 +16,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from lightning_ampwatch.lr_history import lr_event
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding
-
-if TYPE_CHECKING:
-    from lightning_ampwatch.machine import AmpStateMachine
+from lightning_ampwatch.machine.lr_history import lr_event
+from lightning_ampwatch.machine.state import Climb, MachineState, Reference
+from lightning_ampwatch.machine.vocabulary import Thresholds
+from lightning_ampwatch.taxonomy import DivergencePattern, Finding
 
 #: Healthy losses needed before there is a loss level to compare with.
 _LEVEL_MIN_LOSSES = 3
@@ -32,29 +35,6 @@ _INF = math.inf
 #: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
 #: ring a rollback reads keeps as many steps).
 SKIP_LOG = 256
-
-
-@dataclass
-class Climb:
-    """Losses in a row above ``divergence_ratio`` x the level: the run may be diverging."""
-
-    start_step: int
-    level: float
-    start_loss: float
-    last_step: int
-    last_loss: float
-    steps: int = 1
-
-
-@dataclass
-class Reference:
-    """A loss level known to be healthy: the median of a stretch of finite losses taken while nothing was in
-    progress (no episode, no skip awaiting its verdict) and that was not climbing."""
-
-    level: float
-    first_step: int
-    last_step: int
-    count: int
 
 
 @dataclass(frozen=True)
@@ -75,17 +55,36 @@ class LevelAt:
 # ------------------------------------------------------------------------------------ the tracker
 
 
+class ReferenceOwner(Protocol):
+    """What the tracker reads of the machine that owns it."""
+
+    @property
+    def state(self) -> MachineState: ...
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+
+    @property
+    def quiet(self) -> bool: ...
+
+
 class HealthyReference:
     """The healthy-reference tracker of one :class:`~lightning_ampwatch.machine.AmpStateMachine`, which owns it and
-    delegates to it. It reads and writes the machine's state (``machine.state``: ``losses``, ``loss_steps``,
+    delegates to it. It reads and writes the owner's state (``owner.state``: ``losses``, ``loss_steps``,
     ``reference``, ``reference_before_skip``, ``climb``, ``start_loss``, ``divergence_noted``, ``rebased_why``), and
-    the machine's :attr:`~lightning_ampwatch.machine.AmpStateMachine.quiet` for whether anything is in progress. A
-    climb that lasts is a finite divergence: the tracker writes its evidence and the machine raises it (its episode,
-    its withdrawal of a ``NORMAL_SCALING`` call), through the machine's pending alarms."""
+    the owner's ``quiet`` for whether anything is in progress. A climb that lasts is a finite divergence: the
+    tracker hands it to ``on_climb`` at once (the machine raises it: its episode, its withdrawal of a
+    ``NORMAL_SCALING`` call), and :meth:`finite_divergence` gives its finding and evidence."""
 
-    def __init__(self, machine: AmpStateMachine) -> None:
-        self._machine = machine
+    def __init__(self, owner: ReferenceOwner, on_climb: Callable[[Climb], None]) -> None:
+        self._owner = owner
+        self._on_climb = on_climb
         self._since_promote = 0  # candidate losses taken since the healthy level was last judged
+
+    @property
+    def since_promote(self) -> int:
+        """Candidate losses taken since the healthy level was last judged."""
+        return self._since_promote
 
     # ---------------------------------------------------------------- losses read in batches (a log step)
 
@@ -100,9 +99,9 @@ class HealthyReference:
         # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
         if not isinstance(losses, list):
             losses = list(losses)
-        taken = self._note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
-        s, take, promote = self._machine.state, self.take_loss, self.promote
-        ratio = self._machine.thresholds.divergence_ratio
+        taken = self.note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
+        s, take, promote = self._owner.state, self.take_loss, self.promote
+        ratio = self._owner.thresholds.divergence_ratio
         limit: float | None = None  # the climb threshold while the inline path holds; None: read the state again
         since = self._since_promote
         for step, loss in (losses[taken:] if taken else losses):
@@ -132,13 +131,13 @@ class HealthyReference:
                 limit = None
         self._since_promote = since
 
-    def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
+    def note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
         """The inline path of :meth:`note_losses` over whole runs of losses with C builtins: while nothing is in
         progress and every loss of the batch is finite, the losses up to the next re-judged level are taken at once
         when none of them is above the climb threshold in force (one ``max``, two ``extend``), and the level is
         re-judged exactly where the one-by-one path re-judges it. Returns how many losses it took, from the first:
         it stops before the first run that holds a loss over the threshold (the rest go one by one)."""
-        s = self._machine.state
+        s = self._owner.state
         start = s.start_loss
         if (start is None or s.climb is not None or s.episode is not None or s.divergence_noted
                 or s.streak is not None or s.isolated_since is not None):
@@ -146,7 +145,7 @@ class HealthyReference:
         steps, values = zip(*batch)
         if not all(map(math.isfinite, values)):
             return 0
-        ratio, promote = self._machine.thresholds.divergence_ratio, self.promote
+        ratio, promote = self._owner.thresholds.divergence_ratio, self.promote
         window, window_steps = s.losses, s.loss_steps
         n, since = len(values), self._since_promote
         ref = s.reference
@@ -176,7 +175,7 @@ class HealthyReference:
     def reference_for(self, onset: int) -> Reference | None:
         """The healthy level from before ``onset`` (an episode's first sign), or None when no healthy stretch
         came before it: then there is nothing the episode can be measured against but what training itself shows."""
-        s = self._machine.state
+        s = self._owner.state
         # the newest level made wholly before the onset: a climb's first losses, still under the alarm's threshold
         # when they came, may have joined the newest level before the climb was seen
         for ref in (s.reference, s.reference_before_skip, s.reference_earlier):
@@ -189,8 +188,8 @@ class HealthyReference:
         ref = self.reference_for(onset)
         if ref is not None:
             return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
-        start = self._machine.state.start_loss
-        rebased = self._machine.state.rebased_why
+        start = self._owner.state.start_loss
+        rebased = self._owner.state.rebased_why
         why = (f"no healthy loss level before step {onset}: {rebased}" if rebased is not None else
                f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
                "could be seen")
@@ -207,7 +206,7 @@ class HealthyReference:
         stretch is: every loss finite, no two skipped steps in a row, its newer half not climbing over its older half,
         and not a slow build above the healthy level before it. Otherwise there is no level, and
         ``why`` says why."""
-        t, s = self._machine.thresholds, self._machine.state
+        t, s = self._owner.thresholds, self._owner.state
         recent = list(recent)
         then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
         where = f"the run went back to step {resumed_at}"
@@ -255,7 +254,7 @@ class HealthyReference:
         one of them was read, finite, not skipped in a row, and before the open episode's onset. Their median is
         what a healthy run reached from that state, so the remedied run is held to it. None when they do not
         qualify (the caller then judges the few losses before, and a single loss shows no climb)."""
-        t, s = self._machine.thresholds, self._machine.state
+        t, s = self._owner.thresholds, self._owner.state
         end = resumed_at + t.recovery_steps
         if s.episode is None or s.episode.onset < end:
             return None
@@ -274,7 +273,7 @@ class HealthyReference:
         """The run went back to an earlier state (a rollback): its healthy level is the one it had there, if that
         stretch was healthy (:meth:`level_before`); otherwise there is none, and the evidence of a later alarm says
         why. What was climbing belongs to abandoned steps."""
-        s = self._machine.state
+        s = self._owner.state
         s.reference = None if at.level is None else Reference(at.level, at.first_step, at.last_step, at.count)
         s.rebased_why = at.why
         s.reference_before_skip = s.reference
@@ -292,15 +291,15 @@ class HealthyReference:
         if not math.isfinite(loss):
             # read after the fact on a step the scaler took: its gradients were finite (an empty batch's mean, a
             # NaN the gradients do not see); counted, as every non-finite loss is
-            self._machine.state.nonfinite_total += 1
+            self._owner.state.nonfinite_total += 1
             return
-        s, t = self._machine.state, self._machine.thresholds
+        s, t = self._owner.state, self._owner.thresholds
         if s.start_loss is None:
             s.start_loss = loss
         ref = s.reference
         base = ref.level if ref is not None else s.start_loss
         ep = s.episode
-        if loss > t.divergence_ratio * base and s.climb is None and self._since_promote and self._machine.quiet:
+        if loss > t.divergence_ratio * base and s.climb is None and self._since_promote and self._owner.quiet:
             self.promote()  # a climb may start here: measure it against the level as of the step before
             ref = s.reference
             base = ref.level if ref is not None else s.start_loss
@@ -313,7 +312,7 @@ class HealthyReference:
             if ep is not None:
                 ep.back_run = 0
             elif climb.steps >= t.divergence_steps and not s.divergence_noted:
-                self._machine._pending.extend(self.finite_divergence(climb))
+                self._on_climb(climb)  # the owner decides what it is, now: later losses see its episode
             return
         s.climb = None
         if s.divergence_noted and (base <= 0 or loss <= HEALTHY_RISE * base):
@@ -323,14 +322,14 @@ class HealthyReference:
         s.losses.append(loss)
         s.loss_steps.append(step)
         self._since_promote += 1
-        if self._since_promote >= _PROMOTE_EVERY and self._machine.quiet:
+        if self._since_promote >= _PROMOTE_EVERY and self._owner.quiet:
             self.promote()
 
     def promote(self) -> None:
         """Make the candidate stretch the healthy level, if it looks healthy: enough finite losses, its newer half
         not climbing over its older half, and not a slow build above the level before it."""
         self._since_promote = 0
-        s = self._machine.state
+        s = self._owner.state
         losses = list(s.losses)
         n = len(losses)
         if n < _LEVEL_MIN_LOSSES:
@@ -359,12 +358,12 @@ class HealthyReference:
 
     # ---------------------------------------------------------------- a climb that lasts
 
-    def finite_divergence(self, climb: Climb) -> list[Diagnosis]:
-        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: an alarm of
-        its own (the optimisation diverges; no skip or NaN needed), dated at the climb's start, or at the skip
-        just before it. The machine raises it (an episode, unless it is off under DDP)."""
-        m = self._machine
-        s, t = m.state, m.thresholds
+    def finite_divergence(self, climb: Climb) -> tuple[Finding, int, dict[str, Any]]:
+        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: what the
+        tracker found, as the finding (the optimisation diverges; no skip or NaN needed), its onset (the climb's
+        start, or the skip just before it) and its evidence (without the run's precision, which the owner puts
+        first). The owner decides what it is (an alarm with an episode, or a noted one under DDP)."""
+        s, t = self._owner.state, self._owner.thresholds
         onset = climb.start_step
         for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
             if skip >= onset:
@@ -375,7 +374,7 @@ class HealthyReference:
         ref = self.reference_for(onset)
         base_from = "the healthy level" if ref is not None else "the run's first loss"
         ev: dict[str, Any] = {
-            "precision": m.mode.value, "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
+            "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
             **self.reference_evidence(onset), "loss_at_onset": climb.start_loss, "diverged_first": True,
             "climb_base": climb.level, "climb_base_from": base_from, "climb_steps": climb.steps,
             "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {climb.start_step}.."
@@ -386,14 +385,7 @@ class HealthyReference:
         lr = lr_event(s, t, onset, s.lr_last)
         if lr is not None:
             ev.update(lr)
-        finding = Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE
-        if not m.divergence_opens_episode:
-            s.divergence_noted = True
-            return [m._make(finding, onset, ev)]
-        out = m._raise(m._make(finding, onset, ev), climb.last_step)
-        assert s.episode is not None
-        s.episode.finite = True
-        return out
+        return (Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE), onset, ev
 
     def climb_evidence(self, climb: Climb, first_sign: int) -> dict[str, Any]:
         """What a climb adds to the evidence of an alarm it is part of (it came before ``first_sign`` or after)."""

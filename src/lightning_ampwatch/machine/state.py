@@ -1,7 +1,9 @@
 """What the state machine carries from one step to the next (:class:`MachineState` and its parts), and its
 checkpoint: plain JSON written by :func:`plain`, read back by :func:`decode`, which checks every entry against its
-annotation. Pure Python (no torch, no Lightning). The healthy reference's fields are here too (one state, one
-checkpoint); the logic that keeps them is :mod:`lightning_ampwatch.reference`'s.
+annotation. Pure Python (no torch, no Lightning). The healthy reference's fields (:class:`Reference`,
+:class:`Climb`) and the LR's history (:class:`LrPoint`, :class:`LrRise`) are here too (one state, one checkpoint);
+the logic that keeps them is :mod:`~lightning_ampwatch.machine.reference`'s and
+:mod:`~lightning_ampwatch.machine.lr_history`'s. This module imports no other module of the machine package.
 """
 
 from __future__ import annotations
@@ -12,12 +14,49 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.lr_history import LrPoint, LrRise
-from lightning_ampwatch.reference import Climb, Reference
 from lightning_ampwatch.taxonomy import Finding
 
 #: How many scales of a streak its ``scale_history`` evidence keeps.
 SCALE_HISTORY = 24
+
+
+@dataclass
+class LrPoint:
+    """A step at which the (largest) learning rate changed, and its new value."""
+
+    step: int
+    lr: float
+
+@dataclass
+class LrRise:
+    """The latest rise of the learning rate: increases in a row, each within ``lr_lookback`` steps of the last."""
+
+    start_step: int
+    start_lr: float
+    top_step: int
+    top_lr: float
+    points: int = 1
+
+@dataclass
+class Climb:
+    """Losses in a row above ``divergence_ratio`` x the level: the run may be diverging."""
+
+    start_step: int
+    level: float
+    start_loss: float
+    last_step: int
+    last_loss: float
+    steps: int = 1
+
+@dataclass
+class Reference:
+    """A loss level known to be healthy: the median of a stretch of finite losses taken while nothing was in
+    progress (no episode, no skip awaiting its verdict) and that was not climbing."""
+
+    level: float
+    first_step: int
+    last_step: int
+    count: int
 
 
 @dataclass
