@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
 
 import lightning.pytorch as pl
 import pytest
+from _scripts import loaded_script
 import torch
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py"
@@ -23,15 +22,8 @@ VERDICTS = ("within the budget", "over the budget", "inconclusive")
 
 @pytest.fixture(scope="module")
 def overhead() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("ampwatch_overhead_benchmark", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script(BENCHMARK, "ampwatch_overhead_benchmark") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.fixture(scope="module")

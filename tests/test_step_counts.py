@@ -5,13 +5,12 @@ benchmark's to print (``benchmarks/overhead.py``), never a test's."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
 
 import pytest
+from _scripts import loaded_script
 
 from lightning_ampwatch import AmpWatch
 
@@ -21,15 +20,8 @@ SETTLED = 100  # (step_counts.SETTLED: the "auto" cadences have decided by then)
 
 @pytest.fixture(scope="module")
 def step_counts() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("ampwatch_step_counts", COUNTS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script(COUNTS, "ampwatch_step_counts") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.fixture(scope="module")
