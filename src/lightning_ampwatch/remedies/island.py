@@ -11,6 +11,7 @@ from lightning_ampwatch import deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.interventions import Intervention
 
 ISLAND_ATTR = "_ampwatch_fp32_island"
 
@@ -99,9 +100,15 @@ class Fp32Island(Remedy):
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         deepspeed_state.refuse(ctx.trainer, "fp32_island")
-        name = _island_module_name(ctx.module, diagnosis.location)
-        attach_island(ctx.module, name, ctx.device.type)
-        return {"module": name}
+        report = getattr(diagnosis.facts, "interventions", None)
+        measured = tuple(getattr(report, "island_modules", ()) or ())
+        if measured and report.cured(Intervention.ISLAND):
+            names = [n for n in measured if n in dict(ctx.module.named_modules())]  # the modules whose island cured
+        else:
+            names = [_island_module_name(ctx.module, diagnosis.location)]
+        for name in names:
+            attach_island(ctx.module, name, ctx.device.type)
+        return {"module": names[0], "modules": names} if len(names) > 1 else {"module": names[0]}
 
     def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """A checkpoint holds weights, not the island: attach it again, where the run autocasts (mixed precision).
@@ -110,9 +117,13 @@ class Fp32Island(Remedy):
         precision = run_precision(ctx)
         if precision != UNKNOWN and not precision.endswith("-mixed"):
             return built_with(precision)
-        if record.details.get("module") is not None:
-            attach_island(ctx.module, record.details["module"], ctx.device.type)
+        for name in record.details.get("modules") or [record.details.get("module")]:
+            if name is not None:
+                attach_island(ctx.module, name, ctx.device.type)
         return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
+        modules = details.get("modules")
+        if isinstance(modules, list) and len(modules) > 1:
+            return f"{', '.join(modules)} run in float32 with autocast off"
         return f"{details['module'] or 'the whole model'} runs in float32 with autocast off"
