@@ -138,16 +138,6 @@ def regression_targets(n: int = 4096, batch_size: int = 64, seed: int = 0) -> Da
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def shifting_targets(n: int = 4096, batch_size: int = 64, shift_at: int = 30, factor: float = 64.0) -> DataLoader:
-    """The same regression, but from batch ``shift_at`` on the targets are ``factor`` times larger (a new data
-    source): the summed loss's gradients grow by as much, past the scale that held before."""
-    loader = regression_targets(n, batch_size)
-    x, y = loader.dataset.tensors
-    y = y.clone()
-    y[shift_at * batch_size:] *= factor
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the truth, measured without AmpWatch
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,7 +168,6 @@ class Tape(pl.Callback):
 MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoader]]] = {
     "lm": (TinyLM, lm_data),
     "regression": (SummedMse, regression_targets),
-    "shifting": (SummedMse, shifting_targets),
 }
 
 
