@@ -139,6 +139,41 @@ def regression_targets(n: int = 4096, batch_size: int = 64, seed: int = 0) -> Da
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 3. A frozen backbone that Lightning's BackboneFinetuning unfreezes at step 40 as a new param group at an LR of 1.0
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Finetune(pl.LightningModule):
+    """A frozen backbone and a head, as ``BackboneFinetuning`` expects (``self.backbone``): the callback unfreezes
+    the backbone at epoch 1 (step 40: 40 batches an epoch) as a new param group, here at an LR of 1.0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)).float().squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-3)
+
+
+def finetune_data(n: int = 1280, batch_size: int = 32, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x[:, :4].sum(1) - x[:, 4:].prod(1)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def backbone_finetuning() -> Any:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    return BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=1.0, should_align=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the truth, measured without AmpWatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -168,6 +203,7 @@ class Tape(pl.Callback):
 MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoader]]] = {
     "lm": (TinyLM, lm_data),
     "regression": (SummedMse, regression_targets),
+    "finetune": (Finetune, finetune_data),
 }
 
 

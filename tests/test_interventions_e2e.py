@@ -146,3 +146,26 @@ def test_a_lower_lr_that_only_delays_the_overflow_is_taken_back_as_relapsed_when
     logged = [json.loads(line) for line in (tmp_path / "logs" / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
     latest = [e for e in logged if e.get("finding") == "FORWARD_OVERFLOW" and e.get("step") == first.step][-1]
     assert latest["outcome"] == "relapsed"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# BackboneFinetuning unfreezes a backbone at step 40 as a new param group at an LR of 1.0 (the head's: 1e-3).
+# Truth (60 steps): FP32's loss goes 5.18 -> 659 -> 1263 at steps 40-42 (244x); fp16's 5.18 -> 628 (121x), with
+# skips from step 41 on.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_param_group_added_at_a_far_higher_lr_is_looked_at_before_the_scaler(tmp_path: Path) -> None:
+    make, data = um.MODELS["finetune"]
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    um.trainer([watch, um.backbone_finetuning()], str(tmp_path), steps=48).fit(make(), data())
+    first = _alarms(watch)[0]
+    # before: GRADIENT_OVERFLOW at 41 in head.weight, and LR_SCHEDULE only at 45
+    assert first.finding is Finding.LR_SCHEDULE and first.step == 41
+    ev = first.evidence
+    assert ev["lr_event"] == "param_group_added" and ev["lr_after"] == 1.0 and ev["lr_before"] == pytest.approx(1e-3)
+    assert "a param group was added at a far higher learning rate" in first.advice
+    assert "an AMP fault" not in ev["control_verdict"]
+    # the snapshot before it holds one param group fewer: no replay from it can stand for the run, and none is made
+    assert "gained a param group" in ev["trajectory_control"]

@@ -150,6 +150,13 @@ class InterventionReport:
     not_tried: tuple[tuple[str, str], ...] = ()  # (label, why)
     safe_scale: float | None = None  # the largest scale that ran the whole window without a skip
     safe_scale_tried: tuple[tuple[float, bool], ...] = ()  # (scale, ran clean) in the order tried
+
+    @property
+    def safe_scale_bounded(self) -> bool:
+        """Twice the safe scale was replayed and skipped (or is above the onset's half): it is the largest that holds,
+        not only the largest the cap let the search try."""
+        return self.safe_scale is not None and any(s == 2 * self.safe_scale and not ok
+                                                   for s, ok in self.safe_scale_tried)
     island_modules: tuple[str, ...] = ()
     replayed_steps: int = 0
     cap: int = 0

@@ -27,7 +27,15 @@ from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer,
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.records import ControlVerdict, facts_of
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise, format_pow2
+from lightning_ampwatch.taxonomy import (
+    Diagnosis,
+    DivergencePattern,
+    Finding,
+    GradientPattern,
+    LrEvent,
+    advise,
+    format_pow2,
+)
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
@@ -457,6 +465,17 @@ class Investigations:
         if (refined.finding in AMP_BLAMING or renamed is not None) and "loss_reference" not in refined.evidence:
             refined = replace(refined, evidence={**refined.evidence,
                                                  **self.machine.reference_evidence(diagnosis.step)})
+        added = _added_group(trajectory, diagnosis.step, self.machine) if refined.finding in _RISE_FIRST else None
+        if added is not None:
+            # a param group added just before the onset, at an LR far above the others': the LR is looked at before
+            # the scaler (its rise is what the interventions weigh, and where they cannot run, what stands)
+            ev = {**refined.evidence, **added}
+            if isinstance(ev.get("control_verdict"), str) and ev["control_verdict"].startswith("control finite"):
+                ev["control_verdict"] = ("control finite: one batch replayed in FP32 is finite, which says nothing "
+                                         "of training at the new group's learning rate")
+            refined = replace(refined, finding=Finding.LR_SCHEDULE, evidence=ev,
+                              advice=advise(Finding.LR_SCHEDULE, ev))
+            renamed = Finding.LR_SCHEDULE
         if trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
             # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
@@ -749,6 +768,14 @@ class TrajectoryControl:
         before = max(diagnosis.step - 1, 0)
         snapshot = self.ring.newest_before(before) if self.ring.enabled else None
         stale = snapshot.stale(self.state) if snapshot is not None else None
+        if snapshot is not None and stale is None and [len(g) for g in snapshot.groups] != [
+                len(o.param_groups) for o in self.state.optimizers]:
+            # a param group was added since (a backbone unfrozen): a replay from it would train the new group from
+            # the snapshot's step on, which the run did not; no verdict on the run can be drawn from it
+            ev["trajectory_control"] = (f"not run: the optimizers gained a param group after the snapshot of step "
+                                        f"{snapshot.step}, so a replay from it would train that group from there on, "
+                                        "as the run did not")
+            return replace(diagnosis, evidence=ev), None
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
             snapshot = None
@@ -837,7 +864,8 @@ class TrajectoryControl:
                 report = runner.run(
                     module=state.module, located=located,
                     forward=nothing_nonfinite or ev.get("first_nonfinite_step") is not None,
-                    onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")),
+                    onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
+                        _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
                     scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
                     scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
                     repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev))
@@ -929,7 +957,9 @@ class TrajectoryControl:
         if report.safe_scale is not None:
             ev["safe_scale"] = report.safe_scale
             ev["safe_scale_from"] = (f"the largest loss scale that replayed steps {a}-{b} from the snapshot without a "
-                                     "skip")
+                                     "skip" + ("" if report.safe_scale_bounded else (
+                                         f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
+                                         "replay-step cap)")))
             if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
                 # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
                 ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
@@ -951,12 +981,41 @@ class TrajectoryControl:
             return finding, location
         if decision.finding is Finding.NOT_REPRODUCED and verdict.kind is not TrajectoryKind.NOT_REPRODUCED:
             return finding, location
-        ev["control_verdict"] = decision.reason
+        if decision.finding is finding:  # the replays confirm it: the control's verdict stands, theirs beside it
+            ev["trajectory_reason"] = decision.reason
+        else:
+            ev["control_verdict"] = decision.reason
         if decision.cofactors:
             ev["cofactors"] = list(decision.cofactors)
         if decision.finding is not Finding.GRADIENT_OVERFLOW:
             ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
         return decision.finding, decision.location or location
+
+
+#: Findings a param group added at a far higher LR just before the onset is looked at before.
+_RISE_FIRST = {Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GROWTH_OVERFLOW}
+#: A new param group counts as an LR rise when its LR is at least this many times the others' largest.
+ADDED_GROUP_RATIO = 10.0
+
+
+def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | None:
+    """The LR evidence of a param group added within ``Thresholds.lr_lookback`` steps before ``onset`` (or at it)
+    whose LR is at least :data:`ADDED_GROUP_RATIO` times the largest LR of the groups before it (Lightning's
+    ``BackboneFinetuning`` unfreezing a backbone at a high LR), from the LRs each step ran with; None otherwise."""
+    log = getattr(getattr(trajectory, "state", None), "lr_log", None)
+    by_step: dict[int, tuple[float, ...]] = {}
+    for point, lrs in getattr(log, "entries", ()) or ():
+        by_step[point] = lrs  # the last read of a step wins (after a rollback, points are read again)
+    entries = sorted(by_step.items())
+    lookback = getattr(getattr(machine, "thresholds", None), "lr_lookback", Thresholds.lr_lookback)
+    for (_, before), (point, after) in zip(entries, entries[1:]):
+        if not (onset - lookback <= point <= onset) or len(after) <= len(before) or not before:
+            continue
+        old, new = max(before), max(after[len(before):])
+        if old > 0 and new >= ADDED_GROUP_RATIO * old:
+            return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
+                    "lr_change_step": point}
+    return None
 
 
 def _number(value: Any) -> float | None:
