@@ -169,3 +169,28 @@ def test_a_param_group_added_at_a_far_higher_lr_is_looked_at_before_the_scaler(t
     assert "an AMP fault" not in ev["control_verdict"]
     # the snapshot before it holds one param group fewer: no replay from it can stand for the run, and none is made
     assert "gained a param group" in ev["trajectory_control"]
+
+
+def test_a_compiled_block_is_replayed_islanded_and_named_by_the_users_path(tmp_path: Path) -> None:
+    """torch.compile'd blocks (the eager backend: inductor compiles too slowly for a test here). Before: the replay's
+    hooks broke the compiled graph, the replay was called an internal error and the overflow got no location, or
+    was placed in ``blocks.1._orig_mod``."""
+    import json
+
+    class CompiledBlocks(um.TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.compile(b, backend="eager") for b in self.blocks])
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False, remediate=True)
+    tape = um.Tape()
+    model = CompiledBlocks()
+    um.trainer([watch, tape], str(tmp_path), steps=24).fit(model, um.lm_data())
+    [d] = _alarms(watch)
+    assert d.finding is Finding.FORWARD_OVERFLOW and d.location == "blocks.1.attn"
+    assert d.remedy == "fp32_island" and d.evidence["remedy_details"]["modules"] == ["blocks.0.attn", "blocks.1.attn"]
+    assert "_orig_mod" not in json.dumps(d.to_dict(), default=str)
+    assert type(model.blocks[0]).__name__ == "OptimizedModule"  # put back after the replays
+    applied_at = watch.applied[0].step
+    assert all(math.isfinite(v) for v in tape.losses[applied_at:])

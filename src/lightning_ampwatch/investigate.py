@@ -23,7 +23,16 @@ from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.signals import _float_tensors, inspect_batch
 from lightning_ampwatch.remedies.precision import bf16_supported
-from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng, tensors_in
+from lightning_ampwatch.probes import (
+    FP16_MAX,
+    LiveProbe,
+    MicroBatch,
+    Replayer,
+    ReplayResult,
+    capture_rng,
+    tensors_in,
+)
+from lightning_ampwatch.compat import uncompiled
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.records import ControlVerdict, facts_of
@@ -137,7 +146,8 @@ class Investigator:
                 "this rank alone would wait for the others")})
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
-                local = self._local(batches, scale, weights_stepped)
+                with uncompiled(self.module):  # the user's modules, hooked and named as written
+                    local = self._local(batches, scale, weights_stepped)
                 local.loss_level, local.loss_level_origin = loss_level, loss_level_origin
                 local.evidence.update(reference or {})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
@@ -856,19 +866,20 @@ class TrajectoryControl:
 
                 facts = facts_of(diagnosis)
                 located = facts.replay.module if facts.replay is not None else None
-                if located is not None and located not in dict(state.module.named_modules()):
+                if located is not None and not _names_submodule(state.module, located):
                     located = None  # the code around the model (training_step): no module to make an island of
                 nothing_nonfinite = _replay_went_nonfinite(facts.replay) if facts.replay is not None else False
                 runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
                                        bf16=self.bf16, before_each=before_each)
-                report = runner.run(
-                    module=state.module, located=located,
-                    forward=nothing_nonfinite or ev.get("first_nonfinite_step") is not None,
-                    onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
-                        _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
-                    scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
-                    scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                    repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev))
+                with uncompiled(state.module):
+                    report = runner.run(
+                        module=state.module, located=located,
+                        forward=nothing_nonfinite or ev.get("first_nonfinite_step") is not None,
+                        onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
+                            _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
+                        scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
+                        scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
+                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev))
                 if error is not None:
                     raise InvestigationError(error)
                 fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
@@ -965,6 +976,10 @@ class TrajectoryControl:
                 ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
         elif report.safe_scale_tried:
             ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
+            low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
+            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
+                # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
+                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
             ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
                                      f"replayed steps {a}-{b} without a skip")
         ev.pop("pattern_before_replay", None)
@@ -1016,6 +1031,15 @@ def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | 
             return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
                     "lr_change_step": point}
     return None
+
+
+def _names_submodule(module: Any, name: str) -> bool:
+    """``name`` is a submodule's path (through a ``torch.compile``'d module too), not the code around the model."""
+    try:
+        module.get_submodule(name)
+    except (AttributeError, TypeError):
+        return False
+    return bool(name)
 
 
 def _number(value: Any) -> float | None:
