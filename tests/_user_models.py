@@ -138,6 +138,29 @@ def regression_targets(n: int = 4096, batch_size: int = 64, seed: int = 0) -> Da
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
+class BigTargets(pl.LightningModule):
+    """Targets up to 1.5e5 that the model's own float16 output must reach: past 65504 it is inf (the loss, in float32
+    and scaled by 1e-8, is fine)."""
+
+    def __init__(self, lr: float = 20.0) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float().squeeze(-1), y) / 1e8
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def big_targets(n: int = 2048, batch_size: int = 64, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, 1.5e5 * x[:, :4].mean(1)), batch_size=batch_size, shuffle=False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. A frozen backbone that Lightning's BackboneFinetuning unfreezes at step 40 as a new param group at an LR of 1.0
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,13 +220,16 @@ class Tape(pl.Callback):
         if not self.scales or self.scales[0] is None:
             return []
         scales = [65536.0, *self.scales]
-        return [i for i in range(len(self.scales)) if scales[i + 1] < scales[i]]
+        # (a scale of None: no scaler any more, after a switch to bf16: no step skipped)
+        return [i for i in range(len(self.scales))
+                if scales[i + 1] is not None and scales[i] is not None and scales[i + 1] < scales[i]]
 
 
 MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoader]]] = {
     "lm": (TinyLM, lm_data),
     "regression": (SummedMse, regression_targets),
     "finetune": (Finetune, finetune_data),
+    "big_targets": (BigTargets, big_targets),
 }
 
 

@@ -194,3 +194,24 @@ def test_a_compiled_block_is_replayed_islanded_and_named_by_the_users_path(tmp_p
     assert type(model.blocks[0]).__name__ == "OptimizedModule"  # put back after the replays
     applied_at = watch.applied[0].step
     assert all(math.isfinite(v) for v in tape.losses[applied_at:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Targets up to 1.5e5 that the float16 output must reach. Truth (40 steps): FP32 56.3 -> 0.113; fp16 inf from step 2
+# on, 38 of 40 steps skipped.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_run_broken_from_its_second_step_is_verified_against_what_its_cure_reached(tmp_path: Path) -> None:
+    """No healthy level exists before the episode (step 2). Before: "recovery not verified". Now the episode's
+    replays, run through a few steps past the onset, give a reference that trained down decisively."""
+    watch = AmpWatch(verbose=False, remediate=["bf16_fallback"])
+    tape = _fit(tmp_path, "big_targets", watch, steps=24)
+    [d] = _alarms(watch)
+    assert d.finding is Finding.FORWARD_OVERFLOW and d.remedy == "bf16_fallback"
+    assert d.evidence["interventions"]["cured_by"][:2] == ["fp32_island", "bf16"]
+    assert d.outcome == "recovered"
+    recovery = d.evidence["recovery"]
+    assert "fell decisively" in recovery["loss_before_from"] and recovery["loss_ratio"] <= 2.0
+    applied_at = watch.applied[0].step
+    assert all(math.isfinite(v) for v in tape.losses[applied_at:])
