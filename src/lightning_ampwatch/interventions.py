@@ -274,7 +274,8 @@ class Interventions:
     """
 
     def __init__(self, replay: Replay, *, window: Sequence[int], cap: int, bf16: bool,
-                 before_each: Callable[[], bool] = lambda: False) -> None:
+                 before_each: Callable[[], bool] = lambda: False,
+                 agree: Callable[[bool], bool] = lambda ran_clean: ran_clean) -> None:
         self.onset = window[0] if window else 0
         self.lr_factor = LR_FACTOR
         self.replay = replay
@@ -282,6 +283,9 @@ class Interventions:
         self.cap = cap
         self.bf16 = bf16
         self.before_each = before_each
+        # every rank's answer to "did it run clean?" made one (all of them): which replay comes next must be the same
+        # on every rank, since the replays' restores and meetings are collectives (each rank replays its own batches)
+        self.agree = agree
         self.used = 0
 
     def _room(self) -> bool:
@@ -297,7 +301,8 @@ class Interventions:
 
     def run(self, *, module: Any, located: str | None, forward: bool, onset_scale: float | None,
             scale_hint: float | None, lr_rose: bool, scaled: bool, from_step: int, onset: int,
-            repeated_from: int | None, lr_factor: float = LR_FACTOR) -> InterventionReport:
+            repeated_from: int | None, lr_factor: float = LR_FACTOR,
+            lr_cap: float | None = None) -> InterventionReport:
         """``located``: the module the fault was located in (forward faults), or None; ``forward``: the loss itself
         went non-finite (no loss scale reaches a forward overflow); ``onset_scale``: the scale the run faulted at;
         ``scale_hint``: the single-batch estimate of a safe scale, where the search starts; ``lr_rose``: the LR rose
@@ -325,7 +330,7 @@ class Interventions:
 
         nothing = attempt(Intervention.NOTHING, "nothing changed", True, precision="amp", watch=watch)
         attempt(Intervention.FP32, "FP32", False, precision="fp32", watch=watch)
-        if nothing is not None and nothing.cured:  # it did not reproduce: no fix can be measured against it
+        if nothing is not None and self.agree(nothing.cured):  # it did not reproduce: nothing to measure a fix against
             return self._report(from_step, repeated_from, tried, not_tried, island)
         order = [Intervention.LOWER_LR, Intervention.ISLAND] if lr_rose else [Intervention.ISLAND,
                                                                                 Intervention.LOWER_LR]
@@ -339,7 +344,12 @@ class Interventions:
                 else:
                     not_tried.append(("fp32 island", "the fault was not located in a module"))
             else:
-                attempt(kind, f"LR/{1 / lr_factor:.3g}", False, precision="amp", lr_factor=lr_factor, watch=watch)
+                if lr_cap is not None:  # a rise of more than 10x: the same steps without it
+                    attempt(kind, f"LR capped at {lr_cap:.3g} (before the rise)", False, precision="amp",
+                            lr_cap=lr_cap, watch=watch)
+                else:
+                    attempt(kind, f"LR/{1 / lr_factor:.3g}", False, precision="amp", lr_factor=lr_factor,
+                            watch=watch)
         if not scaled:
             pass
         elif forward:
@@ -375,9 +385,10 @@ class Interventions:
                 return None
             t = Tried(Intervention.LOWER_SCALE, f"loss scale {format_pow2(scale)}", result, n, scale=scale)
             tried.append(t)
-            results[scale] = t.cured
-            order.append((scale, t.cured))
-            return t.cured
+            ran_clean = self.agree(t.cured)
+            results[scale] = ran_clean
+            order.append((scale, ran_clean))
+            return ran_clean
 
         floor = 2.0 ** -24
         ok = clean(c)

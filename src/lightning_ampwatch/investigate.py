@@ -181,8 +181,9 @@ class Investigator:
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
+        where = str(ev.get("input_where")).rsplit(": ", 1)[-1]  # ("rank 1: batch[0]" under DDP)
         if finding is Finding.INPUT_RANGE and isinstance(ev.get("reduced_precision_inputs"), list) \
-                and ev.get("input_where") not in ev["reduced_precision_inputs"]:
+                and where not in ev["reduced_precision_inputs"]:
             # the large values never enter a float16 op (a target used in a float32 loss): not an input-range fault
             finding = Finding.FORWARD_OVERFLOW if _replay_went_nonfinite(record) and record.module is not None \
                 else Finding.GRADIENT_OVERFLOW
@@ -229,8 +230,9 @@ class Investigator:
             tracer = ReducedInputs(batches) if use_autocast else None
             with tracer if tracer is not None else contextlib.nullcontext():
                 amp = self.replayer.run(batches, use_autocast=use_autocast, grad_scale=probe_scale, probe=True)
-            if tracer is not None and amp.error is None:
-                ev["reduced_precision_inputs"] = tracer.entered()
+            entered = tracer.entered() if tracer is not None and amp.error is None else None
+            if entered is not None:
+                ev["reduced_precision_inputs"] = entered
             if amp.error is not None:  # a sharded replay failed on some rank: every rank says so, and goes no further
                 ev["replay"] = f"failed: {amp.error}"
                 if self.control:
@@ -279,6 +281,7 @@ class ReducedInputs(torch.overrides.TorchFunctionMode):
                 self.paths[id(t)] = path
                 self.keep.append(t)
         self.reduced: list[str] = []
+        self.seen: set[str] = set()  # the batch paths some op took: none means the batch reached the model copied
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -286,6 +289,7 @@ class ReducedInputs(torch.overrides.TorchFunctionMode):
             return out
         found = {self.paths[id(t)] for t in tensors_in((args, kwargs or {})) if id(t) in self.paths}
         if found:
+            self.seen.update(found)
             outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
             if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs):
                 self.reduced.extend(p for p in sorted(found) if p not in self.reduced)
@@ -297,8 +301,10 @@ class ReducedInputs(torch.overrides.TorchFunctionMode):
                         self.keep.append(t)
         return out
 
-    def entered(self) -> list[str]:
-        return list(self.reduced)
+    def entered(self) -> list[str] | None:
+        """The paths that entered a reduced-precision op; None when no op took any of the batch's own tensors (a
+        wrapper copied them on the way, as DDP may): then nothing is known, and nothing is concluded."""
+        return list(self.reduced) if self.seen else None
 
 
 #: The measured safe scale keeps the largest parameter gradient this many times under float16's maximum: the
@@ -869,17 +875,23 @@ class TrajectoryControl:
                 if located is not None and not _names_submodule(state.module, located):
                     located = None  # the code around the model (training_step): no module to make an island of
                 nothing_nonfinite = _replay_went_nonfinite(facts.replay) if facts.replay is not None else False
+                # which replays run must be every rank's alike (their collectives meet): under several ranks only the
+                # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
+                forward = nothing_nonfinite or (alone and ev.get("first_nonfinite_step") is not None)
+                together = agree and distributed.world_size() > 1
                 runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
-                                       bf16=self.bf16, before_each=before_each)
+                                       bf16=self.bf16, before_each=before_each,
+                                       agree=(lambda clean: all(distributed.gather(clean))) if together else
+                                       (lambda clean: clean))
                 with uncompiled(state.module):
                     report = runner.run(
                         module=state.module, located=located,
-                        forward=nothing_nonfinite or ev.get("first_nonfinite_step") is not None,
+                        forward=forward,
                         onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
                             _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
                         scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev))
+                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev))
                 if error is not None:
                     raise InvestigationError(error)
                 fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
@@ -1053,6 +1065,15 @@ def _lower_lr_factor(ev: dict[str, Any]) -> float:
     if before is not None and after is not None and after > 0 and 0 < before < after:
         return min(LOWER_LR_FACTOR, before / after)
     return LOWER_LR_FACTOR
+
+
+def _lr_cap(ev: dict[str, Any]) -> float | None:
+    """After a rise of more than 10x, the LR before it: the lower-LR intervention then replays the window with no LR
+    above it (the counterfactual "without the rise", as ``reduce_lr``'s ceiling would run it). None otherwise."""
+    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    if before is not None and after is not None and 0 < before and after > before / LOWER_LR_FACTOR:
+        return before
+    return None
 
 
 def _lr_rise(ev: dict[str, Any]) -> str | None:

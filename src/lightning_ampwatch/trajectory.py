@@ -818,10 +818,12 @@ class SnapshotRing:
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
                       precision: str, lr_factor: float = 1.0, scale: float | None = None,
                       island: Sequence[str] = (), watch: Sequence[str] = (),
-                      stop_on_fault: bool = False, skips_allowed: int = 0) -> TrajectoryResult:
+                      stop_on_fault: bool = False, skips_allowed: int = 0,
+                      lr_cap: float | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
-    exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
+    exactly (``lr_cap``: no learning rate above it on any replayed step). ``precision="fp32"``: autocast off and no
+    scaler (the control); ``"amp"``: the run's forward context
     and a scaler restored from the snapshot (does the fault reproduce?); ``"bf16"``: bfloat16 autocast and no scaler.
     ``lr_factor``: every learning rate (and the step schedulers' base rates) times this for the replay: the lower-LR
     counterfactual. ``scale``: the amp replay's scaler starts at this scale instead of the snapshot's (the growth
@@ -876,6 +878,11 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
             for step, micro_batches in steps:
                 if ran is not None:
                     _run_at(state, ran(step), lr_factor)
+                if lr_cap is not None:  # the counterfactual "without the rise": no group above the LR before it
+                    for opt in state.optimizers:
+                        for group in opt.param_groups:
+                            if isinstance(group.get("lr"), (int, float)) and group["lr"] > lr_cap:
+                                group["lr"] = lr_cap
                 loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context)
                 losses.append(loss)
                 skipped.append(skip)
