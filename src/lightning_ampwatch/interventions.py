@@ -286,13 +286,15 @@ class Interventions:
         # every rank's answer to "did it run clean?" made one (all of them): which replay comes next must be the same
         # on every rank, since the replays' restores and meetings are collectives (each rank replays its own batches)
         self.agree = agree
+        self.stopped = False  # a replay failed (here or, where the ranks meet, on another rank): no more replays
         self.used = 0
 
     def _room(self) -> bool:
         return self.used + len(self.window) <= self.cap
 
     def _run(self, **options: Any) -> TrajectoryResult | None:
-        if self.before_each():
+        if self.stopped or self.before_each():  # (once stopped, on every rank alike: no more meetings either)
+            self.stopped = True
             return None
         result = self.replay(**options)
         if result is not None:
@@ -330,7 +332,8 @@ class Interventions:
 
         nothing = attempt(Intervention.NOTHING, "nothing changed", True, precision="amp", watch=watch)
         attempt(Intervention.FP32, "FP32", False, precision="fp32", watch=watch)
-        if nothing is not None and self.agree(nothing.cured):  # it did not reproduce: nothing to measure a fix against
+        # it did not reproduce: nothing to measure a fix against (asked on every rank alike, whatever it ran)
+        if self.agree(nothing is not None and nothing.cured) and not self.stopped:
             return self._report(from_step, repeated_from, tried, not_tried, island)
         order = [Intervention.LOWER_LR, Intervention.ISLAND] if lr_rose else [Intervention.ISLAND,
                                                                                 Intervention.LOWER_LR]

@@ -850,7 +850,14 @@ class TrajectoryControl:
             state = self.state
 
             def before_each() -> bool:
-                return distributed.meet(error) if split else error is not None
+                nonlocal error
+                if not split:
+                    return error is not None
+                try:
+                    return distributed.meet(error)
+                except distributed.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
+                    error = f"ReplayAborted: {err}"
+                    return True
 
             try:
                 steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
@@ -895,8 +902,9 @@ class TrajectoryControl:
                 if error is not None:
                     raise InvestigationError(error)
                 fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
-                if fp32t is None or amp is None:
-                    raise InvestigationError("the replays stopped before the FP32 control")
+                if fp32t is None or amp is None:  # stopped with another rank, whose own error is the one said
+                    raise InvestigationError("ReplayAborted: the replays stopped before the FP32 control, with "
+                                             "another rank's")
                 fp32 = fp32t.result
                 verdict = judge_trajectory(fp32, amp.result, loss_level, self.divergence_ratio)
                 # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
