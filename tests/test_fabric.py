@@ -170,7 +170,7 @@ def test_a_forward_overflow_is_located_in_its_module_and_the_fp32_control_stays_
     assert [Diagnosis.from_dict(line) for line in event_log(tmp_path)] == watch.diagnoses
 
 
-def test_a_startup_gradient_overflow_names_the_scale_the_scaler_settled_at(tmp_path: Path) -> None:
+def test_a_startup_gradient_overflow_names_the_scale_that_ran_the_window(tmp_path: Path) -> None:
     watch, _ = run(tmp_path, Net, regression_data(y_scale=4.0), mse_summed, 30, lr=1e-4)
     [d] = alarms(watch)
     assert d.finding is Finding.GRADIENT_OVERFLOW
@@ -178,8 +178,12 @@ def test_a_startup_gradient_overflow_names_the_scale_the_scaler_settled_at(tmp_p
     assert d.evidence["init_scale"] == 2.0**16
     skipped = d.evidence["skipped_in_row"]
     assert skipped >= 3  # the scaler halved its way down, one skipped step at a time
-    assert d.evidence["safe_scale"] == 2.0**16 / 2**skipped  # the scale of the first step that went through
-    assert f"init_scale=2**{16 - skipped}" in d.advice
+    # issue 30: not the scale of the first step that went through (2**16 / 2**skipped), but the largest that replayed
+    # the whole window from the fit's start without a skip, twice it measured to skip
+    safe = d.evidence["safe_scale"]
+    assert safe <= 2.0**16 / 2**skipped and "replayed steps 0-" in d.evidence["safe_scale_from"]
+    assert [2 * safe, False] in d.evidence["interventions"]["scales_tried"]
+    assert f"init_scale=2**{int(math.log2(safe))}" in d.advice
     assert d.location is not None and d.location.endswith(".weight")  # the first parameter that overflowed
     assert watch.applied == []  # diagnose only
 
@@ -673,9 +677,10 @@ def test_bf16_fallback_switches_fabrics_precision_and_drops_the_scaler(tmp_path:
     # the fault is at step 0, before any healthy level, and FP32 replayed over the remedied steps falls only a few
     # percent (0.916 -> 0.885): no healthy reference, so the outcome is not verified (it read "recovered" against
     # that FP32 replay before a decisive fall was required of it)
-    assert (d.finding, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "bf16_fallback", None)
-    assert "no healthy reference" in d.evidence["recovery"]["reason"]
-    assert "less than the 20% a decisive fall needs" in d.evidence["recovery"]["reason"]
+    # issue 30: the episode's replays run a few steps past the onset, over which FP32 from the same state falls
+    # decisively: a healthy reference, and the remedied run is verified against it (before: "no healthy reference")
+    assert (d.finding, d.remedy, d.outcome) == (Finding.FORWARD_OVERFLOW, "bf16_fallback", "recovered")
+    assert "what FP32 reached replaying the episode's steps (it fell decisively" in d.evidence["recovery"]["reason"]
     assert watch.machine.steps_seen == 12  # the steps after the switch are read through the new plugin's backward
     plugin = fabric.strategy.precision
     assert plugin.precision == "bf16-mixed" and plugin.scaler is None

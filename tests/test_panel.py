@@ -196,8 +196,10 @@ def test_the_command_the_hint_names_shows_the_rows_left_out(tmp_path: Path,
 def test_a_remedy_whose_recovery_cannot_be_verified_says_so_in_its_update(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A fault from the first step has no healthy level to judge a remedy against: the update panel ends with an
-    Outcome line saying the recovery was not verified and why, never a silent panel or a "fixed"."""
-    watch = run_scenario("forward_overflow", str(tmp_path), AmpWatch(remediate=True), max_steps=40)
+    Outcome line saying the recovery was not verified and why, never a silent panel or a "fixed". (Without
+    snapshots: with them, FP32 and the cured replay over the episode's window, through a few steps past the onset,
+    now fall decisively and verify this very run.)"""
+    watch = run_scenario("forward_overflow", str(tmp_path), AmpWatch(remediate=True, snapshot_every=0), max_steps=40)
     out = capsys.readouterr().out
     island = next(d for d in watch.diagnoses if d.remedy == "fp32_island")
     assert island.outcome is None and island.evidence["recovery"]["reason"].startswith("there is no healthy")

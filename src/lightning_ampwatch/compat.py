@@ -580,3 +580,23 @@ def carry_spawn_results(kind: type, send: Callable[[Any], Any], receive: Callabl
     _MultiProcessingLauncher.get_extra_results = get_extra_results  # type: ignore[method-assign]
     _MultiProcessingLauncher.update_main_process_results = update_main_process_results  # type: ignore[method-assign]
     _MultiProcessingLauncher._carried_kinds = installed | {kind}  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def uncompiled(root: nn.Module) -> Iterator[None]:
+    """Every ``torch.compile``'d submodule of ``root`` replaced by the module it compiled, for an alarm's replays and
+    put back on exit: hooks, FP32 islands and probes work on the user's own modules (a compiled graph refuses a
+    hook that records, and would donate its backward's buffers), and their names are the user's module paths,
+    never ``_orig_mod``. The parameters are the same tensors: a replay changes nothing it does not put back."""
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent in list(root.modules()):
+            for name, child in list(parent._modules.items()):
+                inner = getattr(child, "_orig_mod", None)
+                if isinstance(inner, nn.Module) and child is not None and type(child).__name__ == "OptimizedModule":
+                    parent._modules[name] = inner
+                    swapped.append((parent, name, child))
+        yield
+    finally:
+        for parent, name, child in reversed(swapped):
+            parent._modules[name] = child

@@ -318,7 +318,8 @@ class RunWatcher(WatchState):
         control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
                                     self.say_once, adaptive=adaptive, on_failure=self.internal_failure,
                                     fall_margin=config.thresholds.fall_margin,
-                                    lr_cause_margin=config.thresholds.lr_cause_margin)
+                                    lr_cause_margin=config.thresholds.lr_cause_margin,
+                                    thresholds=config.thresholds)
         self.trajectory = control
         control.state.lr_log = self.ledger.lr_log if self.ledger is not None else None  # each step's LRs, replayed
         control.start(host.global_step)  # a state from before the first step this run takes
@@ -724,6 +725,10 @@ class RunWatcher(WatchState):
                 elif diagnosis.withdrawn and renamed_alarm is not None \
                         and diagnosis.evidence.get("withdrawn_by") == renamed_alarm[0]:
                     diagnosis = withdrawn_by(diagnosis, renamed_alarm[1])  # the alarm as it was published
+                if diagnosis.is_alarm and not self.treatment.wants(diagnosis):  # (a treated one is seen in _treat)
+                    relapsed = self.treatment.relapse(diagnosis)
+                    if relapsed is not None:
+                        self._update(relapsed.old, relapsed.new)
                 self._emit(diagnosis)
             batch = obs.batch
             if self.treatment.watch is not None and batch is not None and batch.nonfinite \
@@ -854,6 +859,9 @@ class RunWatcher(WatchState):
         without a remedy, its evidence saying what failed."""
         treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
         assert machine is not None and ledger is not None and host is not None
+        relapsed = treatment.relapse(diagnosis)  # the same fault back after a recovery: taken back, at any step
+        if relapsed is not None:
+            self._update(relapsed.old, relapsed.new)
         if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
             return diagnosis
         choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero

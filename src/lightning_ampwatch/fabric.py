@@ -552,8 +552,14 @@ class FabricHost:
         Fabric calls it and the rest of ``loss_fn`` runs outside autocast, as in the loop; with autocast off (the
         FP32 control) the unwrapped model sees the batch as it is, in float32."""
         try:
+            precision = self._fabric.strategy.precision
+            if torch.is_autocast_enabled(self.device.type) and getattr(precision, "precision", None) == "16-mixed" \
+                    and torch.get_autocast_dtype(self.device.type) == torch.bfloat16:
+                # the bf16 intervention's replay (investigate's Interventions): the model under the bfloat16 autocast
+                # the replay set, not under Fabric's float16 one
+                return self._watch.loss_fn(self.module, batch)
             if torch.is_autocast_enabled(self.device.type):
-                model: Any = _AsFabricRunsIt(self.module, self._fabric.strategy.precision, self)
+                model: Any = _AsFabricRunsIt(self.module, precision, self)
                 with torch.autocast(self.device.type, enabled=False):
                     return self._watch.loss_fn(model, batch)
             return self._watch.loss_fn(self.module, batch)

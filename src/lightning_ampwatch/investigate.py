@@ -21,11 +21,30 @@ import torch
 from lightning_ampwatch import deepspeed_state, distributed, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
-from lightning_ampwatch.signals import inspect_batch
-from lightning_ampwatch.probes import FP16_MAX, LiveProbe, MicroBatch, Replayer, ReplayResult, capture_rng
+from lightning_ampwatch.signals import _float_tensors, inspect_batch
+from lightning_ampwatch.remedies.precision import bf16_supported
+from lightning_ampwatch.probes import (
+    FP16_MAX,
+    LiveProbe,
+    MicroBatch,
+    Replayer,
+    ReplayResult,
+    capture_rng,
+    tensors_in,
+)
+from lightning_ampwatch.compat import uncompiled
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
+from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.records import ControlVerdict, facts_of
-from lightning_ampwatch.taxonomy import Diagnosis, DivergencePattern, Finding, GradientPattern, advise, format_pow2
+from lightning_ampwatch.taxonomy import (
+    Diagnosis,
+    DivergencePattern,
+    Finding,
+    GradientPattern,
+    LrEvent,
+    advise,
+    format_pow2,
+)
 from lightning_ampwatch.verdicts import (
     AMP_BLAMING,
     LOWER_LR_FACTOR,
@@ -33,6 +52,7 @@ from lightning_ampwatch.verdicts import (
     LowerLrKind,
     LowerLrVerdict,
     TrajectoryKind,
+    TrajectoryResult,
     TrajectoryVerdict,
     control_result,
     fp32_reference,
@@ -65,6 +85,10 @@ class ReplayRecord:
     loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
     loss_level_origin: LevelOrigin = LevelOrigin.HEALTHY  # which of the two ``loss_level`` is
     error: str | None = None  # the replay failed on this rank
+
+
+class _CapTooSmall(Exception):
+    """The replay-step cap cannot hold the window twice (nothing changed and FP32): the replays are not run."""
 
 
 class InvestigationError(RuntimeError):
@@ -122,7 +146,8 @@ class Investigator:
                 "this rank alone would wait for the others")})
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
-                local = self._local(batches, scale, weights_stepped)
+                with uncompiled(self.module):  # the user's modules, hooked and named as written
+                    local = self._local(batches, scale, weights_stepped)
                 local.loss_level, local.loss_level_origin = loss_level, loss_level_origin
                 local.evidence.update(reference or {})
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
@@ -156,6 +181,15 @@ class Investigator:
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
+        where = str(ev.get("input_where")).rsplit(": ", 1)[-1]  # ("rank 1: batch[0]" under DDP)
+        if finding is Finding.INPUT_RANGE and isinstance(ev.get("reduced_precision_inputs"), list) \
+                and where not in ev["reduced_precision_inputs"]:
+            # the large values never enter a float16 op (a target used in a float32 loss): not an input-range fault
+            finding = Finding.FORWARD_OVERFLOW if _replay_went_nonfinite(record) and record.module is not None \
+                else Finding.GRADIENT_OVERFLOW
+            ev["input_not_in_reduced_precision"] = (
+                f"{ev.pop('input_where', None)} holds values up to {ev.pop('input_absmax', 0):.3g}, but the replay "
+                "shows it enters no float16 op (it is used in float32 only)")
         if loss_level is not None:
             ev["loss_level"] = loss_level
             if record.loss_level_origin is not LevelOrigin.HEALTHY:
@@ -193,7 +227,12 @@ class Investigator:
         probe_scale = scale if scale is not None else 1.0
         if self.localize:
             use_autocast = self.mode is not PrecisionMode.FP32
-            amp = self.replayer.run(batches, use_autocast=use_autocast, grad_scale=probe_scale, probe=True)
+            tracer = ReducedInputs(batches) if use_autocast else None
+            with tracer if tracer is not None else contextlib.nullcontext():
+                amp = self.replayer.run(batches, use_autocast=use_autocast, grad_scale=probe_scale, probe=True)
+            entered = tracer.entered() if tracer is not None and amp.error is None else None
+            if entered is not None:
+                ev["reduced_precision_inputs"] = entered
             if amp.error is not None:  # a sharded replay failed on some rank: every rank says so, and goes no further
                 ev["replay"] = f"failed: {amp.error}"
                 if self.control:
@@ -227,6 +266,47 @@ class Investigator:
         return out
 
 
+class ReducedInputs(torch.overrides.TorchFunctionMode):
+    """Which of the batches' float tensors enter a reduced-precision op in a replay: a torch function that takes one
+    (or a float32 tensor computed from one) and returns a float16/bfloat16 tensor. A target used only in a float32
+    loss never does. Alarm-time only (the probe's replay)."""
+
+    def __init__(self, batches: Sequence[MicroBatch]) -> None:
+        super().__init__()
+        self.paths: dict[int, str] = {}
+        self.keep: list[torch.Tensor] = []  # the traced tensors stay alive, so that their ids stay theirs
+        for i, mb in enumerate(batches):
+            prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
+            for path, t in _float_tensors(mb.batch, prefix):
+                self.paths[id(t)] = path
+                self.keep.append(t)
+        self.reduced: list[str] = []
+        self.seen: set[str] = set()  # the batch paths some op took: none means the batch reached the model copied
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.paths:
+            return out
+        found = {self.paths[id(t)] for t in tensors_in((args, kwargs or {})) if id(t) in self.paths}
+        if found:
+            self.seen.update(found)
+            outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
+            if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs):
+                self.reduced.extend(p for p in sorted(found) if p not in self.reduced)
+            else:  # a float32 derivation (a normalisation, a slice): followed on
+                path = sorted(found)[0]
+                for t in outs:
+                    if t.is_floating_point():
+                        self.paths[id(t)] = path
+                        self.keep.append(t)
+        return out
+
+    def entered(self) -> list[str] | None:
+        """The paths that entered a reduced-precision op; None when no op took any of the batch's own tensors (a
+        wrapper copied them on the way, as DDP may): then nothing is known, and nothing is concluded."""
+        return list(self.reduced) if self.seen else None
+
+
 #: The measured safe scale keeps the largest parameter gradient this many times under float16's maximum: the
 #: activations' gradients, which the replay does not see, can be larger.
 SAFE_SCALE_MARGIN = 2.0
@@ -242,6 +322,8 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     measured one."""
     if finding in _BACKWARD and (ev.get("replay_unscaled_grads_finite") is False or (
             ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0)):
+        if ev.get("pattern") not in (None, GradientPattern.UNSCALED_OVERFLOW.value):
+            ev["pattern_before_replay"] = ev["pattern"]  # for the interventions, should a lower scale hold
         ev["pattern"] = GradientPattern.UNSCALED_OVERFLOW.value
         ev.pop("safe_scale", None)
         return Finding.GRADIENT_OVERFLOW
@@ -399,7 +481,19 @@ class Investigations:
         if (refined.finding in AMP_BLAMING or renamed is not None) and "loss_reference" not in refined.evidence:
             refined = replace(refined, evidence={**refined.evidence,
                                                  **self.machine.reference_evidence(diagnosis.step)})
-        if trajectory is not None and refined.finding in AMP_BLAMING:
+        added = _added_group(trajectory, diagnosis.step, self.machine) if refined.finding in _RISE_FIRST else None
+        if added is not None:
+            # a param group added just before the onset, at an LR far above the others': the LR is looked at before
+            # the scaler (its rise is what the interventions weigh, and where they cannot run, what stands)
+            ev = {**refined.evidence, **added}
+            if isinstance(ev.get("control_verdict"), str) and ev["control_verdict"].startswith("control finite"):
+                ev["control_verdict"] = ("control finite: one batch replayed in FP32 is finite, which says nothing "
+                                         "of training at the new group's learning rate")
+            refined = replace(refined, finding=Finding.LR_SCHEDULE, evidence=ev,
+                              advice=advise(Finding.LR_SCHEDULE, ev))
+            renamed = Finding.LR_SCHEDULE
+        if trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
+            # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
                 reference = self.machine.reference_for(diagnosis.step)
                 refined, renamed_again = trajectory.judge(refined, step.opened.step,
@@ -411,6 +505,7 @@ class Investigations:
                 trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
                 self.on_failure("the FP32 trajectory control", err)
                 refined = replace(refined, evidence={**refined.evidence, "trajectory_control": f"failed: {err}"})
+        refined.evidence.pop("pattern_before_replay", None)
         if (not self.investigator.automatic and self.investigator.localize and refined.location is None
                 and refined.finding in LIVE_PROBED and self.world_size == 1):
             self._awaiting_probe.append(refined)  # published after the next step, with its location
@@ -500,8 +595,13 @@ class TrajectoryControl:
                  say: Callable[[str], None], adaptive: bool = False,
                  on_failure: Callable[[str, Exception], None] | None = None,
                  fall_margin: float = Thresholds.fall_margin,
-                 lr_cause_margin: float = Thresholds.lr_cause_margin) -> None:
+                 lr_cause_margin: float = Thresholds.lr_cause_margin,
+                 thresholds: Thresholds | None = None) -> None:
         self.ring = ring
+        thresholds = thresholds or Thresholds()
+        self.replay_steps = thresholds.replay_steps  # the interventions' replay-step cap per alarm
+        self.replay_past = thresholds.replay_past
+        self.bf16 = bf16_supported(state.device) and state.scaler is not None  # bf16 is tried where fp16 failed
         self.state = state
         self.divergence_ratio = divergence_ratio
         self.fall_margin = fall_margin  # Thresholds.fall_margin: a decisive fall of an FP32 replay with no level
@@ -643,6 +743,29 @@ class TrajectoryControl:
         if said is not None:
             self.say(said)
 
+    def window(self, snapshot_step: int, onset: int, alarm_step: int) -> tuple[list[tuple[int, Any]], int | None]:
+        """The steps the interventions replay: from the snapshot through the alarm's step, and at least
+        ``replay_past`` steps past the onset (past the alarm, the window's own batches again, in order); a window
+        longer than a third of the replay-step cap ends there (or ``replay_past`` past the onset, if later).
+        Returns the steps and the first repeated one (None: none)."""
+        held = self.ring.batches(snapshot_step + 1, alarm_step)
+        past = max(onset, snapshot_step + 1) + self.replay_past
+        # through the alarm's step at least (what the run itself saw), but never so long that the cap leaves room
+        # for fewer than three replays of it
+        end = max(past, min(alarm_step, snapshot_step + max(1, self.replay_steps // 3)))
+        # the cap leaves room for the two replays every verdict needs (nothing changed, FP32) at least
+        end = min(end, snapshot_step + max(1, self.replay_steps // 2))
+        steps = [(s, b) for s, b in held if s <= end]
+        repeated = None
+        source = list(steps)
+        k = 0
+        while source and steps[-1][0] < end:
+            nxt = steps[-1][0] + 1
+            repeated = nxt if repeated is None else repeated
+            steps.append((nxt, source[k % len(source)][1]))
+            k += 1
+        return steps, repeated
+
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
               rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
@@ -661,6 +784,14 @@ class TrajectoryControl:
         before = max(diagnosis.step - 1, 0)
         snapshot = self.ring.newest_before(before) if self.ring.enabled else None
         stale = snapshot.stale(self.state) if snapshot is not None else None
+        if snapshot is not None and stale is None and [len(g) for g in snapshot.groups] != [
+                len(o.param_groups) for o in self.state.optimizers]:
+            # a param group was added since (a backbone unfrozen): a replay from it would train the new group from
+            # the snapshot's step on, which the run did not; no verdict on the run can be drawn from it
+            ev["trajectory_control"] = (f"not run: the optimizers gained a param group after the snapshot of step "
+                                        f"{snapshot.step}, so a replay from it would train that group from there on, "
+                                        "as the run did not")
+            return replace(diagnosis, evidence=ev), None
         if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
             self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
             snapshot = None
@@ -715,34 +846,79 @@ class TrajectoryControl:
             def lockstep() -> Any:
                 return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
 
-            runs = (("fp32", 1.0), ("amp", 1.0), ("amp", LOWER_LR_FACTOR))
-            results: list[Any] = []
             error: str | None = None
+            state = self.state
+
+            def before_each() -> bool:
+                nonlocal error
+                if not split:
+                    return error is not None
+                try:
+                    return distributed.meet(error)
+                except distributed.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
+                    error = f"ReplayAborted: {err}"
+                    return True
+
             try:
-                steps = self.ring.batches(snapshot.step + 1, alarm_step)
-                for precision, lr_factor in runs:
-                    if split:
-                        if distributed.meet(error):
-                            break
-                    elif error is not None:
-                        break
+                steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
+                if steps[-1][0] < diagnosis.step:
+                    raise _CapTooSmall(f"not run: the {diagnosis.step - snapshot.step} steps from the snapshot after step "
+                                       f"{snapshot.step} to the onset at step {diagnosis.step} do not fit twice in the "
+                                       f"replay-step cap of {self.replay_steps} (Thresholds.replay_steps)")
+                alone = distributed.world_size() == 1  # ranks stop together only where each replay runs to its end
+
+                def replay(**options: Any) -> Any:
+                    nonlocal error
+                    options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
                     try:
                         with lockstep():
-                            results.append(replay_trajectory(self.state, snapshot, steps, precision=precision,
-                                                             lr_factor=lr_factor))
+                            return replay_trajectory(state, snapshot, steps, **options)
                     except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
                         error = f"{type(err).__name__}: {err}"
+                        return None
+
+                facts = facts_of(diagnosis)
+                located = facts.replay.module if facts.replay is not None else None
+                if located is not None and not _names_submodule(state.module, located):
+                    located = None  # the code around the model (training_step): no module to make an island of
+                nothing_nonfinite = _replay_went_nonfinite(facts.replay) if facts.replay is not None else False
+                # which replays run must be every rank's alike (their collectives meet): under several ranks only the
+                # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
+                forward = nothing_nonfinite or (alone and ev.get("first_nonfinite_step") is not None)
+                together = agree and distributed.world_size() > 1
+                runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
+                                       bf16=self.bf16, before_each=before_each,
+                                       agree=(lambda clean: all(distributed.gather(clean))) if together else
+                                       (lambda clean: clean))
+                with uncompiled(state.module):
+                    report = runner.run(
+                        module=state.module, located=located,
+                        forward=forward,
+                        onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
+                            _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
+                        scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
+                        scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
+                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev))
                 if error is not None:
                     raise InvestigationError(error)
-                fp32, amp, lower = results
-                verdict = judge_trajectory(fp32, amp, loss_level, self.divergence_ratio)
+                fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
+                if fp32t is None or amp is None:  # stopped with another rank, whose own error is the one said
+                    raise InvestigationError("ReplayAborted: the replays stopped before the FP32 control, with "
+                                             "another rank's")
+                fp32 = fp32t.result
+                verdict = judge_trajectory(fp32, amp.result, loss_level, self.divergence_ratio)
                 # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
                 # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
                 verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes},
                                   fp32_reference=fp32_reference(fp32.losses, level=loss_level,
                                                                 margin=self.fall_margin))
-                lower_verdict = judge_lower_lr(lower, LOWER_LR_FACTOR, full=fp32, margin=self.lr_cause_margin)
-                local = (verdict, lower_verdict, trains_down(fp32))
+                lower_t = report.get(Intervention.LOWER_LR)
+                lower = lower_t.result if lower_t is not None else TrajectoryResult("amp", snapshot.step, [], [],
+                                                                                     [], True)
+                lower_verdict = judge_lower_lr(lower, report.lr_factor, full=fp32, margin=self.lr_cause_margin)
+                local = (verdict, lower_verdict, trains_down(fp32), report)
+            except _CapTooSmall as err:  # the same on every rank: a reason, not a failure
+                local = err
             except InvestigationError as err:  # a replay's own error, as it was raised
                 local = str(err)
             except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
@@ -753,10 +929,14 @@ class TrajectoryControl:
         failed = sorted((r for _, r in ranked if isinstance(r, str)), key=lambda e: e.startswith("ReplayAborted"))
         if failed:
             raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
+        capped = next((r for _, r in ranked if isinstance(r, _CapTooSmall)), None)
+        if capped is not None:
+            ev["trajectory_control"] = str(capped)
+            return replace(diagnosis, evidence=ev), None
         verdicts = [(rank, r) for rank, r in ranked if isinstance(r, tuple)]
         if not verdicts:
             return replace(diagnosis, evidence=ev), None
-        judged_on, (verdict, lower, fp32_down) = min(
+        judged_on, (verdict, lower, fp32_down, report) = min(
             verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1][0].kind), rv[0] not in fault_ranks, rv[0]))
         if agree and len(gathered) > 1:
             ev["trajectory_rank"] = judged_on
@@ -789,10 +969,128 @@ class TrajectoryControl:
             ev["control_verdict"] = (f"FP32 training from the snapshot after step {snapshot.step if snapshot else '?'}"
                                      f" stays finite but its loss does not fall, and {lower.reason}: not an AMP "
                                      "fault")
+        location = diagnosis.location
+        finding, location = self._by_interventions(report, verdict, diagnosis, ev, finding, location)
+        facts = replace(facts, interventions=report)
         renamed = finding if finding is not diagnosis.finding else None
         if renamed is not None and finding not in AMP_BLAMING:
             supersede_amp_evidence(ev, diagnosis.finding)
-        return replace(diagnosis, finding=finding, evidence=ev, advice=advise(finding, ev), facts=facts), renamed
+        return replace(diagnosis, finding=finding, location=location, evidence=ev, advice=advise(finding, ev),
+                       facts=facts), renamed
+
+    def _by_interventions(self, report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
+                          ev: dict[str, Any], finding: Finding, location: str | None) -> tuple[Finding, str | None]:
+        """What cured decides (:func:`~lightning_ampwatch.interventions.decide`): the finding, its location and
+        reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place."""
+        ev["interventions"] = report.evidence()
+        ev["tried"] = report.headline()  # the panel's one line per intervention
+        a, b = report.window
+        if report.safe_scale is not None:
+            ev["safe_scale"] = report.safe_scale
+            ev["safe_scale_from"] = (f"the largest loss scale that replayed steps {a}-{b} from the snapshot without a "
+                                     "skip" + ("" if report.safe_scale_bounded else (
+                                         f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
+                                         "replay-step cap)")))
+            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
+                # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
+                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+        elif report.safe_scale_tried:
+            ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
+            low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
+            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
+                # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
+                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+            ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
+                                     f"replayed steps {a}-{b} without a skip")
+        ev.pop("pattern_before_replay", None)
+        fp32_failed = verdict.kind in (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES)
+        facts = facts_of(diagnosis)
+        located = location if finding not in _BACKWARD else (facts.replay.module if facts.replay else None)
+        nothing = report.get(Intervention.NOTHING)
+        decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(ev),
+                          batch_nonfinite=bool(ev.get("nonfinite_where")),
+                          forward=bool(nothing is not None and nothing.nonfinite) or (
+                              facts.replay is not None and _replay_went_nonfinite(facts.replay)),
+                          onset=diagnosis.step, fp32_cured=not fp32_failed)
+        if decision is None:
+            return finding, location
+        if decision.finding is Finding.NOT_REPRODUCED and verdict.kind is not TrajectoryKind.NOT_REPRODUCED:
+            return finding, location
+        if decision.finding is finding:  # the replays confirm it: the control's verdict stands, theirs beside it
+            ev["trajectory_reason"] = decision.reason
+        else:
+            ev["control_verdict"] = decision.reason
+        if decision.cofactors:
+            ev["cofactors"] = list(decision.cofactors)
+        if decision.finding is not Finding.GRADIENT_OVERFLOW:
+            ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
+        return decision.finding, decision.location or location
+
+
+#: Findings a param group added at a far higher LR just before the onset is looked at before.
+_RISE_FIRST = {Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GROWTH_OVERFLOW}
+#: A new param group counts as an LR rise when its LR is at least this many times the others' largest.
+ADDED_GROUP_RATIO = 10.0
+
+
+def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | None:
+    """The LR evidence of a param group added within ``Thresholds.lr_lookback`` steps before ``onset`` (or at it)
+    whose LR is at least :data:`ADDED_GROUP_RATIO` times the largest LR of the groups before it (Lightning's
+    ``BackboneFinetuning`` unfreezing a backbone at a high LR), from the LRs each step ran with; None otherwise."""
+    log = getattr(getattr(trajectory, "state", None), "lr_log", None)
+    by_step: dict[int, tuple[float, ...]] = {}
+    for point, lrs in getattr(log, "entries", ()) or ():
+        by_step[point] = lrs  # the last read of a step wins (after a rollback, points are read again)
+    entries = sorted(by_step.items())
+    lookback = getattr(getattr(machine, "thresholds", None), "lr_lookback", Thresholds.lr_lookback)
+    for (_, before), (point, after) in zip(entries, entries[1:]):
+        if not (onset - lookback <= point <= onset) or len(after) <= len(before) or not before:
+            continue
+        old, new = max(before), max(after[len(before):])
+        if old > 0 and new >= ADDED_GROUP_RATIO * old:
+            return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
+                    "lr_change_step": point}
+    return None
+
+
+def _names_submodule(module: Any, name: str) -> bool:
+    """``name`` is a submodule's path (through a ``torch.compile``'d module too), not the code around the model."""
+    try:
+        module.get_submodule(name)
+    except (AttributeError, TypeError):
+        return False
+    return bool(name)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _lower_lr_factor(ev: dict[str, Any]) -> float:
+    """The lower-LR intervention's factor: a tenth, or after a known rise of more than 10x, the factor that undoes
+    it (the counterfactual "without the rise")."""
+    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    if before is not None and after is not None and after > 0 and 0 < before < after:
+        return min(LOWER_LR_FACTOR, before / after)
+    return LOWER_LR_FACTOR
+
+
+def _lr_cap(ev: dict[str, Any]) -> float | None:
+    """After a rise of more than 10x, the LR before it: the lower-LR intervention then replays the window with no LR
+    above it (the counterfactual "without the rise", as ``reduce_lr``'s ceiling would run it). None otherwise."""
+    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    if before is not None and after is not None and 0 < before and after > before / LOWER_LR_FACTOR:
+        return before
+    return None
+
+
+def _lr_rise(ev: dict[str, Any]) -> str | None:
+    """The LR rise before the onset the machine noted, in words ("0.0006 -> 0.0018 at step 8"), or None."""
+    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    if before is None or after is None or not after > before:
+        return None
+    at = ev.get("lr_change_step")
+    return f"{before:.3g} -> {after:.3g}" + (f" at step {at}" if isinstance(at, int) else "")
 
 
 #: Evidence that only means something for a finding that blames reduced precision: once the finding is renamed to

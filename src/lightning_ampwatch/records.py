@@ -97,6 +97,7 @@ class Facts:
     rollback: Rollback | None = None
     remedy: Any = None  # remedies.AppliedRemedy
     recovery: Recovery | None = None
+    interventions: Any = None  # interventions.InterventionReport: each candidate fix replayed over the window
 
     @property
     def amp_confirmed(self) -> bool:

@@ -85,7 +85,7 @@ KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
     Finding.EPS_UNDERFLOW: ("optimizer", "param_group", "eps", "eps_in_float16"),
 }
 #: Rows any finding shows when present: why nothing was replayed, and where a remedy took the run back to.
-ALWAYS_SHOWN = ("replay", "live_probe", "rollback")
+ALWAYS_SHOWN = ("replay", "live_probe", "cofactors", "tried", "rollback")
 #: Evidence the console never shows: the single batch's control verdict, kept in the evidence (and the event log)
 #: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
 #: contradiction.

@@ -56,6 +56,8 @@ def remedy_outcome(d: Diagnosis) -> str:
     why = recovery.get("reason") if isinstance(recovery, dict) else None
     if d.outcome == "recovered":
         return f"fixed with {d.remedy}, recovery verified"
+    if d.outcome == "relapsed":
+        return f"{d.remedy} applied, relapsed: {why}" if why else f"{d.remedy} applied, relapsed"
     if d.outcome == "not_recovered":
         return f"{d.remedy} applied, not fixed: {why}" if why else f"{d.remedy} applied, not fixed"
     return f"{d.remedy} applied; recovery not verified: {why}" if why else \

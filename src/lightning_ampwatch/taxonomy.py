@@ -79,6 +79,7 @@ class LrEvent(str, Enum):
 
     WARMUP_END = "warmup_end"  # a warmup that climbed over many steps just peaked
     LR_INCREASE = "lr_increase"  # a single rise
+    PARAM_GROUP_ADDED = "param_group_added"  # a new param group, at an LR far above the others' (a backbone unfrozen)
 
     def __str__(self) -> str:
         return self.value
@@ -242,6 +243,10 @@ def _forward_summary(ev: Mapping[str, Any]) -> str:
         return ("a value in the forward pass went non-finite under bfloat16, which has float32's range: most likely "
                 "a rounding (bfloat16 keeps 8 significant bits), not an overflow")
     where = "in float16 (16-true)" if precision == "half" else "under float16 autocast"
+    inside = _inside_headroom(ev)
+    if inside is not None:  # the interventions watched every tensor computed inside the located module(s)
+        return (f"a value in the forward pass went non-finite {where}: past float16's range (65504) inside "
+                f"{inside[0]}, whose values reach {2.0 ** -inside[1]:.3g}x that in FP32")
     nearest = _fp16_nearest(ev)
     if nearest is not None and nearest[1] <= NEAR_FP16_LIMIT_LOG2:
         return (f"a value in the forward pass went non-finite {where}, with module outputs within a factor of 2 of "
@@ -361,6 +366,13 @@ def _advice_lr(ev: Mapping[str, Any]) -> str:
     before, after = ev.get("lr_before"), ev.get("lr_after")
     kind = ev.get("lr_event")  # an LrEvent, or its value once read back from JSON
     what = "warmup reached its peak" if kind == LrEvent.WARMUP_END else "the learning rate rose"
+    if kind == LrEvent.PARAM_GROUP_ADDED:
+        at = f" ({after:.3g}, the others at most {before:.3g})" if isinstance(before, (int, float)) and \
+            isinstance(after, (int, float)) else ""
+        return _divergence(ev) + (
+            f"The failure began right after a param group was added at a far higher learning rate{at} (a "
+            "backbone unfrozen, say BackboneFinetuning's backbone_initial_lr). Give the new group a learning rate "
+            "near the others' (or warm it up), then re-test before touching the loss scaler.")
     return _divergence(ev) + (
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
@@ -424,6 +436,15 @@ def _advice_forward(ev: Mapping[str, Any]) -> str:
             f"rounded to 0, then a log or a division. {island}, or write it in a form that does not round that "
             "way (torch.nn.functional.logsigmoid, torch.log1p, a clamp before the log)."
         )
+    inside = _inside_headroom(ev)
+    if inside is not None:  # the interventions watched every tensor computed inside the located module(s)
+        where, bits = inside
+        return (
+            f"{island} (the replays watched the values computed inside {where}: in FP32 they reach "
+            f"{2.0 ** -bits:.3g}x float16's maximum, 65504; exp, pow and large sums are the usual ones). Where the "
+            "hardware supports it, precision='bf16-mixed' lifts float16's range limit (bfloat16 has float32's range), "
+            "though it rounds more coarsely than float16."
+        )
     nearest = _fp16_nearest(ev)
     if nearest is not None and nearest[1] <= NEAR_FP16_LIMIT_LOG2:
         return (
@@ -442,6 +463,22 @@ def _advice_forward(ev: Mapping[str, Any]) -> str:
         "supports it, lifts float16's range limit but not the rounding: bfloat16 keeps fewer significant bits than "
         "float16, so it helps with an overflow only."
     )
+
+
+def _inside_headroom(ev: Mapping[str, Any]) -> tuple[str, float] | None:
+    """(the island's modules, the lowest headroom in bits under float16's maximum of the values computed inside them
+    in the FP32 replay) when that went below zero: values float16 cannot hold; None otherwise."""
+    info = ev.get("interventions")
+    if not isinstance(info, Mapping):
+        return None
+    for tried in info.get("tried", ()):
+        if isinstance(tried, Mapping) and tried.get("intervention") == "fp32":
+            bits = [b for b in tried.get("headroom_log2") or () if isinstance(b, (int, float))]
+            island = next((t.get("modules") for t in info.get("tried", ())
+                           if isinstance(t, Mapping) and t.get("modules")), None)
+            if bits and min(bits) < 0 and island:
+                return ", ".join(island), min(bits)
+    return None
 
 
 def _advice_input(ev: Mapping[str, Any]) -> str:

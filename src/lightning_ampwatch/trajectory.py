@@ -26,9 +26,10 @@ from torch import Tensor
 from lightning_ampwatch import compat, deepspeed_state, distributed, sharding, snapshot_copy
 from lightning_ampwatch.probes import MicroBatch, loss_of, no_trace, silenced_log, tensors_in
 from lightning_ampwatch.remedies.hold_lr import LrCeiling, clamp_lrs, param_groups
+from lightning_ampwatch.remedies.island import ISLAND_ATTR, attach_island, detach_island
 from lightning_ampwatch.verdicts import TrajectoryResult
 
-PRECISIONS = ("fp32", "amp")
+PRECISIONS = ("fp32", "amp", "bf16")
 BUDGET_FRACTION = 0.1  # the default budget: a tenth of the host's RAM ...
 BUDGET_CAP = 8 * 2**30  # ... but never more than 8 GiB
 BUDGET_UNKNOWN_RAM = 2**30  # where the host's RAM cannot be read
@@ -822,13 +823,23 @@ class SnapshotRing:
 
 
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
-                      precision: str, lr_factor: float = 1.0) -> TrajectoryResult:
+                      precision: str, lr_factor: float = 1.0, scale: float | None = None,
+                      island: Sequence[str] = (), watch: Sequence[str] = (),
+                      stop_on_fault: bool = False, skips_allowed: int = 0,
+                      lr_cap: float | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
-    exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
-    and a scaler restored from the snapshot (does the fault reproduce?). ``lr_factor``: every learning rate (and
-    the step schedulers' base rates) times this for the replay: the lower-LR counterfactual. One host read, at the
-    end (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss)."""
+    exactly (``lr_cap``: no learning rate above it on any replayed step). ``precision="fp32"``: autocast off and no
+    scaler (the control); ``"amp"``: the run's forward context
+    and a scaler restored from the snapshot (does the fault reproduce?); ``"bf16"``: bfloat16 autocast and no scaler.
+    ``lr_factor``: every learning rate (and the step schedulers' base rates) times this for the replay: the lower-LR
+    counterfactual. ``scale``: the amp replay's scaler starts at this scale instead of the snapshot's (the growth
+    tracker at zero). ``island``: these submodules run in float32 with autocast off for the replay (the FP32 island,
+    taken off again after). ``watch``: submodules whose largest finite output magnitude is kept per step
+    (``TrajectoryResult.absmax``: how close they come to float16's limit). ``stop_on_fault``: the replay ends at the
+    first non-finite step or at the skip after ``skips_allowed`` of them (one host read per step: replays run on
+    alarms only). One host read at the end
+    otherwise (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
@@ -842,20 +853,32 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     if not steps or indices != expected:
         raise ValueError(f"steps {indices} do not follow the snapshot taken after step {snapshot.step}: expected "
                          f"consecutive steps from {snapshot.step + 1}")
-    amp = precision == "amp"
+    amp = precision != "fp32"
     if state.device.type == "cuda":
         snapshot_copy.finish()  # the snapshot's host copies are complete (they run on a side stream)
         torch.cuda.current_stream(state.device).synchronize()
     scaler = None
-    if amp and snapshot.scaler is not None:
+    if precision == "amp" and snapshot.scaler is not None:
         scaler = sharding.replay_scaler(state.scaler, state.device.type)
-        scaler.load_state_dict(snapshot.scaler_state_dict())
+        saved = snapshot.scaler_state_dict()
+        if scale is not None:
+            saved = {**saved, "scale": float(scale), "_growth_tracker": 0}
+        scaler.load_state_dict(saved)
+    context = state.forward_context if precision == "amp" else (
+        functools.partial(torch.autocast, state.device.type, dtype=torch.bfloat16))
     live = Snapshot.take(state, -1, grads=True)
     losses: list[Tensor | None] = []
     skipped: list[Tensor] = []
+    peaks: list[Tensor] = []
+    seen_skips = 0
+    module = state.module
+    with_island = [name for name in island if getattr(module.get_submodule(name), ISLAND_ATTR, None) is None]
+    watcher = _OutputPeaks(module, watch, state.device, every_float=not amp)
     try:
         with no_trace(state.module), _without_step_hooks(state.optimizers), \
-                (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)):
+                (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)), watcher:
+            for name in with_island:
+                attach_island(module, name, state.device.type)
             snapshot.restore(state)
             if lr_factor != 1.0:
                 scale_learning_rates(state.optimizers, [s for s, _ in state.schedulers], lr_factor)
@@ -863,21 +886,96 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
             for step, micro_batches in steps:
                 if ran is not None:
                     _run_at(state, ran(step), lr_factor)
-                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
+                if lr_cap is not None:  # the counterfactual "without the rise": no group above the LR before it
+                    for opt in state.optimizers:
+                        for group in opt.param_groups:
+                            if isinstance(group.get("lr"), (int, float)) and group["lr"] > lr_cap:
+                                group["lr"] = lr_cap
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context)
                 losses.append(loss)
                 skipped.append(skip)
+                peaks.append(watcher.step_peak())
+                if stop_on_fault:
+                    seen_skips += int(bool(skip))
+                    if seen_skips > skips_allowed or (loss is not None and not bool(torch.isfinite(loss).all())):
+                        break
             # the root's parameters: under FSDP1 without use_orig_params the module itself holds none
             finite = torch.stack([torch.isfinite(sharding.local(p)).all() for p in state.root.parameters()]).all()
             present = [t.float().reshape(()) for t in losses if t is not None]
-            read = torch.stack([*present, finite.float(), *(s.float() for s in skipped)]).tolist()  # the one read
+            read = torch.stack([*present, finite.float(), *(s.float() for s in skipped),
+                                *(p.float() for p in peaks)]).tolist()  # the one read
     finally:
+        for name in with_island:
+            detach_island(module, name)
         live.restore(state)
     values = iter(read[:len(present)])
+    n = len(skipped)
+    flags = read[len(present) + 1:len(present) + 1 + n]
     return TrajectoryResult(
-        precision=precision, from_step=snapshot.step, steps=indices,
+        precision=precision, from_step=snapshot.step, steps=indices[:n],
         losses=[None if t is None else next(values) for t in losses],
-        params_finite=bool(read[len(present)]), skipped=[bool(v) for v in read[len(present) + 1:]],
+        params_finite=bool(read[len(present)]), skipped=[bool(v) for v in flags],
+        absmax=[float(v) for v in read[len(present) + 1 + n:]] if watch else [],
     )
+
+
+class _OutputPeaks:
+    """Keeps, per replayed step, the largest finite magnitude of every half-precision tensor computed inside the
+    ``names`` submodules (their functional ops included: an ``exp()`` of raw scores is no module of its own), on the
+    device, read with the replay's one read. Their ``forward`` is wrapped on the instance for the replay only (as the
+    FP32 island wraps it) and put back on exit."""
+
+    def __init__(self, module: Any, names: Sequence[str], device: torch.device, every_float: bool = False) -> None:
+        self.modules = [module.get_submodule(n) for n in names]
+        self.seen: list[Tensor] = []
+        self.device = device
+        self.replaced: list[tuple[Any, Any]] = []
+        # FP32: every float tensor (what float16 would have had to hold); else the half-precision ones only
+        self.dtypes = (torch.float16, torch.bfloat16, torch.float32) if every_float else (torch.float16, torch.bfloat16)
+
+    def __enter__(self) -> "_OutputPeaks":
+        for m in self.modules:
+            before = m.__dict__.get("forward")
+            self.replaced.append((m, before))
+            m.forward = functools.partial(self._forward, m, before)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, before in self.replaced:
+            if before is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = before
+        self.replaced.clear()
+
+    def _forward(self, module: Any, before: Any, *args: Any, **kwargs: Any) -> Any:
+        with _HalfPeaks(self.seen, self.dtypes):
+            return before(*args, **kwargs) if before is not None else type(module).forward(module, *args, **kwargs)
+
+    def step_peak(self) -> Tensor:
+        seen, self.seen = self.seen, []
+        if not seen:
+            return torch.zeros((), device=self.device)
+        return torch.stack([s.to(self.device) for s in seen]).max()
+
+
+class _HalfPeaks(torch.overrides.TorchFunctionMode):
+    """Each torch function's outputs of ``dtypes``: their largest finite magnitude, appended to ``seen``."""
+
+    def __init__(self, seen: list[Tensor], dtypes: tuple[torch.dtype, ...]) -> None:
+        super().__init__()
+        self.seen = seen
+        self.dtypes = dtypes
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        with torch.no_grad():  # (inside its own handler the mode is off: these calls are not seen)
+            for t in tensors_in(out):
+                if isinstance(t, Tensor) and t.dtype in self.dtypes and t.numel():
+                    d = t.detach()
+                    self.seen.append(torch.where(torch.isfinite(d), d, torch.zeros((), dtype=d.dtype,
+                                                                                   device=d.device)).abs().amax().float())
+        return out
 
 
 def _run_at(state: TrainState, lrs: tuple[float, ...] | None, factor: float) -> None:
@@ -929,7 +1027,7 @@ def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> li
 
 
 def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
-                 amp: bool) -> tuple[Tensor | None, Tensor]:
+                 amp: bool, context: Callable[[], Any] | None = None) -> tuple[Tensor | None, Tensor]:
     """One optimizer step as Lightning's automatic optimization runs it: (the step's loss, whether the scaler
     skipped it), both left on the device."""
     for opt in state.optimizers:
@@ -940,7 +1038,7 @@ def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any
             torch.set_rng_state(mb.rng)
         if mb.cuda_rng is not None:
             torch.cuda.set_rng_state(mb.cuda_rng, state.device)
-        with state.forward_context() if amp else torch.autocast(state.device.type, enabled=False):
+        with (context or state.forward_context)() if amp else torch.autocast(state.device.type, enabled=False):
             loss = loss_of((state.step_loss or state.module.training_step)(mb.batch, mb.batch_idx))
         if loss is None:
             continue

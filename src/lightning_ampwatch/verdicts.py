@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Sequence
 
@@ -106,6 +106,7 @@ class Outcome(str, Enum):
     RECOVERED = "recovered"
     NOT_RECOVERED = "not_recovered"
     NOT_VERIFIED = "not_verified"
+    RELAPSED = "relapsed"  # it recovered, then the same fault came back later in the run: the recovery taken back
 
     @property
     def published(self) -> str | None:
@@ -191,6 +192,8 @@ class TrajectoryResult:
     losses: list[float | None]  # each step's loss as Lightning reports it (None: training_step returned None)
     skipped: list[bool]  # the scaler skipped the step (always False without one)
     params_finite: bool  # the weights after the last replayed step
+    #: per step, the largest finite output magnitude of the watched modules (``replay_trajectory``'s ``watch``)
+    absmax: list[float] = field(default_factory=list)
 
     @property
     def first_nonfinite(self) -> int | None:

@@ -73,6 +73,16 @@ class Thresholds:
     decisively: the median of its last three losses at least this fraction under its first. Minibatch noise on a
     plateau seldom moves a median of three that far; a smaller fall is no evidence that the replay was healthy."""
 
+    replay_steps: int = 96
+    """At an alarm, the window is replayed once per candidate intervention (nothing changed, FP32, an FP32 island, a
+    lower LR, lower loss scales, bf16): at most this many replayed steps in all, per alarm (eight dozen: the three
+    that decide most findings, nothing changed, FP32 and the lower LR, over the longest window the default snapshot
+    interval of 20 steps gives, plus the cheaper ones, which stop at their first fault). Those the cap leaves out
+    are said in the evidence."""
+    replay_past: int = 8
+    """The replayed window runs from the snapshot before the onset through this many steps past the onset (the
+    batches of steps the run has not reached yet are the window's own again)."""
+
     def __post_init__(self) -> None:
         kinds = get_type_hints(Thresholds)
         for f in fields(self):

@@ -7,10 +7,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lightning_ampwatch import compat, deepspeed_state
+from lightning_ampwatch import deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
+from lightning_ampwatch.interventions import Intervention
 
 ISLAND_ATTR = "_ampwatch_fp32_island"
 
@@ -82,15 +83,22 @@ def _island_module_name(module: nn.Module, location: str | None) -> str:
     """The module to isolate: the location itself, or the module owning a located parameter."""
     if location is None:
         raise RemedyError("the overflow was not located in a module")
-    names: dict[str, str] = {}  # as the user names them -> as torch does (a compiled module's wrapper first)
-    for name, _ in module.named_modules():
-        names.setdefault(compat.user_name(name), name)
-    if location in names:
-        return names[location]
+    if _is_submodule(module, location):
+        return location
     owner = location.rsplit(".", 1)[0] if "." in location else ""
-    if owner in names and owner:
-        return names[owner]
+    if owner and _is_submodule(module, owner):
+        return owner
     raise RemedyError(f"{location!r} is not a submodule of the model")
+
+
+def _is_submodule(module: nn.Module, name: str) -> bool:
+    """``name`` names a submodule, through a ``torch.compile``'d one too (the user's path, without ``_orig_mod``:
+    the compiled module hands attribute access on to the module it compiled)."""
+    try:
+        module.get_submodule(name)
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 @register
@@ -101,9 +109,15 @@ class Fp32Island(Remedy):
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         deepspeed_state.refuse(ctx.trainer, "fp32_island")
-        name = _island_module_name(ctx.module, diagnosis.location)
-        attach_island(ctx.module, name, ctx.device.type)
-        return {"module": compat.user_name(name)}
+        report = getattr(diagnosis.facts, "interventions", None)
+        measured = tuple(getattr(report, "island_modules", ()) or ())
+        if measured and report.cured(Intervention.ISLAND):
+            names = [n for n in measured if _is_submodule(ctx.module, n)]  # the modules whose island cured
+        else:
+            names = [_island_module_name(ctx.module, diagnosis.location)]
+        for name in names:
+            attach_island(ctx.module, name, ctx.device.type)
+        return {"module": names[0], "modules": names} if len(names) > 1 else {"module": names[0]}
 
     def reapply(self, ctx: RemedyContext, record: AppliedRemedy) -> str | None:
         """A checkpoint holds weights, not the island: attach it again, where the run autocasts (mixed precision).
@@ -112,9 +126,13 @@ class Fp32Island(Remedy):
         precision = run_precision(ctx)
         if precision != UNKNOWN and not precision.endswith("-mixed"):
             return built_with(precision)
-        if record.details.get("module") is not None:
-            attach_island(ctx.module, _island_module_name(ctx.module, record.details["module"]), ctx.device.type)
+        for name in record.details.get("modules") or [record.details.get("module")]:
+            if name is not None:
+                attach_island(ctx.module, name, ctx.device.type)
         return None
 
     def describe(self, details: Mapping[str, Any]) -> str:
+        modules = details.get("modules")
+        if isinstance(modules, list) and len(modules) > 1:
+            return f"{', '.join(modules)} run in float32 with autocast off"
         return f"{details['module'] or 'the whole model'} runs in float32 with autocast off"

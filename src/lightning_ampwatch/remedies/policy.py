@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, RemedyContext, RemedyName
+from lightning_ampwatch.interventions import Intervention
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern
 
 DEFAULT_REMEDIES = tuple(r for r in RemedyName if r is not RemedyName.REDUCE_LR)  # what remediate=True allows
@@ -23,8 +24,39 @@ LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
 }
 
 
+#: The remedy that does in the run what each intervention did in its replay (FP32 as a whole has none: it is the
+#: control, not a fix AmpWatch applies).
+REMEDY_OF = {"lower_scale": RemedyName.LOWER_INIT_SCALE, "fp32_island": RemedyName.FP32_ISLAND,
+             "bf16": RemedyName.BF16_FALLBACK, "lower_lr": RemedyName.REDUCE_LR}
+#: Findings whose ladder follows the interventions' replays where they ran (the recipe findings and a growth overflow
+#: keep their own: their fix is not among the interventions).
+MEASURED = frozenset({Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE,
+                      Finding.FP32_UNSTABLE})
+
+
+def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
+    """The remedies whose interventions cured the replayed window, least invasive first; where none cured, the
+    finding's own rungs that no replay measured to fail. None where no interventions ran."""
+    report = getattr(diagnosis.facts, "interventions", None)
+    if report is None or diagnosis.finding not in MEASURED:
+        return None
+    cures = tuple(REMEDY_OF[k.value] for k in report.cures() if k.value in REMEDY_OF)
+    if report.lr_only_delays() and report.cured(Intervention.LOWER_LR):
+        cures += (RemedyName.REDUCE_LR,)  # clean over the window, but only delaying the fault: the last resort
+    if diagnosis.finding is Finding.FP32_UNSTABLE:  # FP32 fails too: never an AMP knob, whatever quieted the skips
+        cures = tuple(r for r in cures if r in LADDERS[Finding.FP32_UNSTABLE])
+    if cures:
+        return cures
+    failed = {REMEDY_OF[t.kind.value] for t in report.tried if t.kind.value in REMEDY_OF}
+    return tuple(r for r in LADDERS.get(diagnosis.finding, ()) if r not in failed)
+
+
 def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
-    """The ladder for this diagnosis, trimmed of rungs that cannot help this particular case."""
+    """The ladder for this diagnosis, trimmed of rungs that cannot help this particular case: the cures its replays
+    measured where they ran (:func:`measured_ladder`), else the finding's table row."""
+    measured = measured_ladder(diagnosis)
+    if measured is not None:
+        return measured
     ladder = LADDERS.get(diagnosis.finding, ())
     pattern = diagnosis.evidence.get("pattern")
     if diagnosis.finding is Finding.GRADIENT_OVERFLOW and pattern == GradientPattern.UNSCALED_OVERFLOW:
@@ -45,11 +77,17 @@ class RemedyPolicy:
     allowed: frozenset[RemedyName]
     escalation_window: int = 500
     rungs: dict[str, tuple[int, int]] = field(default_factory=dict)  # finding -> (rung index, step applied)
+    used: dict[str, list[str]] = field(default_factory=dict)  # finding -> the remedies applied for it, in order
 
     def choose(self, diagnosis: Diagnosis) -> tuple[int, RemedyName] | None:
         ladder = ladder_for(diagnosis)
         previous = self.rungs.get(diagnosis.finding.value)
         start = 0
+        if measured_ladder(diagnosis) is not None and self.used.get(diagnosis.finding.value):
+            # the fault came back after a remedy (a relapse, at any later step): the next cure its fresh replays
+            # measured that was not applied yet
+            used = set(self.used[diagnosis.finding.value])
+            return next(((i, r) for i, r in enumerate(ladder) if r in self.allowed and r.value not in used), None)
         if previous is not None and diagnosis.step - previous[1] <= self.escalation_window:
             start = previous[0] + 1
         return self._allowed_from(ladder, start)
@@ -57,8 +95,10 @@ class RemedyPolicy:
     def _allowed_from(self, ladder: tuple[RemedyName, ...], start: int) -> tuple[int, RemedyName] | None:
         return next(((i, ladder[i]) for i in range(start, len(ladder)) if ladder[i] in self.allowed), None)
 
-    def record(self, diagnosis: Diagnosis, index: int) -> None:
+    def record(self, diagnosis: Diagnosis, index: int, name: RemedyName | None = None) -> None:
         self.rungs[diagnosis.finding.value] = (index, diagnosis.step)
+        if name is not None:
+            self.used.setdefault(diagnosis.finding.value, []).append(name.value)
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis, choice: tuple[int, RemedyName] | None,
               step: int) -> tuple[Diagnosis, AppliedRemedy | None]:
@@ -74,7 +114,7 @@ class RemedyPolicy:
                 failures.append(f"{name}: {err}")
                 choice = self._allowed_from(ladder, index + 1)
                 continue
-            self.record(diagnosis, index)
+            self.record(diagnosis, index, name)
             evidence = {**diagnosis.evidence, "remedy_details": details}
             if failures:
                 evidence["remedies_failed"] = failures
@@ -85,10 +125,11 @@ class RemedyPolicy:
         return diagnosis, None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rungs": {k: list(v) for k, v in self.rungs.items()}}
+        return {"rungs": {k: list(v) for k, v in self.rungs.items()}, "used": {k: list(v) for k, v in self.used.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rungs = {k: (int(v[0]), int(v[1])) for k, v in state.get("rungs", {}).items()}
+        self.used = {k: [str(n) for n in v] for k, v in state.get("used", {}).items()}
 
 
 def parse_remediate(remediate: Any) -> frozenset[RemedyName]:

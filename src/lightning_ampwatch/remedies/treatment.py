@@ -26,10 +26,11 @@ from lightning_ampwatch.records import (
     with_facts,
 )
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
-from lightning_ampwatch.remedies.policy import RemedyPolicy, ladder_for
+from lightning_ampwatch.interventions import Intervention
+from lightning_ampwatch.remedies.policy import REMEDY_OF, RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.trajectory import replay_trajectory
-from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt
+from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt, Thresholds
 from lightning_ampwatch.verdicts import AMP_BLAMING, fp32_reference, judge_recovery
 
 
@@ -76,6 +77,7 @@ class Treatment:
     _retry: tuple[int, Any] | None = None  # (onset, snapshot) of a remedy that did not recover: where to go back
     lr_tried: list[float] | None = None  # the learning rates the latest reduce_lr set: a next rung compounds on them
     diverging: Diagnosis | None = None  # the published record of a divergence not (yet) recovered from
+    recovered: dict[str, Diagnosis] = field(default_factory=dict)  # finding -> its latest record that recovered
 
     def folds(self, diagnosis: Diagnosis) -> bool:
         """An alarm that blames reduced precision while the run diverges (a divergence's remedy is watched, or one
@@ -89,6 +91,24 @@ class Treatment:
         """The latest published version of a treated record: a divergence stays open until it recovered."""
         if record.outcome == Outcome.RECOVERED.value:
             self.lr_tried = None  # it held: a later episode starts its LR ladder afresh
+            self.recovered[record.finding.value] = record  # until the same fault comes back, if it does
+
+    def relapse(self, alarm: Diagnosis) -> Ended | None:
+        """A new alarm of a finding whose remedy recovered earlier in the run, at any later step: that record is
+        re-opened as ``relapsed`` (its recovery taken back, the earlier judgement kept under ``recovered_first``)."""
+        old = self.recovered.get(alarm.finding.value)
+        if old is None or not alarm.is_alarm or alarm.step <= old.step:
+            return None
+        del self.recovered[alarm.finding.value]
+        before = old.evidence.get("recovery") if isinstance(old.evidence.get("recovery"), dict) else {}
+        where = f" in {alarm.location}" if alarm.location else ""
+        reason = f"it had recovered, but the same fault came back at step {alarm.step}{where}: the recovery is taken back"
+        details = {k: v for k, v in before.items() if k != "reason"}
+        recovery = Recovery(Outcome.RELAPSED, reason, {**details, "relapsed_at": alarm.step})
+        new = with_facts(replace(old, outcome=Outcome.RELAPSED.value, evidence={
+            **old.evidence, "recovery": {**details, "relapsed_at": alarm.step, "reason": reason,
+                                         "recovered_first": before.get("reason")}}), recovery=recovery)
+        return Ended(old, new, recovery)
         if record.finding in DIVERGENCE_FINDINGS:
             self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
 
@@ -413,10 +433,32 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) 
         return level, "the healthy loss level before the episode"
     if fp32 is not None and fp32.level is not None:
         return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
+    cured = _cured_replay_reference(diagnosis)
+    if cured is not None:
+        return cured
     why = "nothing: there was no healthy loss level before the episode"
     if fp32 is not None:
         why += f"; FP32 replaying the episode's steps {fp32.why}"
     return None, why
+
+
+def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fall_margin) -> tuple[float, str] | None:
+    """What the remedy's own intervention reached when it cured the replayed window (the run is then judged by
+    whether it tracks its cured replay), only when that replay trained down; None otherwise."""
+    facts = facts_of(diagnosis)
+    report, applied = facts.interventions, facts.remedy
+    if report is None or applied is None:
+        return None
+    kind = next((k for k, r in REMEDY_OF.items() if r is applied.name), None)
+    tried = report.get(Intervention(kind)) if kind else None
+    tried = tried if tried is not None and tried.cured else None
+    if tried is None:
+        return None
+    found = fp32_reference(tried.losses, level=None, margin=margin)  # a decisive fall only: noise verifies nothing
+    if found.level is None:
+        return None
+    return found.level, (f"what its cured replay ({tried.label}) reached on steps {report.window[0]}-"
+                         f"{report.window[1]} (it {found.why})")
 
 
 def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:
