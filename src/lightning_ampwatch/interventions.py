@@ -302,13 +302,13 @@ class Interventions:
         return result
 
     def run(self, *, module: Any, located: str | None, forward: bool, onset_scale: float | None,
-            scale_hint: float | None, lr_rose: bool, scaled: bool, from_step: int, onset: int,
+            scale_hint: float | None, scaled: bool, from_step: int, onset: int,
             repeated_from: int | None, lr_factor: float = LR_FACTOR,
             lr_cap: float | None = None) -> InterventionReport:
         """``located``: the module the fault was located in (forward faults), or None; ``forward``: the loss itself
         went non-finite (no loss scale reaches a forward overflow); ``onset_scale``: the scale the run faulted at;
-        ``scale_hint``: the single-batch estimate of a safe scale, where the search starts; ``lr_rose``: the LR rose
-        before the onset (the lower-LR replay is then tried before the island); ``scaled``: the run has a scaler."""
+        ``scale_hint``: the single-batch estimate of a safe scale, where the search starts; ``scaled``: the run has
+        a scaler."""
         n = len(self.window)
         self.onset = onset
         self.lr_factor = lr_factor
@@ -335,8 +335,10 @@ class Interventions:
         # it did not reproduce: nothing to measure a fix against (asked on every rank alike, whatever it ran)
         if self.agree(nothing is not None and nothing.cured) and not self.stopped:
             return self._report(from_step, repeated_from, tried, not_tried, island)
-        order = [Intervention.LOWER_LR, Intervention.ISLAND] if lr_rose else [Intervention.ISLAND,
-                                                                                Intervention.LOWER_LR]
+        # the island first, whether or not the LR rose: it is the least invasive cure, and it stops at its first
+        # fault, so it costs little where it fails; tried after the lower LR, a long window left it to the cap
+        # (an LM overflowing in its attention during a 30-step warmup: the run died with the island untried)
+        order = [Intervention.ISLAND, Intervention.LOWER_LR]
         safe: float | None = None
         scales: list[tuple[float, bool]] = []
         for kind in order:

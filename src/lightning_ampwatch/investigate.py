@@ -896,7 +896,7 @@ class TrajectoryControl:
                         forward=forward,
                         onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
                             _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
-                        scale_hint=_number(ev.get("safe_scale")), lr_rose=_lr_rise(ev) is not None,
+                        scale_hint=_number(ev.get("safe_scale")),
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
                         repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev))
                 if error is not None:

@@ -210,6 +210,9 @@ EVIDENCE_LABELS: dict[str, str] = {
     "judged_alone": "judged on one rank alone",
     # a remedy and what came of it
     "rollback": "rollback",
+    # diagnosis by intervention: the fixes replayed, and what was seen beside the cause
+    "tried": "fixes tried on replays",
+    "cofactors": "co-factors",
     "remedy_details": "remedy changed",
     "skips_saved_estimate": "skipped steps saved (estimate)",
     "recovery": "recovery",
@@ -235,6 +238,11 @@ def plain_row(key: str, value: object, diagnosis: Diagnosis | None = None) -> tu
         return label, f"{value:.0%}"
     if key == "rollback" and isinstance(value, str):
         return label, rollback_line(value, diagnosis)
+    if key == "tried" and isinstance(value, str) and value.startswith("tried from step "):
+        window, _, lines = value[len("tried "):].partition("): ")  # one line per fix tried
+        return label, f"{window}):\n" + "\n".join(lines.split("; "))
+    if key == "cofactors" and isinstance(value, list):
+        return label, "; ".join(str(v) for v in value)
     return label, format_value(_reason(value))
 
 
