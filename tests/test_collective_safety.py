@@ -230,22 +230,23 @@ def test_a_sharded_replay_that_raises_on_one_rank_is_stopped_on_every_rank_and_t
 
 def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     """Rank 1's part raises at the start of its second micro-batch, before any module forward; rank 0 runs its
-    forward. Each rank writes where it stopped and how many gathers it made (the same on both, or one would wait)."""
+    forward. Each rank writes where it stopped and how many agreements it entered (the same on both, or one would
+    wait)."""
     import os
 
-    from lightning_ampwatch import distributed
+    from lightning_ampwatch import distributed, protocol
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gathers = 0
-    real_gather = distributed.gather
+    real_gather, real_agree = protocol.gather, protocol.agree
 
-    def counted(obj: Any) -> list[Any]:
+    def counted(vote: int) -> int:
         nonlocal gathers
         gathers += 1
-        return real_gather(obj)
+        return real_agree(vote)
 
-    distributed.gather = counted  # counts the calls; every one is the real collective
+    protocol.agree = counted  # counts the meetings; every one is the real collective
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     seen: list[str] = []
     try:

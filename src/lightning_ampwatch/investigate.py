@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import deepspeed_state, distributed, sharding
+from lightning_ampwatch import deepspeed_state, distributed, protocol, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.signals import inspect_batch
@@ -708,8 +708,9 @@ class TrajectoryControl:
             # rank there (distributed.Lockstep), so that every rank reaches the gather below
             sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
             # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
-            # every rank; the ranks meet before each (distributed.meet), so that a rank whose last replay raised
-            # stops every rank there, before the next restore, and every rank reaches the gather below
+            # every rank; the ranks meet once per replay (protocol.Meeting), after every check of the replay and of
+            # its restore and right before the first broadcast. A rank whose preparation failed, or whose last replay
+            # raised, enters that meeting to say so: every rank stops there, and every rank reaches the gather below
             split = agree and distributed.world_size() > 1 and self.state.split and not sharded
 
             def lockstep() -> Any:
@@ -721,17 +722,18 @@ class TrajectoryControl:
             try:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
                 for precision, lr_factor in runs:
-                    if split:
-                        if distributed.meet(error):
-                            break
-                    elif error is not None:
+                    meeting = protocol.Meeting(split)
+                    if error is not None:
+                        meeting.fail(error)  # (no meeting when not split: nothing to tell)
                         break
                     try:
-                        with lockstep():
+                        with lockstep(), meeting:
                             results.append(replay_trajectory(self.state, snapshot, steps, precision=precision,
-                                                             lr_factor=lr_factor))
+                                                             lr_factor=lr_factor, ready=meeting.ready))
                     except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
                         error = f"{type(err).__name__}: {err}"
+                        if meeting.failed:
+                            break  # every rank stopped at this meeting
                 if error is not None:
                     raise InvestigationError(error)
                 fp32, amp, lower = results

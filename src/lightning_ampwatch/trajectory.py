@@ -229,9 +229,11 @@ class Snapshot:
                 "taken (its version counter moved); snapshots leave frozen parameters out, so this one cannot be "
                 "put back")
 
-    def restore(self, state: TrainState) -> None:
+    def restore(self, state: TrainState, ready: Callable[[], None] | None = None) -> None:
         """Put this state into the live objects, in place (no second model, no new tensors where the layout
-        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot."""
+        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot. ``ready``: called once
+        every check has passed, right before the first entry is put back (for a split snapshot, before the first
+        broadcast): the ranks' meeting (:class:`~lightning_ampwatch.protocol.Meeting`), which may raise."""
         if self.step >= 0:
             why = self.stale(state)
             if why is not None:
@@ -243,6 +245,8 @@ class Snapshot:
                   [k for k, _ in self.optim_state if k not in optim_sd]
         if missing:
             raise SnapshotError(f"the live state has no entry {missing[0]!r} that the snapshot holds")
+        if ready is not None:
+            ready()
         with torch.no_grad():
             for key, saved in self.model:
                 if isinstance(saved, _At):
@@ -815,13 +819,16 @@ class SnapshotRing:
 
 
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
-                      precision: str, lr_factor: float = 1.0) -> TrajectoryResult:
+                      precision: str, lr_factor: float = 1.0,
+                      ready: Callable[[], None] | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
     exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
     and a scaler restored from the snapshot (does the fault reproduce?). ``lr_factor``: every learning rate (and
     the step schedulers' base rates) times this for the replay: the lower-LR counterfactual. One host read, at the
-    end (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss)."""
+    end (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss).
+    ``ready``: the ranks' meeting, passed to the snapshot's restore (after every check of this replay and of the
+    restore, before its first collective)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
@@ -848,7 +855,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     try:
         with no_trace(state.module), _without_step_hooks(state.optimizers), \
                 (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)):
-            snapshot.restore(state)
+            snapshot.restore(state, ready)
             if lr_factor != 1.0:
                 scale_learning_rates(state.optimizers, [s for s, _ in state.schedulers], lr_factor)
             ran = state.lr_log.at if state.lr_log is not None else None

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from lightning_ampwatch import protocol
 from lightning_ampwatch.records import (
     Outcome,
     Recovery,
@@ -160,7 +161,10 @@ class Treatment:
                 if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
-            snapshot.restore(control.state)
+            # every rank restores together (a split snapshot's broadcasts), after one meeting where a rank whose
+            # checks failed says so: then every rank raises the same error, and none enters a broadcast
+            protocol.together(len(held) > 1,
+                              lambda ready: snapshot.restore(control.state, ready))  # type: ignore[union-attr]
             control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
             return snapshot, Rollback(RollbackKind.SNAPSHOT, now, to_step=target + 1, snapshot_step=target), episode
         path, ckpt_step = host.rollback_to_checkpoint(before)
@@ -241,8 +245,9 @@ class Treatment:
         held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
         if not ready or len(set(held)) > 1:
             return
-        try:
-            fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
+        try:  # (every rank, after one meeting before the restore: a rank that cannot replay says so there)
+            fp32 = protocol.together(len(held) > 1, lambda ready: replay_trajectory(
+                control.state, snapshot, steps, precision="fp32", ready=ready))
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
         margin = control.fall_margin
