@@ -239,14 +239,14 @@ def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gathers = 0
-    real_gather, real_agree = protocol.gather, protocol.agree
+    real_gather, real_agree = protocol.gather, protocol._agree_vector
 
-    def counted(vote: int) -> int:
+    def counted(votes: list[int]) -> list[int]:
         nonlocal gathers
         gathers += 1
-        return real_agree(vote)
+        return real_agree(votes)
 
-    protocol.agree = counted  # counts the meetings; every one is the real collective
+    protocol._agree_vector = counted  # counts the meetings' all-reduces; every one is the real collective
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     seen: list[str] = []
     try:

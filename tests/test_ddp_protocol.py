@@ -5,6 +5,7 @@ never enters fails the test instead of blocking it (gloo waits 30 minutes, NCCL 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -45,7 +46,13 @@ def run_bounded(command: list[str], timeout: float) -> subprocess.CompletedProce
         try:
             out, err = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
+            os.killpg(child.pid, signal.SIGUSR1)  # where each process waits (faulthandler, where it is registered)
+            try:
+                out, err = child.communicate(timeout=3)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
             out, err = child.communicate()
             pytest.fail(f"the run did not end within {timeout} s (a rank waits in a collective):\n{err[-4000:]}")
     return subprocess.CompletedProcess(command, child.returncode, out, err)

@@ -643,6 +643,12 @@ class TrajectoryControl:
         if said is not None:
             self.say(said)
 
+    def _no_snapshot(self, before: int, onset: int) -> str:
+        """Why this rank holds no snapshot from before step ``before``."""
+        return self.ring.reason or self.ring.dropped or (
+            f"no snapshot from before step {before} (the update before the onset at step {onset}) is held; one is "
+            f"taken every {self.ring.every} steps")
+
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
               rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
@@ -684,8 +690,13 @@ class TrajectoryControl:
         if agree and distributed.world_size() > 1:
             # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
             # drops snapshots on its own budget, and a restore of a split snapshot broadcasts entry by entry
-            held = distributed.gather(None if snapshot is None else snapshot.step)
-            if len(set(held)) > 1:
+            # (with each rank's reason where it holds none: every rank then says the same)
+            pairs = distributed.gather((None, self._no_snapshot(before, diagnosis.step)) if snapshot is None
+                                       else (snapshot.step, None))
+            held = [step for step, _ in pairs]
+            if set(held) == {None}:
+                disagreed = protocol.said_alike([why for _, why in pairs])
+            elif len(set(held)) > 1:
                 snapshot = None
                 disagreed = (f"the ranks do not hold the same snapshot from before step {before} (steps by rank: "
                              f"{held}), and a replay from different states would not meet in its collectives")
@@ -699,9 +710,7 @@ class TrajectoryControl:
                              "whether reduced precision is at fault")
         local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
-            reason = disagreed or self.ring.reason or self.ring.dropped or (
-                f"no snapshot from before step {before} (the update before the onset at step {diagnosis.step}) is "
-                f"held; one is taken every {self.ring.every} steps")
+            reason = disagreed or self._no_snapshot(before, diagnosis.step)
             ev["trajectory_control"] = f"not run: {reason}"
         else:
             # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every

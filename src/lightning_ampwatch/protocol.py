@@ -59,11 +59,7 @@ def agree(vote: int) -> int:
     (:data:`CANNOT` over :data:`GO`). With one process, the vote itself."""
     if world_size() == 1:
         return vote
-    t = torch.tensor([vote], dtype=torch.int64)
-    if dist.get_backend() == "nccl":  # (NCCL reduces device tensors only)
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return _agree_vector([vote])[0]
 
 
 class ReplayAborted(RuntimeError):
@@ -82,21 +78,36 @@ def meet(error: str | None) -> bool:
     return said is not None
 
 
-def _meet(error: str | None) -> str | None:
-    """:func:`meet`'s agreement: None when no rank brought an error, else the first one's, ``"rank r: error"``,
-    alike on every rank."""
+def _meet(error: str | None, value: int = 0) -> str | None:
+    """:func:`meet`'s agreement: None when no rank brought an error and every rank the same ``value``, else why not
+    (the first failing rank's error, ``"rank r: error"``, or the values by rank), alike on every rank."""
     if world_size() == 1:
         return None if error is None else f"rank 0: {error}"
-    if agree(CANNOT if error is not None else GO) == GO:
+    if _agree_vector([CANNOT if error is not None else GO, value, -value]) == [GO, value, -value]:
         return None
-    return next(f"rank {r}: {e}" for r, e in enumerate(gather(error)) if e is not None)
+    said = gather((error, value))
+    failed = next(((r, e) for r, (e, _) in enumerate(said) if e is not None), None)
+    if failed is not None:
+        return f"rank {failed[0]}: {failed[1]}"
+    return f"the ranks did not reach the same point (by rank: {[v for _, v in said]})"
 
 
-def together(active: bool, body: Callable[[Callable[[], None]], T]) -> T:
-    """``body(ready)`` inside one :class:`Meeting` (``active``): ``body`` calls ``ready`` right before its first
-    collective. When any rank could not reach it, every rank raises the same :class:`ReplayAborted` (the first
-    failing rank's error), so that every rank says the same thing."""
-    meeting = Meeting(active)
+def _agree_vector(votes: list[int]) -> list[int]:
+    """The element-wise largest of every rank's ``votes``, in one all-reduce (MAX)."""
+    t = torch.tensor(votes, dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
+def together(active: bool, body: Callable[[Callable[..., None]], T], absent: int = 0) -> T:
+    """``body(ready)`` inside one :class:`Meeting` (``active``): ``body`` calls ``ready`` (with the value every rank
+    must bring alike, if any) right before its first collective or its first change to the live state; a rank whose
+    ``body`` returns without calling it brings ``absent``. When any rank could not reach it, or the values differ,
+    every rank raises the same :class:`ReplayAborted` (the first failing rank's error), so that every rank says the
+    same thing and none went on alone."""
+    meeting = Meeting(active, absent)
     try:
         with meeting:
             return body(meeting.ready)
@@ -118,8 +129,9 @@ class Meeting:
       enters the meeting, as one that can go on; when another rank could not, :class:`ReplayAborted` is raised.
     """
 
-    def __init__(self, active: bool) -> None:
+    def __init__(self, active: bool, absent: int = 0) -> None:
         self.active = active and world_size() > 1
+        self.absent = absent  # the value a rank that left without :meth:`ready` brings
         self.met = False  # this rank entered the meeting
         self.failed = False  # and a rank (this one or another) could not go on: every rank stopped there
         self.said: str | None = None  # then the first such rank's error, "rank r: error", alike on every rank
@@ -127,10 +139,11 @@ class Meeting:
     def __enter__(self) -> "Meeting":
         return self
 
-    def ready(self) -> None:
+    def ready(self, value: int = 0) -> None:
+        """This rank can go on (with ``value``, which every rank must bring alike)."""
         if self.active and not self.met:
             self.met = True
-            self.said = _meet(None)
+            self.said = _meet(None, value)
             if self.said is not None:
                 self.failed = True
                 raise ReplayAborted(self.said)
@@ -144,7 +157,16 @@ class Meeting:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
-            self.ready()
+            self.ready(self.absent)
         elif not isinstance(exc, ReplayAborted):
             self.fail(f"{type(exc).__name__}: {exc}")
         return False
+
+
+def said_alike(whys: list[Any]) -> Any:
+    """One reason for every rank, from each rank's own (gathered, so alike everywhere): the reason itself when
+    every rank that has one gives the same, else each rank's, named (``"rank 0: ...; rank 1: ..."``)."""
+    given = [(r, w) for r, w in enumerate(whys) if w is not None]
+    if len({w for _, w in given}) <= 1:
+        return given[0][1] if given else None
+    return "; ".join(f"rank {r}: {w}" for r, w in given)
