@@ -1,5 +1,6 @@
-"""Randomized fault injection, two CPU ranks with gloo: whatever goes wrong on whichever rank, no run hangs, every rank
-publishes the same findings at the same steps, and under DDP the ranks end with equal weights.
+"""Randomized fault injection, two CPU ranks with gloo, under DDP, FSDP2, FSDP1 and DeepSpeed ZeRO-2, each in real
+float16 with its loss scaler: whatever goes wrong on whichever rank, no run hangs, every rank publishes the same
+findings at the same steps, and under DDP the ranks end with equal weights.
 
 Each seed draws one fit: which faults, on which rank, at which step. The faults are real and reach the watch the way
 a user's run would bring them: NaN or overflowing rows in one rank's data (or both ranks'), a loss blown up in the
@@ -33,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from _sharded import DEEPSPEED, NO_DEEPSPEED
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -42,9 +44,11 @@ HERE = Path(__file__).parent
 BATCH = 16
 FAULTS = ("nan_data", "forward_overflow", "grad_overflow", "replay_raises", "snapshot_fails", "split_restore",
           "rollback_snapshot", "rollback_checkpoint", "stop")
-#: 17 drawn seeds, and three that each found a disagreement (a checkpoint rollback that failed on one rank only, a
-#: reason for no snapshot said differently by each rank, in the trajectory control and in the rollback)
-CI_SEEDS = [*range(17), 1033, 1104, 1137]
+#: 16 drawn seeds, and four that each found a fault of the protocol: under FSDP2 a trajectory replay that raised on
+#: one rank at a later micro-batch (no meeting there: gloo aborted on the mismatch) (1014); a checkpoint rollback that
+#: failed on one rank only (1033); a reason for holding no snapshot said differently by each rank, in the trajectory
+#: control and in the rollback (1104, 1137)
+CI_SEEDS = [*range(16), 1014, 1033, 1104, 1137]
 
 
 def draw(seed: int) -> dict[str, Any]:
@@ -111,8 +115,12 @@ class Faulty(pl.LightningModule):
     def _read(self, *args: Any) -> None:
         f = self._fault("snapshot_fails")
         # only where AmpWatch reads the state (a snapshot, a replay's copy of the live state, a restore): the same
-        # hook failing in Lightning's own checkpoint save would end the run on that rank, watch or no watch
-        if f is not None and any("lightning_ampwatch" in frame.filename for frame in traceback.extract_stack()):
+        # hook failing in Lightning's own checkpoint save would end the run on that rank, watch or no watch; nor
+        # inside FSDP's or a strategy's own state-dict machinery (a sharded checkpoint's load): a collective of theirs,
+        # between whose steps no code outside them can stop the other ranks (docs/collectives.md)
+        stack = [frame.filename for frame in traceback.extract_stack()]
+        if f is not None and any("lightning_ampwatch" in name for name in stack) and not any(
+                "torch/distributed/fsdp" in name or "pytorch/strategies" in name for name in stack):
             self.reads += 1
             if self.reads == f["nth"]:
                 raise RuntimeError(f"the state cannot be read (call {self.reads} on rank {self.global_rank})")
@@ -140,12 +148,22 @@ class Faulty(pl.LightningModule):
 class FaultyFsdp2(Faulty):
     """The same model, each layer ``fully_shard``-ed (FSDP2, Lightning's ``ModelParallelStrategy``)."""
 
+    param_dtype: torch.dtype | None = None
+
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype)
         for m in (self.body[0], self.body[2], self.head, self):
-            fully_shard(m, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+
+
+class FaultyFsdp2Half(FaultyFsdp2):
+    """FSDP2 gathering the parameters in float16 for compute (``MixedPrecisionPolicy(param_dtype=float16)``): a
+    replay without autocast is no FP32 run."""
+
+    param_dtype = torch.float16
 
 
 class Rows(pl.LightningDataModule):
@@ -183,15 +201,21 @@ def _strategy(name: str, plan: dict[str, Any]) -> tuple[Any, Any, type[Faulty]]:
 
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo"), true_fp16_plugin(init_scale=plan["init_scale"]), Faulty
-    if name == "fsdp2":
-        return cpu_fsdp2(), true_fp16_plugin(init_scale=plan["init_scale"]), FaultyFsdp2
-    if name == "fsdp1":  # (checkpoints sharded: see _sharded's notes)
-        return cpu_fsdp1(state_dict_type="sharded"), fsdp1_fp16(init_scale=plan["init_scale"]), Faulty
-    if name == "deepspeed":
+    if name in ("fsdp2", "fsdp2_half"):
+        strategy, precision = cpu_fsdp2(), true_fp16_plugin(init_scale=plan["init_scale"])
+        model = FaultyFsdp2Half if name == "fsdp2_half" else FaultyFsdp2
+    elif name == "fsdp1":  # (checkpoints sharded: see _sharded's notes)
+        strategy, precision, model = (cpu_fsdp1(state_dict_type="sharded"), fsdp1_fp16(init_scale=plan["init_scale"]),
+                                      Faulty)
+    elif name == "deepspeed":
         deepspeed_fp16_on_cpu()
         power = int(math.log2(plan["init_scale"]))
-        return cpu_deepspeed(stage=2, initial_scale_power=power, hysteresis=1), "16-mixed", Faulty
-    raise ValueError(f"strategy {name!r}: expected ddp, fsdp2, fsdp1 or deepspeed")
+        strategy, precision, model = cpu_deepspeed(stage=2, initial_scale_power=power, hysteresis=1), "16-mixed", Faulty
+    else:
+        raise ValueError(f"strategy {name!r}: expected ddp, fsdp2, fsdp2_half, fsdp1 or deepspeed")
+    # the processes are this test's (as under torchrun): no launcher of the helpers' forks them again
+    strategy._configure_launcher = lambda: None
+    return strategy, precision, model
 
 
 def _fit(plan: dict[str, Any], out: Path, rank: int, strategy_name: str = "ddp") -> None:
@@ -258,6 +282,14 @@ def launch(seeds: list[int], out_dir: str, strategy: str = "ddp") -> None:
     mp.start_processes(_worker, args=(port, seeds, out_dir, strategy), nprocs=2, start_method="fork")
 
 
+def _unaddressed(diagnoses: list[dict[str, Any]]) -> Any:
+    """The diagnoses as published, an object's address in a quoted error message left out (``<... at 0x7f...>``
+    differs between processes, not between what they concluded)."""
+    import re
+
+    return json.loads(re.sub(r" at 0x[0-9a-f]+", " at 0x...", json.dumps(diagnoses)))
+
+
 def _stack(path: Path) -> str:
     """The innermost frames of a rank's stack dump that are AmpWatch's, the test's or Lightning's loop."""
     if not path.exists():
@@ -315,9 +347,12 @@ def _run(seeds: list[int], out_dir: Path, timeout: float, per_seed: float = 60, 
             left = []
             break
         left = left[left.index(seed) + 1:]
-    seeds = [s for s in seeds if s not in hung and (out_dir / f"seed{s}" / "rank1.json").exists()
-             and (out_dir / f"seed{s}" / "rank0.json").exists()]
-    problems = []
+    missing = [s for s in seeds if s not in hung and not all((out_dir / f"seed{s}" / f"rank{r}.json").exists()
+                                                             for r in range(2))]
+    if missing:
+        problems.append(f"{strategy}: no record of seeds {missing} (a rank ended without finishing its fit):\n"
+                        + (out_dir / "stderr.txt").read_text()[-2000:])
+    seeds = [s for s in seeds if s not in hung and s not in missing]
     for seed in seeds:
         plan = draw(seed)
         ranks = [json.loads((out_dir / f"seed{seed}" / f"rank{r}.json").read_text()) for r in range(2)]
@@ -329,7 +364,7 @@ def _run(seeds: list[int], out_dir: Path, timeout: float, per_seed: float = 60, 
         said = [[(d["finding"], d["step"]) for d in rec["diagnoses"]] for rec in ranks]
         if said[0] != said[1]:
             problems.append(f"{strategy} seed {seed} ({plan['kinds']}): the ranks published {said[0]} and {said[1]}")
-        elif ranks[0]["diagnoses"] != ranks[1]["diagnoses"]:
+        elif _unaddressed(ranks[0]["diagnoses"]) != _unaddressed(ranks[1]["diagnoses"]):
             diff = next((a, b) for a, b in zip(ranks[0]["diagnoses"], ranks[1]["diagnoses"]) if a != b)
             keys = sorted(k for k in set(diff[0]["evidence"]) | set(diff[1]["evidence"])
                           if diff[0]["evidence"].get(k) != diff[1]["evidence"].get(k))
@@ -344,15 +379,21 @@ def _run(seeds: list[int], out_dir: Path, timeout: float, per_seed: float = 60, 
     return problems
 
 
-def test_randomized_faults_under_ddp_never_hang_and_the_ranks_agree(tmp_path: Path) -> None:
-    problems = _run(CI_SEEDS, tmp_path, timeout=240)
+STRATEGIES = ["ddp", "fsdp2", "fsdp2_half", "fsdp1",
+              pytest.param("deepspeed", marks=pytest.mark.skipif(not DEEPSPEED, reason=NO_DEEPSPEED))]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_randomized_faults_never_hang_and_the_ranks_agree(tmp_path: Path, strategy: str) -> None:
+    problems = _run(CI_SEEDS, tmp_path, timeout=240, strategy=strategy)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.fault_injection_200
-def test_two_hundred_randomized_faults_under_ddp(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_hundred_randomized_faults(tmp_path: Path, request: pytest.FixtureRequest, strategy: str) -> None:
     if "fault_injection_200" not in (request.config.option.markexpr or "") \
             and os.environ.get("AMPWATCH_FAULT_INJECTION") != "200":
         pytest.skip("opt-in: -m fault_injection_200 (or AMPWATCH_FAULT_INJECTION=200) runs 200 seeds")
-    problems = _run(list(range(1000, 1200)), tmp_path, timeout=1800)
+    problems = _run(list(range(1000, 1200)), tmp_path, timeout=1800, strategy=strategy)
     assert not problems, f"{len(problems)} problems in 200 seeds:\n" + "\n".join(problems)

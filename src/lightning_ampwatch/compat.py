@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_ampwatch import protocol  # (it imports nothing of the package's)
+
 # --------------------------------------------------------------------------------------------
 # torch.amp.GradScaler
 # --------------------------------------------------------------------------------------------
@@ -399,7 +401,21 @@ class FitCheckpoints:
         trainer = self.trainer
         connector = trainer._checkpoint_connector
         for path in sorted(own, key=os.path.getmtime, reverse=True):
-            put_back = keep_live() if keep_live is not None else None
+            if ready is not None and keep_live is not None:
+                # a sharded load is a collective: every rank meets before each (protocol.meet_or_abort), and a rank
+                # that could not keep its live state says so there; then every rank leaves, before the load
+                try:
+                    put_back = keep_live()
+                except Exception as err:  # noqa: BLE001 - brought to the meeting: every rank raises alike
+                    protocol.meet_or_abort(f"{type(err).__name__}: {err}")
+                    raise
+                try:
+                    protocol.meet_or_abort(None)
+                except protocol.ReplayAborted:
+                    put_back()
+                    raise
+            else:
+                put_back = keep_live() if keep_live is not None else None
             try:
                 checkpoint = trainer.strategy.load_checkpoint(path)
             except Exception:  # noqa: BLE001 - a file that cannot be read is passed over, like any unfit one

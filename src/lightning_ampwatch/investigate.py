@@ -736,9 +736,10 @@ class TrajectoryControl:
                         meeting.fail(error)  # (no meeting when not split: nothing to tell)
                         break
                     try:
-                        with lockstep(), meeting:
+                        with lockstep() as lock, meeting:  # (each replayed micro-batch meets: lock.next)
                             results.append(replay_trajectory(self.state, snapshot, steps, precision=precision,
-                                                             lr_factor=lr_factor, ready=meeting.ready))
+                                                             lr_factor=lr_factor, ready=meeting.ready,
+                                                             before_micro_batch=lock.next if lock else None))
                     except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
                         error = f"{type(err).__name__}: {err}"
                         if meeting.failed:

@@ -78,6 +78,14 @@ def meet(error: str | None) -> bool:
     return said is not None
 
 
+def meet_or_abort(error: str | None) -> None:
+    """:func:`meet`, after which every rank raises the same :class:`ReplayAborted` when any rank brought an error
+    (the failing rank too, in place of its own error): every rank leaves at this point, and says the same."""
+    said = _meet(error)
+    if said is not None:
+        raise ReplayAborted(said)
+
+
 def _meet(error: str | None, value: int = 0) -> str | None:
     """:func:`meet`'s agreement: None when no rank brought an error and every rank the same ``value``, else why not
     (the first failing rank's error, ``"rank r: error"``, or the values by rank), alike on every rank."""

@@ -819,8 +819,8 @@ class SnapshotRing:
 
 
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
-                      precision: str, lr_factor: float = 1.0,
-                      ready: Callable[[], None] | None = None) -> TrajectoryResult:
+                      precision: str, lr_factor: float = 1.0, ready: Callable[[], None] | None = None,
+                      before_micro_batch: Callable[[], None] | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
     exactly. ``precision="fp32"``: autocast off and no scaler (the control); ``"amp"``: the run's forward context
@@ -828,7 +828,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     the step schedulers' base rates) times this for the replay: the lower-LR counterfactual. One host read, at the
     end (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss).
     ``ready``: the ranks' meeting, passed to the snapshot's restore (after every check of this replay and of the
-    restore, before its first collective)."""
+    restore, before its first collective). ``before_micro_batch``: called before each replayed micro-batch (a
+    sharded model's :class:`~lightning_ampwatch.distributed.Lockstep`: its ``next``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
@@ -862,7 +863,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
             for step, micro_batches in steps:
                 if ran is not None:
                     _run_at(state, ran(step), lr_factor)
-                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp)
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, before_micro_batch)
                 losses.append(loss)
                 skipped.append(skip)
             # the root's parameters: under FSDP1 without use_orig_params the module itself holds none
@@ -928,13 +929,15 @@ def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> li
 
 
 def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
-                 amp: bool) -> tuple[Tensor | None, Tensor]:
+                 amp: bool, before_micro_batch: Callable[[], None] | None = None) -> tuple[Tensor | None, Tensor]:
     """One optimizer step as Lightning's automatic optimization runs it: (the step's loss, whether the scaler
     skipped it), both left on the device."""
     for opt in state.optimizers:
         opt.zero_grad()
     total: Tensor | None = None
     for mb in micro_batches:
+        if before_micro_batch is not None:
+            before_micro_batch()
         if mb.rng is not None:
             torch.set_rng_state(mb.rng)
         if mb.cuda_rng is not None:

@@ -11,11 +11,12 @@ skipped. A rollback that fails leaves the alarm published without a remedy, its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from lightning_ampwatch import protocol
+from lightning_ampwatch import distributed, protocol, sharding
 from lightning_ampwatch.records import (
     Outcome,
     Recovery,
@@ -254,9 +255,15 @@ class Treatment:
         held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
         if not ready or len(set(held)) > 1:
             return
-        try:  # (every rank, after one meeting before the restore: a rank that cannot replay says so there)
-            fp32 = protocol.together(len(held) > 1, lambda ready: replay_trajectory(
-                control.state, snapshot, steps, precision="fp32", ready=ready))
+        together = len(held) > 1
+        # (every rank, after one meeting before the restore, where a rank that cannot replay says so; a sharded
+        # model's replay meets again before each micro-batch's forward, distributed.Lockstep)
+        sharded = together and sharding.replay_needs_all_ranks(control.state.root)
+        try:
+            with (distributed.Lockstep(control.state.root) if sharded else contextlib.nullcontext()) as lock:
+                fp32 = protocol.together(together, lambda ready: replay_trajectory(
+                    control.state, snapshot, steps, precision="fp32", ready=ready,
+                    before_micro_batch=lock.next if lock else None))
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
         margin = control.fall_margin
