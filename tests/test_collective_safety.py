@@ -282,7 +282,7 @@ def test_lockstep_stops_every_rank_where_one_raised_before_its_forward(tmp_path:
     assert rank1["seen"] == ["KeyError: \"a batch with no 'x'\""]
     # rank 0 stopped at its second micro-batch's first module forward, before running it, naming rank 1's error
     assert rank0["seen"] == ["ReplayAborted: rank 1: KeyError: \"a batch with no 'x'\""]
-    assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached, on both ranks
+    assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached (rank 1: on leaving)
     assert rank0["after"] == rank1["after"] == [0, 1]
     assert rank0["hooks"] == rank1["hooks"] == 0  # the hooks are gone
 

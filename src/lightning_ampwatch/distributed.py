@@ -368,9 +368,10 @@ class Lockstep:
 
     Inside ``with Lockstep(module) as lock:``, before each micro-batch's first module forward (a forward pre-hook on
     every module, ahead of FSDP's own), the ranks meet in one small all-reduce (:func:`~.protocol.meet`); call
-    :meth:`next` before each micro-batch. A rank that raised before its meeting brings its error there instead, and
-    every other rank raises :class:`ReplayAborted` at that point, before entering any collective of its own
-    forward. Every rank leaves the block at the same micro-batch, with an exception. What it cannot cover: a rank
+    :meth:`next` before each micro-batch, and every rank meets once more on leaving the block. A rank that raised
+    brings its error to the next meeting instead (the one on leaving), and every other rank raises
+    :class:`ReplayAborted` at that point, before entering any collective of its own forward. Every rank leaves the
+    block at the same micro-batch, with an exception. What it cannot cover: a rank
     that raises after the meeting, inside the sharded forward or backward (between FSDP's own collectives), leaves
     the others waiting in FSDP's next collective; nothing outside FSDP can make those safe. Anomalous steps only: it
     costs one all-reduce per
@@ -381,6 +382,7 @@ class Lockstep:
         self._handles: list[Any] = []
         self._met = True  # this rank met the others for the current micro-batch
         self._fresh = True  # no micro-batch begun with next() yet (the block's start begins the first)
+        self.told = False  # the block ended with an error that this rank brought to a meeting (every rank knows it)
 
     def __enter__(self) -> "Lockstep":
         if world_size() > 1:
@@ -408,7 +410,12 @@ class Lockstep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if not self._met:
-            # raised before this micro-batch's meeting (the others wait there for it), or ran no forward at all
-            self._meet(None if exc is None else f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, ReplayAborted):  # stopped at a meeting: every rank knows, and leaves there
+            return False
+        # Every rank meets once more on leaving, bringing its error if it raised: one that raised before a
+        # micro-batch's meeting, or after it (in a backward, or in its own work after the passes), while the others
+        # go on to the next micro-batch's meeting or leave too, meets them there; nobody waits alone.
+        self._met = True
+        self._meet(None if exc is None else f"{type(exc).__name__}: {exc}")
+        self.told = exc is not None
         return False

@@ -731,19 +731,25 @@ class TrajectoryControl:
             try:
                 steps = self.ring.batches(snapshot.step + 1, alarm_step)
                 for precision, lr_factor in runs:
-                    meeting = protocol.Meeting(split)
                     if error is not None:
-                        meeting.fail(error)  # (no meeting when not split: nothing to tell)
+                        # this rank's error, not told yet (raised after its last meeting): told at the next replay's
+                        # first meeting, where the others are (before its restore; a sharded one's first forward)
+                        if split:
+                            protocol.Meeting(True).fail(error)
+                        elif sharded:
+                            protocol.meet(error)
                         break
+                    meeting, lock = protocol.Meeting(split), None
                     try:
                         with lockstep() as lock, meeting:  # (each replayed micro-batch meets: lock.next)
                             results.append(replay_trajectory(self.state, snapshot, steps, precision=precision,
                                                              lr_factor=lr_factor, ready=meeting.ready,
                                                              before_micro_batch=lock.next if lock else None))
-                    except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
+                    except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
                         error = f"{type(err).__name__}: {err}"
-                        if meeting.failed:
-                            break  # every rank stopped at this meeting
+                        told = isinstance(err, protocol.ReplayAborted) or meeting.failed or bool(lock and lock.told)
+                        if told or not (split or sharded):
+                            break  # every rank stopped at the meeting where it was said (or there is no other)
                 if error is not None:
                     raise InvestigationError(error)
                 fp32, amp, lower = results
