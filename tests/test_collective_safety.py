@@ -231,22 +231,23 @@ def test_a_sharded_replay_that_raises_on_one_rank_is_stopped_on_every_rank_and_t
 
 def _lockstep_worker(rank: int, port: int, out_dir: str) -> None:
     """Rank 1's part raises at the start of its second micro-batch, before any module forward; rank 0 runs its
-    forward. Each rank writes where it stopped and how many gathers it made (the same on both, or one would wait)."""
+    forward. Each rank writes where it stopped and how many agreements it entered (the same on both, or one would
+    wait)."""
     import os
 
-    from lightning_ampwatch import distributed
+    from lightning_ampwatch import distributed, protocol
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gathers = 0
-    real_gather = distributed.gather
+    real_gather, real_agree = protocol.gather, protocol._agree_vector
 
-    def counted(obj: Any) -> list[Any]:
+    def counted(votes: list[int]) -> list[int]:
         nonlocal gathers
         gathers += 1
-        return real_gather(obj)
+        return real_agree(votes)
 
-    distributed.gather = counted  # counts the calls; every one is the real collective
+    protocol._agree_vector = counted  # counts the meetings' all-reduces; every one is the real collective
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     seen: list[str] = []
     try:
@@ -282,7 +283,7 @@ def test_lockstep_stops_every_rank_where_one_raised_before_its_forward(tmp_path:
     assert rank1["seen"] == ["KeyError: \"a batch with no 'x'\""]
     # rank 0 stopped at its second micro-batch's first module forward, before running it, naming rank 1's error
     assert rank0["seen"] == ["ReplayAborted: rank 1: KeyError: \"a batch with no 'x'\""]
-    assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached, on both ranks
+    assert rank0["gathers"] == rank1["gathers"] == 2  # one meeting per micro-batch reached (rank 1: on leaving)
     assert rank0["after"] == rank1["after"] == [0, 1]
     assert rank0["hooks"] == rank1["hooks"] == 0  # the hooks are gone
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterable
-from typing import Any, ContextManager, Literal, Sequence, Union
+from typing import Any, Callable, ContextManager, Literal, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -130,22 +130,23 @@ class LightningHost:
         can be checked, and the live state, kept on the host meanwhile, is put back when it turns out too new."""
         return None
 
-    def rollback_to_checkpoint(self, before: int) -> tuple[str | None, int | None]:
+    def rollback_to_checkpoint(self, before: int, ready: Callable[[int], None] | None = None
+                               ) -> tuple[str | None, int | None]:
         """Only a file this fit wrote, or the one it resumed from, holding the whole training state
         (:class:`~lightning_ampwatch.compat.FitCheckpoints`). A sharded strategy loads a checkpoint (a sharded
         directory included) into the live model before it can be checked: the live state is kept on the host
-        meanwhile and put back when it turns out too new, or unfit."""
+        meanwhile and put back when it turns out too new, or unfit. ``ready``: see ``FitCheckpoints.roll_back``."""
         if self.rollback_unavailable() is not None:
             return None, None
         state = TrainState.from_trainer(self.trainer, self.module)
         if not sharding.replay_needs_all_ranks(state.root):
-            return self._checkpoints.roll_back(before)
+            return self._checkpoints.roll_back(before, ready=ready)
 
         def keep_live() -> Any:
             live = Snapshot.take(state, -1)
             return lambda: live.restore(state)
 
-        return self._checkpoints.roll_back(before, keep_live=keep_live)
+        return self._checkpoints.roll_back(before, keep_live=keep_live, ready=ready)
 
     def rollback_passed_over(self) -> str | None:
         """The checkpoint files the latest rollback passed over, and why (None: none was)."""

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_ampwatch import protocol  # (it imports nothing of the package's)
+
 # --------------------------------------------------------------------------------------------
 # torch.amp.GradScaler
 # --------------------------------------------------------------------------------------------
@@ -386,8 +388,8 @@ class FitCheckpoints:
             return False
         return path not in self.before_fit or self.before_fit[path] != _signature(path)
 
-    def roll_back(self, before: int, keep_live: Callable[[], Callable[[], None]] | None = None
-                  ) -> tuple[str | None, int | None]:
+    def roll_back(self, before: int, keep_live: Callable[[], Callable[[], None]] | None = None,
+                  ready: Callable[[int], None] | None = None) -> tuple[str | None, int | None]:
         """Load the newest checkpoint of this fit (a file, or a sharded checkpoint's directory) written before step
         ``before`` ran that holds the whole training state, through Lightning's own checkpoint connector: weights,
         precision plugin (the scaler), optimizers and schedulers; not the loops, so ``global_step`` stays monotonic.
@@ -399,7 +401,10 @@ class FitCheckpoints:
         this run's, is passed over. A sharded strategy (FSDP, ModelParallelStrategy) loads a checkpoint into the
         live model inside ``load_checkpoint``, before it can be checked: ``keep_live()`` is called before each load
         and returns what puts the live state back, called when the checkpoint is passed over or fails to restore.
-        A restore that still fails raises :class:`RollbackFailed`, saying whether the live state was put back."""
+        A restore that still fails raises :class:`RollbackFailed`, saying whether the live state was put back.
+        ``ready(step)``: called once a file has passed every check, right before it is restored (several ranks: their
+        meeting, :func:`lightning_ampwatch.protocol.together`, which raises unless every rank is about to restore
+        the same step; the live state is then put back, and nothing restored)."""
         self.passed_over = {}
         paths = [p for p in _checkpoint_paths(self.trainer) if os.path.exists(p)]
         own = [p for p in paths if self.written_by_this_fit(p)]
@@ -408,7 +413,21 @@ class FitCheckpoints:
         trainer = self.trainer
         connector = trainer._checkpoint_connector
         for path in sorted(own, key=os.path.getmtime, reverse=True):
-            put_back = keep_live() if keep_live is not None else None
+            if ready is not None and keep_live is not None:
+                # a sharded load is a collective: every rank meets before each (protocol.meet_or_abort), and a rank
+                # that could not keep its live state says so there; then every rank leaves, before the load
+                try:
+                    put_back = keep_live()
+                except Exception as err:  # noqa: BLE001 - brought to the meeting: every rank raises alike
+                    protocol.meet_or_abort(f"{type(err).__name__}: {err}")
+                    raise
+                try:
+                    protocol.meet_or_abort(None)
+                except protocol.ReplayAborted:
+                    put_back()
+                    raise
+            else:
+                put_back = keep_live() if keep_live is not None else None
             try:
                 checkpoint = trainer.strategy.load_checkpoint(path)
             except Exception:  # noqa: BLE001 - a file that cannot be read is passed over, like any unfit one
@@ -426,6 +445,13 @@ class FitCheckpoints:
                 if unfit is not None:
                     self._pass(unfit)
                 continue
+            if ready is not None:
+                try:
+                    ready(step)
+                except Exception:
+                    if put_back is not None:
+                        put_back()
+                    raise
             connector._loaded_checkpoint = checkpoint
             restored: list[str] = []
             try:

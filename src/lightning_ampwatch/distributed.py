@@ -12,30 +12,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-import torch.distributed as dist
-
+from lightning_ampwatch import sharding
 from lightning_ampwatch.machine import BatchStats
+from lightning_ampwatch.protocol import ReplayAborted, gather, meet, rank, world_size
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
 
 #: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
 RELAY_MAX = 32
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a small picklable record), on every rank."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
+__all__ = ["ReplayAborted", "gather", "meet", "rank", "world_size"]  # (the protocol's, as this module gave them)
 
 
 def merge_step(records: list[dict[str, Any]]) -> tuple[float | None, bool | None, BatchStats | None, list[int]]:
@@ -238,8 +224,6 @@ class CrossRank:
         """Once, on a watching rank, after the agreement ended: the snapshots stop where a replay from them needs
         every rank (split across DDP ranks, or sharded), since none can be agreed on any more, and one line says
         so."""
-        from lightning_ampwatch import sharding  # (sharding reads this module's world size)
-
         if self._ended_noted:
             return
         self._ended_noted = True
@@ -378,34 +362,19 @@ class Bystander:
             pass
 
 
-class ReplayAborted(RuntimeError):
-    """Another rank's part of a replay failed before it first talked to the others: this rank stops at the same
-    point, so that no rank waits in a collective another rank never enters."""
-
-
-def meet(error: str | None) -> bool:
-    """Every rank at the same point of a replay that talks to every rank, each bringing its part's error (None:
-    none). Returns whether any rank brought one; raises :class:`ReplayAborted` on a rank that brought none when
-    another did, so that every rank stops there. One small gather (nothing with one process)."""
-    if world_size() == 1:
-        return error is not None
-    failed = [(r, e) for r, e in enumerate(gather(error)) if e is not None]
-    if failed and error is None:
-        raise ReplayAborted(f"rank {failed[0][0]}: {failed[0][1]}")
-    return bool(failed)
-
-
 class Lockstep:
     """A replay that talks to every rank (the forward of a sharded model: FSDP's all-gathers), run so that a rank
     whose part raises before that talk does not leave the others waiting in it.
 
     Inside ``with Lockstep(module) as lock:``, before each micro-batch's first module forward (a forward pre-hook on
-    every module, ahead of FSDP's own), the ranks meet in one small gather; call :meth:`next` before each
-    micro-batch. A rank that raised before its meeting brings its error there instead, and every other rank raises
+    every module, ahead of FSDP's own), the ranks meet in one small all-reduce (:func:`~.protocol.meet`); call
+    :meth:`next` before each micro-batch, and every rank meets once more on leaving the block. A rank that raised
+    brings its error to the next meeting instead (the one on leaving), and every other rank raises
     :class:`ReplayAborted` at that point, before entering any collective of its own forward. Every rank leaves the
-    block at the same micro-batch, with an exception. What it cannot cover: a rank that raises after the meeting,
-    inside the sharded forward or backward (between FSDP's own collectives), leaves the others waiting in FSDP's
-    next collective; nothing outside FSDP can make those safe. Anomalous steps only: it costs one gather per
+    block at the same micro-batch, with an exception. What it cannot cover: a rank
+    that raises after the meeting, inside the sharded forward or backward (between FSDP's own collectives), leaves
+    the others waiting in FSDP's next collective; nothing outside FSDP can make those safe. Anomalous steps only: it
+    costs one all-reduce per
     micro-batch of a replay, and nothing on a healthy step."""
 
     def __init__(self, module: Any) -> None:
@@ -413,6 +382,7 @@ class Lockstep:
         self._handles: list[Any] = []
         self._met = True  # this rank met the others for the current micro-batch
         self._fresh = True  # no micro-batch begun with next() yet (the block's start begins the first)
+        self.told = False  # the block ended with an error that this rank brought to a meeting (every rank knows it)
 
     def __enter__(self) -> "Lockstep":
         if world_size() > 1:
@@ -440,7 +410,12 @@ class Lockstep:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if not self._met:
-            # raised before this micro-batch's meeting (the others wait there for it), or ran no forward at all
-            self._meet(None if exc is None else f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, ReplayAborted):  # stopped at a meeting: every rank knows, and leaves there
+            return False
+        # Every rank meets once more on leaving, bringing its error if it raised: one that raised before a
+        # micro-batch's meeting, or after it (in a backward, or in its own work after the passes), while the others
+        # go on to the next micro-batch's meeting or leave too, meets them there; nobody waits alone.
+        self._met = True
+        self._meet(None if exc is None else f"{type(exc).__name__}: {exc}")
+        self.told = exc is not None
         return False

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import deepspeed_state, distributed, sharding
+from lightning_ampwatch import deepspeed_state, distributed, protocol, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.signals import _float_tensors, inspect_batch
@@ -766,6 +766,12 @@ class TrajectoryControl:
             k += 1
         return steps, repeated
 
+    def _no_snapshot(self, before: int, onset: int) -> str:
+        """Why this rank holds no snapshot from before step ``before``."""
+        return self.ring.reason or self.ring.dropped or (
+            f"no snapshot from before step {before} (the update before the onset at step {onset}) is held; one is "
+            f"taken every {self.ring.every} steps")
+
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
               rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
@@ -815,8 +821,13 @@ class TrajectoryControl:
         if agree and distributed.world_size() > 1:
             # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
             # drops snapshots on its own budget, and a restore of a split snapshot broadcasts entry by entry
-            held = distributed.gather(None if snapshot is None else snapshot.step)
-            if len(set(held)) > 1:
+            # (with each rank's reason where it holds none: every rank then says the same)
+            pairs = distributed.gather((None, self._no_snapshot(before, diagnosis.step)) if snapshot is None
+                                       else (snapshot.step, None))
+            held = [step for step, _ in pairs]
+            if set(held) == {None}:
+                disagreed = protocol.said_alike([why for _, why in pairs])
+            elif len(set(held)) > 1:
                 snapshot = None
                 disagreed = (f"the ranks do not hold the same snapshot from before step {before} (steps by rank: "
                              f"{held}), and a replay from different states would not meet in its collectives")
@@ -830,17 +841,16 @@ class TrajectoryControl:
                              "whether reduced precision is at fault")
         local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
         if snapshot is None:
-            reason = disagreed or self.ring.reason or self.ring.dropped or (
-                f"no snapshot from before step {before} (the update before the onset at step {diagnosis.step}) is "
-                f"held; one is taken every {self.ring.every} steps")
+            reason = disagreed or self._no_snapshot(before, diagnosis.step)
             ev["trajectory_control"] = f"not run: {reason}"
         else:
             # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
             # rank there (distributed.Lockstep), so that every rank reaches the gather below
             sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
             # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
-            # every rank; the ranks meet before each (distributed.meet), so that a rank whose last replay raised
-            # stops every rank there, before the next restore, and every rank reaches the gather below
+            # every rank; the ranks meet once per replay (protocol.Meeting), after every check of the replay and of
+            # its restore and right before the first broadcast. A rank whose preparation failed, or whose last replay
+            # raised, enters that meeting to say so: every rank stops there, and every rank reaches the gather below
             split = agree and distributed.world_size() > 1 and self.state.split and not sharded
 
             def lockstep() -> Any:
@@ -849,15 +859,22 @@ class TrajectoryControl:
             error: str | None = None
             state = self.state
 
+            together = agree and distributed.world_size() > 1
+            told = False  # this rank's error was said at a meeting every rank entered (every rank stopped there)
+
             def before_each() -> bool:
-                nonlocal error
-                if not split:
+                """Before each intervention's replay, the ranks that replay together meet (protocol.meet): one that
+                failed since says so there, and every rank stops at that meeting, so the next replay's restore and
+                the interventions' agreements are entered by every rank or by none."""
+                nonlocal error, told
+                if told or not together:
                     return error is not None
                 try:
-                    return distributed.meet(error)
-                except distributed.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
-                    error = f"ReplayAborted: {err}"
-                    return True
+                    stop = protocol.meet(error)
+                except protocol.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
+                    error, stop = f"ReplayAborted: {err}", True
+                told = stop
+                return stop
 
             try:
                 steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
@@ -868,13 +885,18 @@ class TrajectoryControl:
                 alone = distributed.world_size() == 1  # ranks stop together only where each replay runs to its end
 
                 def replay(**options: Any) -> Any:
-                    nonlocal error
+                    nonlocal error, told
                     options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
+                    # a split snapshot's restore meets once, after every check and before its first broadcast
+                    # (protocol.Meeting); a sharded replay meets at each micro-batch (Lockstep.next)
+                    meeting, lock = protocol.Meeting(split), None
                     try:
-                        with lockstep():
-                            return replay_trajectory(state, snapshot, steps, **options)
-                    except Exception as err:  # noqa: BLE001 - said at the next meeting (split), or below
+                        with lockstep() as lock, meeting:
+                            return replay_trajectory(state, snapshot, steps, ready=meeting.ready,
+                                                     before_micro_batch=lock.next if lock else None, **options)
+                    except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
                         error = f"{type(err).__name__}: {err}"
+                        told = isinstance(err, protocol.ReplayAborted) or meeting.failed or bool(lock and lock.told)
                         return None
 
                 facts = facts_of(diagnosis)

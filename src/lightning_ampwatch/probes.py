@@ -20,6 +20,8 @@ from lightning_ampwatch import compat, distributed, sharding
 
 FP16_MAX = 65504.0
 _STOCHASTIC = compat.STOCHASTIC_MODULES
+#: How a rank that stopped at a meeting because another rank's part raised says so (the other's error is said first).
+_ABORTED = "(stopped with the others) "
 
 
 def uses_rng(module: nn.Module) -> bool:
@@ -379,13 +381,14 @@ class Replayer:
             if probe_ctx is not None:
                 first, result.headroom = probe_ctx.read()
         except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
-            error = (f"{err}" if isinstance(err, distributed.ReplayAborted)
+            error = (f"{_ABORTED}{err}" if isinstance(err, distributed.ReplayAborted)
                      else f"rank {distributed.rank()}: {type(err).__name__}: {err}")
         finally:
             for (_, p), grad in zip(params, live_grads):
                 p.grad = grad
         gathered = distributed.gather((error, values))  # (passes, params, [present, non-finite, finite absmax])
-        errors = [e for e, _ in gathered if e is not None]
+        # the rank whose part raised first, before those that stopped with it at a meeting (protocol.ReplayAborted)
+        errors = sorted((e for e, _ in gathered if e is not None), key=lambda e: e.startswith(_ABORTED))
         if errors:
             result.loss, result.headroom = None, []
             result.error = (f"the replay raised on {errors[0]}; every rank stopped it together, so nothing was "

@@ -23,7 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from lightning_ampwatch import compat, distributed
+from lightning_ampwatch import compat, distributed, protocol
 from lightning_ampwatch.summary import RunStats, judged, remedy_outcome, summary_lines
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
 from lightning_ampwatch.timeline import TIMELINE_NAME, Timeline
@@ -703,7 +703,5 @@ class RankSums:
     def compute(self) -> torch.Tensor:
         summed = self.sums.clone()
         if distributed.world_size() > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(summed)
+            protocol.all_reduce(summed)
         return summed

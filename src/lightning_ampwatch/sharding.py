@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ampwatch import compat, deepspeed_state
-from lightning_ampwatch.distributed import world_size
+from lightning_ampwatch.protocol import broadcast, world_size
 
 try:  # torch >= 2.4 has both; kept optional so that a build without torch.distributed still imports
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -225,10 +225,7 @@ def redirects(root: nn.Module) -> bool:
     return isinstance(root, FullyShardedDataParallel)
 
 
-def broadcast(t: Tensor, src: int) -> None:
-    import torch.distributed as dist
-
-    dist.broadcast(t, src=src)
+__all__ = ["broadcast"]  # (the protocol's: a split snapshot's entries, sent by the rank that holds each)
 
 
 def replicated(root: nn.Module) -> bool:

@@ -233,9 +233,11 @@ class Snapshot:
                 "taken (its version counter moved); snapshots leave frozen parameters out, so this one cannot be "
                 "put back")
 
-    def restore(self, state: TrainState) -> None:
+    def restore(self, state: TrainState, ready: Callable[[], None] | None = None) -> None:
         """Put this state into the live objects, in place (no second model, no new tensors where the layout
-        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot."""
+        allows). Raises :class:`SnapshotError`, before changing anything, when it cannot. ``ready``: called once
+        every check has passed, right before the first entry is put back (for a split snapshot, before the first
+        broadcast): the ranks' meeting (:class:`~lightning_ampwatch.protocol.Meeting`), which may raise."""
         if self.step >= 0:
             why = self.stale(state)
             if why is not None:
@@ -249,6 +251,8 @@ class Snapshot:
                   [k for k, _ in self.optim_state if k not in optim_sd]
         if missing:
             raise SnapshotError(f"the live state has no entry {missing[0]!r} that the snapshot holds")
+        if ready is not None:
+            ready()
         with torch.no_grad():
             for key, saved in self.model:
                 if isinstance(saved, _At):
@@ -826,7 +830,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                       precision: str, lr_factor: float = 1.0, scale: float | None = None,
                       island: Sequence[str] = (), watch: Sequence[str] = (),
                       stop_on_fault: bool = False, skips_allowed: int = 0,
-                      lr_cap: float | None = None) -> TrajectoryResult:
+                      lr_cap: float | None = None, ready: Callable[[], None] | None = None,
+                      before_micro_batch: Callable[[], None] | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
     ``SnapshotRing.batches`` gives them) as Lightning's automatic optimization would, then put the live state back
     exactly (``lr_cap``: no learning rate above it on any replayed step). ``precision="fp32"``: autocast off and no
@@ -839,7 +844,10 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     (``TrajectoryResult.absmax``: how close they come to float16's limit). ``stop_on_fault``: the replay ends at the
     first non-finite step or at the skip after ``skips_allowed`` of them (one host read per step: replays run on
     alarms only). One host read at the end
-    otherwise (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss)."""
+    otherwise (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss).
+    ``ready``: the ranks' meeting, passed to the snapshot's restore (after every check of this replay and of the
+    restore, before its first collective). ``before_micro_batch``: called before each replayed micro-batch (a
+    sharded model's :class:`~lightning_ampwatch.distributed.Lockstep`: its ``next``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
     if state.unavailable is not None:
@@ -879,7 +887,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                 (contextlib.nullcontext(0) if amp else sharding.fp32_frozen(state.module)), watcher:
             for name in with_island:
                 attach_island(module, name, state.device.type)
-            snapshot.restore(state)
+            snapshot.restore(state, ready)
             if lr_factor != 1.0:
                 scale_learning_rates(state.optimizers, [s for s, _ in state.schedulers], lr_factor)
             ran = state.lr_log.at if state.lr_log is not None else None
@@ -891,7 +899,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                         for group in opt.param_groups:
                             if isinstance(group.get("lr"), (int, float)) and group["lr"] > lr_cap:
                                 group["lr"] = lr_cap
-                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context)
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context, before_micro_batch)
                 losses.append(loss)
                 skipped.append(skip)
                 peaks.append(watcher.step_peak())
@@ -1027,13 +1035,16 @@ def retrain(state: TrainState, steps: Sequence[tuple[int, Sequence[Any]]]) -> li
 
 
 def _replay_step(state: TrainState, micro_batches: list[MicroBatch], scaler: Any,
-                 amp: bool, context: Callable[[], Any] | None = None) -> tuple[Tensor | None, Tensor]:
+                 amp: bool, context: Callable[[], Any] | None = None,
+                 before_micro_batch: Callable[[], None] | None = None) -> tuple[Tensor | None, Tensor]:
     """One optimizer step as Lightning's automatic optimization runs it: (the step's loss, whether the scaler
     skipped it), both left on the device."""
     for opt in state.optimizers:
         opt.zero_grad()
     total: Tensor | None = None
     for mb in micro_batches:
+        if before_micro_batch is not None:
+            before_micro_batch()
         if mb.rng is not None:
             torch.set_rng_state(mb.rng)
         if mb.cuda_rng is not None:

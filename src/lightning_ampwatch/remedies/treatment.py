@@ -11,10 +11,12 @@ skipped. A rollback that fails leaves the alarm published without a remedy, its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from lightning_ampwatch import distributed, protocol, sharding
 from lightning_ampwatch.records import (
     Outcome,
     Recovery,
@@ -171,7 +173,15 @@ class Treatment:
         snapshot = retry[1] if retry is not None and retry[0] == diagnosis.step else None
         if snapshot is None and control is not None and control.ring.enabled:
             snapshot = control.ring.newest_before(max(before, 0))  # the fit's starting state is before step 0
-        held = gather(None if snapshot is None else snapshot.step)
+        off = control.ring.reason if control is not None and not control.ring.enabled else None
+        why = "snapshots are off" if control is None else f"no snapshot is kept ({off})" if off else \
+            "snapshots are off" if not control.ring.enabled else f"no snapshot from before step {before} is held"
+        # (with each rank's reason: where no rank rolls back to a snapshot, every rank says the same why)
+        pairs = gather((None if snapshot is None else snapshot.step, why))
+        held = [step for step, _ in pairs]
+        if len(pairs) > 1:
+            why = protocol.said_alike([w for _, w in pairs]) if set(held) == {None} else (
+                f"the ranks do not hold the same snapshot from before step {before} (steps by rank: {held})")
         # every rank goes back to the same step, or none to a snapshot
         target = decide(held[0] if len(set(held)) == 1 else None)
         if target is not None and snapshot is not None and snapshot.step == target:
@@ -180,19 +190,23 @@ class Treatment:
                 if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
-            snapshot.restore(control.state)
+            # every rank restores together (a split snapshot's broadcasts), after one meeting where a rank whose
+            # checks failed says so: then every rank raises the same error, and none enters a broadcast
+            protocol.together(len(held) > 1,
+                              lambda ready: snapshot.restore(control.state, ready))  # type: ignore[union-attr]
             control.ring.reset()  # what it held after the snapshot belongs to the abandoned steps
             return snapshot, Rollback(RollbackKind.SNAPSHOT, now, to_step=target + 1, snapshot_step=target), episode
-        path, ckpt_step = host.rollback_to_checkpoint(before)
+        if len(held) > 1:  # every rank restores the same checkpoint, or none does (one meeting, right before it)
+            path, ckpt_step = protocol.together(
+                True, lambda ready: host.rollback_to_checkpoint(before, ready=ready), absent=-1)
+        else:
+            path, ckpt_step = host.rollback_to_checkpoint(before)
         if path is not None:
             return None, Rollback(RollbackKind.CHECKPOINT, now, to_step=ckpt_step, path=path), []
         if before < 0:
             return None, Rollback(RollbackKind.NONE, now, why=(
                 f"the episode began at step {diagnosis.step}, before any state could be kept, so the remedy is "
                 "applied in place")), []
-        off = control.ring.reason if control is not None and not control.ring.enabled else None
-        why = "snapshots are off" if control is None else f"no snapshot is kept ({off})" if off else \
-            "snapshots are off" if not control.ring.enabled else f"no snapshot from before step {before} is held"
         unavailable = getattr(host, "rollback_unavailable", None)  # optional on a host
         no_checkpoint = unavailable() if callable(unavailable) else None
         if no_checkpoint is not None:  # the strategy's reason, not "no file was found"
@@ -261,8 +275,15 @@ class Treatment:
         held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
         if not ready or len(set(held)) > 1:
             return
+        together = len(held) > 1
+        # (every rank, after one meeting before the restore, where a rank that cannot replay says so; a sharded
+        # model's replay meets again before each micro-batch's forward, distributed.Lockstep)
+        sharded = together and sharding.replay_needs_all_ranks(control.state.root)
         try:
-            fp32 = replay_trajectory(control.state, snapshot, steps, precision="fp32")
+            with (distributed.Lockstep(control.state.root) if sharded else contextlib.nullcontext()) as lock:
+                fp32 = protocol.together(together, lambda ready: replay_trajectory(
+                    control.state, snapshot, steps, precision="fp32", ready=ready,
+                    before_micro_batch=lock.next if lock else None))
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
         margin = control.fall_margin
