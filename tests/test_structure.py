@@ -21,17 +21,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "lightning_ampwatch"
 
 #: Import cycles known and owned elsewhere, each with the reason it may stay for now.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"lightning_ampwatch.distributed", "lightning_ampwatch.sharding"}):
-        "removed by the collective-protocol work",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}  # none left: distributed and sharding both import the protocol now
 #: Private attributes of another object read or written on purpose: (module, the expression), with the reason.
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
     ("lightning_ampwatch.guards", "sys._getframe"):
         "CPython's frame access (sys._getframe is the documented, public way to read the caller's frame)",
-    ("lightning_ampwatch.investigate", "getattr(ring, '_step_batch_bytes', 0)"):
-        "the ring's per-step batch bytes: investigate.py and trajectory.py belong to the intervention work, which "
-        "gives the ring a public figure",
 }
 
 

@@ -731,7 +731,7 @@ class TrajectoryControl:
         copy_s = max(end - start, (end - before) - min(ordinary))
         self._last_snapshot = (step, end)
         span = (end - last[1], step - last[0]) if last is not None else (None, 0)
-        per_step = getattr(ring, "_step_batch_bytes", 0)  # the most one step's batches held: the memory bound
+        per_step = ring.step_batch_bytes  # the most one step's batches held: the memory bound
         room = (ring.budget_bytes - ring.bytes_per_snapshot) // per_step if per_step else None
         said = self.cadence.observe(copy_s, *span, room_steps=room, step_s=statistics.median(ordinary))
         if self.cadence.decided:

@@ -788,6 +788,11 @@ class SnapshotRing:
         """``(step, micro-batches)`` for the held steps from ``from_step`` to ``to_step``, both included."""
         return [(s, _as_micro_batches(b)) for s, (b, _) in self._batches.items() if from_step <= s <= to_step]
 
+    @property
+    def step_batch_bytes(self) -> int:
+        """The most one step's batches have held: with ``every``, the ring's memory bound for its batches."""
+        return self._step_batch_bytes
+
     def _fits(self) -> bool:
         return self.bytes_per_snapshot + self.every * self._step_batch_bytes <= self.budget_bytes
 
