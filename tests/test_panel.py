@@ -202,7 +202,7 @@ def test_a_remedy_whose_recovery_cannot_be_verified_says_so_in_its_update(
     watch = run_scenario("forward_overflow", str(tmp_path), AmpWatch(remediate=True, snapshot_every=0), max_steps=40)
     out = capsys.readouterr().out
     island = next(d for d in watch.diagnoses if d.remedy == "fp32_island")
-    assert island.outcome is None and island.evidence["recovery"]["reason"].startswith("there is no healthy")
+    assert island.outcome == "not_verified" and island.evidence["recovery"]["reason"].startswith("there is no healthy")
     updates = [text for title, _, text in panels(out) if "FORWARD_OVERFLOW" in title and "(update)" in title]
     assert updates, out
     flat = " ".join(updates[-1].replace("│", " ").split())

@@ -66,8 +66,9 @@ def test_a_rollback_says_what_it_did(rollback: Rollback, sentence: str) -> None:
                                                                           RollbackKind.CHECKPOINT) else None)
 
 
-def test_an_unverified_outcome_is_published_as_no_outcome() -> None:
-    assert [o.published for o in Outcome] == ["recovered", "not_recovered", None, "relapsed"]
+def test_an_unverified_outcome_is_published_by_its_name() -> None:
+    # API.md: Diagnosis.outcome is "not_verified" (None is for no remedy, or one still watched)
+    assert [o.published for o in Outcome] == ["recovered", "not_recovered", "not_verified", "relapsed"]
     unverified = judge_recovery([1.0, 1.1], steps=8, skipped=0, reference=None, reference_from="nothing")
     assert unverified.outcome is Outcome.NOT_VERIFIED and unverified.unverified is not None
     assert judge_recovery([1.0, 1.1], steps=8, skipped=0, reference=1.0, reference_from="x").outcome == "recovered"

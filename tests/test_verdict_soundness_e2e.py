@@ -86,7 +86,7 @@ def test_a_remedy_on_a_plateau_is_not_verified_against_fp32_noise(tmp_path: Path
     _fit(tmp_path, watch, seed=0, offset=8.7, max_steps=40)
     [d] = [d for d in watch.diagnoses if d.remedy]
     assert d.finding is Finding.FORWARD_OVERFLOW and d.evidence["loss_reference"] is None
-    assert d.outcome is None  # not verified: neither "recovered" nor a reason to escalate
+    assert d.outcome == "not_verified"  # neither "recovered" nor a reason to escalate (API.md)
     recovery = d.evidence["recovery"]
     assert recovery["loss_before"] is None and "no healthy reference" in recovery["reason"]
     assert "less than the 20% a decisive fall needs" in recovery["reason"]
@@ -99,7 +99,7 @@ def test_a_run_that_ends_while_its_remedy_is_watched_says_it_was_not_verified(tm
     watch = AmpWatch(verbose=False, remediate=True)
     _fit(tmp_path, watch, seed=2, offset=8.7, max_steps=max_steps)
     [d] = [d for d in watch.diagnoses if d.remedy]
-    assert d.outcome is None
+    assert d.outcome == "not_verified"
     ran = max_steps - watch.applied[0].step
     assert 0 < ran < 8
     assert d.evidence["recovery"]["reason"] == (

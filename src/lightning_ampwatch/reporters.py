@@ -364,7 +364,7 @@ def update_panel(before: Diagnosis, after: Diagnosis, full: bool = False) -> Pan
         parts.append(Text(f"Applied: {applied_text(after.remedy, after.evidence)}"
                           + (f" (after {before.remedy})" if before.remedy else ""), style="green"))
     # a recovery not verified is all in its Outcome line: its reason, not a row saying the same beside it
-    unsaid = ("remedy_details",) if after.outcome is not None else ("remedy_details", "recovery")
+    unsaid = ("remedy_details",) if after.outcome not in (None, "not_verified") else ("remedy_details", "recovery")
     changed = [(k, v) for k, v in after.evidence.items()
                if k not in SUPERSEDED and before.evidence.get(k) != v and k not in unsaid]
     if changed:

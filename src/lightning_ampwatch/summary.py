@@ -46,7 +46,8 @@ def counts_line(stats: RunStats) -> str:
 
 def judged(d: Diagnosis) -> bool:
     """Whether a remedied diagnosis's watch is over: recovered, not recovered, or ended with its recovery not verified
-    (the outcome None, the reason in ``evidence["recovery"]``); False while the remedy is still watched."""
+    (``"not_verified"``, the reason in ``evidence["recovery"]``; an event log written before 0.1 says None there);
+    False while the remedy is still watched."""
     return d.remedy is not None and (d.outcome is not None or isinstance(d.evidence.get("recovery"), dict))
 
 

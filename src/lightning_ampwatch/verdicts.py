@@ -100,8 +100,8 @@ RECOVERY_LOSS_FACTOR = 2.0
 
 
 class Outcome(str, Enum):
-    """A remedy's outcome. ``NOT_VERIFIED`` is neither "fixed" nor a reason to escalate; what users see for it is
-    no outcome at all (``Diagnosis.outcome`` None), with the reason in the evidence."""
+    """A remedy's outcome. ``NOT_VERIFIED`` is neither "fixed" nor a reason to escalate; ``Diagnosis.outcome`` says
+    ``"not_verified"`` (API.md), with the reason in the evidence."""
 
     RECOVERED = "recovered"
     NOT_RECOVERED = "not_recovered"
@@ -110,8 +110,9 @@ class Outcome(str, Enum):
 
     @property
     def published(self) -> str | None:
-        """The value ``Diagnosis.outcome`` takes: the name, or None when not verified."""
-        return None if self is Outcome.NOT_VERIFIED else self.value
+        """The value ``Diagnosis.outcome`` takes: the name (``"not_verified"`` too: a script must be able to tell a
+        watch that ended unverified from no remedy or one still watched, which are None)."""
+        return self.value
 
 
 class Unverified(str, Enum):
