@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from lightning_ampwatch import AmpWatch
+from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.cli import _say_recovery, main
 from lightning_ampwatch.remedies.base import RemedyName
 from lightning_ampwatch.report import load_run, locate_run, timeline_figure
@@ -322,3 +322,17 @@ def test_a_rollback_to_a_checkpoint_file_says_what_sets_how_many_it_skipped() ->
     assert rollback_line(rollback.sentence()) == line  # read back from the event log, without the record
     retrained = rollback.after_retraining([0.5, 0.4])
     assert rollback_line(retrained.sentence(), with_facts(alarm, rollback=retrained)) == retrained.sentence()
+
+
+def test_the_compact_panel_gives_one_answer_on_the_lower_lr_where_the_fixes_tried_are_shown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the lr_schedule demo: the interventions' "LR capped ... 0 skips" line decides; the older single lower-LR
+    # replay's margin verdict ("inconclusive, nothing is concluded") stays in the event log only
+    watch = AmpWatch(log_dir=str(tmp_path / "log"))
+    run_scenario("lr_schedule", str(tmp_path), watch)
+    out = capsys.readouterr().out
+    [alarm] = [d for d in watch.diagnoses if d.finding is Finding.LR_SCHEDULE]
+    assert "tried" in alarm.evidence and "lower_lr_reason" in alarm.evidence
+    assert "fixes tried on replays" in out and "LR capped at 0.02" in out
+    assert "same steps at a lower LR" not in out
+    assert "lower_lr_reason" in dict(panel_rows(alarm, full=True))  # verbose="full" keeps it

@@ -90,6 +90,10 @@ ALWAYS_SHOWN = ("replay", "live_probe", "cofactors", "tried", "rollback")
 #: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
 #: contradiction.
 SUPERSEDED = ("batch_control_verdict",)
+#: Rows the compact panel leaves out where the fixes tried on replays (``tried``) are shown: the single lower-LR
+#: replay's verdict, judged by an older margin rule, beside the interventions' own LR line would read as a second,
+#: sometimes contrary, answer to the same question. The event log and ``verbose="full"`` keep it.
+SUPERSEDED_BY_TRIED = ("lower_lr_reason",)
 
 
 #: What the compact panel calls each evidence row: plain words for the key names of the event log (which keep their
@@ -286,7 +290,8 @@ def panel_rows(diagnosis: Diagnosis, full: bool = False) -> list[tuple[str, obje
     if full:
         return [(k, v) for k, v in evidence.items() if k not in SUPERSEDED]
     keys = KEY_EVIDENCE.get(diagnosis.finding, ()) + ALWAYS_SHOWN
-    return [(k, evidence[k]) for k in keys if k in evidence]
+    hidden = SUPERSEDED_BY_TRIED if "tried" in evidence else ()
+    return [(k, evidence[k]) for k in keys if k in evidence and k not in hidden]
 
 
 def _evidence_table(rows: Sequence[tuple[str, object]], full: bool = True,
