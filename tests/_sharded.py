@@ -151,6 +151,20 @@ def fsdp1_bf16() -> Any:
     return _cpu_fsdp_precision("bf16-mixed")
 
 
+class SnapshotBytes(pl.Callback):
+    """Keeps the bytes of the newest snapshot the watch's ring held after each batch (each rank its own); the tests'
+    callbacks write them out with what else they need at the fit's end."""
+
+    def __init__(self, watch: Any, out_dir: str) -> None:
+        self.watch, self.out_dir = watch, out_dir
+        self.snapshot_bytes: set[int] = set()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        control = self.watch.watcher.trajectory
+        if control is not None and control.ring.snapshots:
+            self.snapshot_bytes.add(control.ring.snapshots[-1].nbytes)
+
+
 class RowsByRank(pl.LightningDataModule):
     """Rank r trains on rows r, r+2, r+4, ... in order: a bad row reaches one rank only, at a known step."""
 

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _sharded import RowsByRank
+from _sharded import RowsByRank, SnapshotBytes
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -88,17 +88,8 @@ def overflows_on_both_ranks(batches: tuple[int, ...], factor: float = 200.0, n: 
     return TensorDataset(x, y)
 
 
-class Dump(pl.Callback):
+class Dump(SnapshotBytes):
     """Each rank writes its diagnoses, step count, the bytes its snapshots held and its final weights."""
-
-    def __init__(self, watch: AmpWatch, out_dir: str) -> None:
-        self.watch, self.out_dir = watch, out_dir
-        self.snapshot_bytes: set[int] = set()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        control = self.watch.watcher.trajectory
-        if control is not None and control.ring.snapshots:
-            self.snapshot_bytes.add(control.ring.snapshots[-1].nbytes)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": trainer.global_step,

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _sharded import RowsByRank
+from _sharded import RowsByRank, SnapshotBytes
 from test_trajectory_e2e import LrJump
 
 from lightning_ampwatch import AmpWatch, Finding
@@ -22,17 +22,8 @@ from _limits import HANG_S
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-class Dump(pl.Callback):
+class Dump(SnapshotBytes):
     """Each rank writes its diagnoses, the bytes of the snapshots it held, and its final weights."""
-
-    def __init__(self, watch: AmpWatch, out_dir: str) -> None:
-        self.watch, self.out_dir = watch, out_dir
-        self.snapshot_bytes: set[int] = set()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        control = self.watch.watcher.trajectory
-        if control is not None and control.ring.snapshots:
-            self.snapshot_bytes.add(control.ring.snapshots[-1].nbytes)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trained = [p for p in pl_module.parameters() if p.requires_grad]

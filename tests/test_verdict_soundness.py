@@ -184,7 +184,7 @@ def test_a_run_that_ends_before_its_remedy_is_judged_says_so() -> None:
                             reference_from="the healthy loss level before the episode")
     ended = treatment.finish(13)
     assert ended is not None and treatment.watch is None and ended.old is d
-    assert ended.new.outcome is None  # not verified: no outcome, never assumed
+    assert ended.new.outcome == "not_verified"  # said as such (API.md), never assumed recovered
     assert ended.new.evidence["recovery"]["reason"] == ("the run ended 3 optimizer steps after the remedy, before the 8 "
                                                         "its recovery is judged over")
     assert facts_of(ended.new).recovery.unverified is Unverified.RUN_ENDED
