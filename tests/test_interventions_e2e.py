@@ -15,6 +15,7 @@ import torch
 
 import _user_models as um
 from lightning_ampwatch import AmpWatch, Finding, Thresholds
+from lightning_ampwatch.scenarios import run_scenario
 
 
 def _fit(tmp_path: Path, name: str, watch: Any, steps: int, **model_kwargs: Any) -> um.Tape:
@@ -215,3 +216,15 @@ def test_a_run_broken_from_its_second_step_is_verified_against_what_its_cure_rea
     assert "fell decisively" in recovery["loss_before_from"] and recovery["loss_ratio"] <= 2.0
     applied_at = watch.applied[0].step
     assert all(math.isfinite(v) for v in tape.losses[applied_at:])
+
+
+def test_where_fp32_fails_too_no_precision_fix_spends_the_replay_cap(tmp_path: Path) -> None:
+    # the lr_schedule demo: an LR raised 40x at step 30 diverges in FP32 too; only the lower LR can cure it, so the
+    # island, the loss-scale search and bf16 are not replayed (they used to spend the cap on a scale search)
+    watch = AmpWatch(verbose=False, log_dir=str(tmp_path / "log"))
+    run_scenario("lr_schedule", str(tmp_path), watch)
+    [alarm] = [d for d in watch.diagnoses if d.finding is Finding.LR_SCHEDULE]
+    tried = alarm.evidence["tried"]
+    assert "LR capped at 0.02 (before the rise): 0 skips" in tried
+    assert "fp32 island, lower loss scale, bf16: not tried (FP32 training fails over the same steps" in tried
+    assert "2**" not in tried and "replay-step cap" not in tried

@@ -331,10 +331,17 @@ class Interventions:
             return t
 
         nothing = attempt(Intervention.NOTHING, "nothing changed", True, precision="amp", watch=watch)
-        attempt(Intervention.FP32, "FP32", False, precision="fp32", watch=watch)
+        fp32 = attempt(Intervention.FP32, "FP32", False, precision="fp32", watch=watch)
         # it did not reproduce: nothing to measure a fix against (asked on every rank alike, whatever it ran)
         if self.agree(nothing is not None and nothing.cured) and not self.stopped:
             return self._report(from_step, repeated_from, tried, not_tried, island)
+        # FP32 fails too: not an AMP fault, so no precision fix (island, scale, bf16) can cure it and only the lower
+        # LR is worth its replay steps (the lr_schedule demo spent its cap on a scale search; agreed, every rank alike)
+        amp_fault = self.agree(fp32 is not None and fp32.cured)
+        if not amp_fault:
+            moot = ["fp32 island", *(["lower loss scale"] if scaled else []), *(["bf16"] if self.bf16 else [])]
+            not_tried.append((", ".join(moot), "FP32 training fails over the same steps, so no precision setting "
+                                               "can cure it"))
         # the island first, whether or not the LR rose: it is the least invasive cure, and it stops at its first
         # fault, so it costs little where it fails; tried after the lower LR, a long window left it to the cap
         # (an LM overflowing in its attention during a 30-step warmup: the run died with the island untried)
@@ -343,7 +350,9 @@ class Interventions:
         scales: list[tuple[float, bool]] = []
         for kind in order:
             if kind is Intervention.ISLAND:
-                if island:
+                if not amp_fault:
+                    pass  # (said once, above)
+                elif island:
                     attempt(kind, f"fp32 island on {module_label(module, island)}", True, precision="amp",
                             island=island)
                 else:
@@ -357,6 +366,8 @@ class Interventions:
                             watch=watch)
         if not scaled:
             pass
+        elif not amp_fault:
+            pass
         elif forward:
             not_tried.append(("lower loss scale", "the fault is in the forward pass, which a loss scale does not "
                                                   "reach"))
@@ -364,6 +375,8 @@ class Interventions:
             safe, scales = self._search_scale(tried, not_tried, onset_scale, scale_hint)
         if not self.bf16:
             not_tried.append(("bf16", "bfloat16 is not supported on this device"))
+        elif not amp_fault:
+            pass
         else:
             attempt(Intervention.BF16, "bf16", True, precision="bf16")
         return self._report(from_step, repeated_from, tried, not_tried, island, safe, scales)
