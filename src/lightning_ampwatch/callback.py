@@ -32,14 +32,8 @@ from lightning_ampwatch.trajectory import Snapshot, TrainState
 #: instance, where Lightning passes over a hook that is not callable (:func:`compat.skips_uncallable_hooks`): each
 #: hook Lightning dispatches to a callback costs a profiler context and a call, per step, whether the hook does
 #: anything or not (about 2 us on a 2-core CPU, more than AmpWatch's own work in most of its hooks).
-#: Why the hooks are idled on the instance at all (see also ``RunWatcher.lean``):
-#: Measured for issue 29 (the toy, ``benchmarks/step_counts.py`` and the hooks' timer of ``benchmarks/overhead.py``,
-#: the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the cadences have decided: with the
-#: lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7 us; the lean route without the
-#: express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean route, no express lane, no hooks
-#: idled), 24 calls and 11.7 to 12.0 us. The budget is 25 calls and 8 us: the calls could be met by one route, the
-#: time cannot, so the three stay together (the lean route needs the hooks idled: it is what spares Lightning's
-#: calls).
+#: Why the hooks are idled on the instance at all: the figures measured against one route are beside
+#: ``RunWatcher.lean`` (core.py).
 IDLE_STEP_HOOKS = ("on_after_backward", "on_before_zero_grad")
 #: Per-step hooks AmpWatch needs only at times, in the order of ``RunWatcher.wanted_calls``: idle (``None``) while the
 #: watcher wants no call there. ``on_train_batch_start``: an RNG state to keep, a probe to arm. On the lean route

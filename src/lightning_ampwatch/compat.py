@@ -153,6 +153,16 @@ def user_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != COMPILED_CHILD)
 
 
+def has_submodule(module: nn.Module, name: str) -> bool:
+    """``name`` names a submodule of ``module`` (``""``: the module itself), through a ``torch.compile``'d one too:
+    the user's path, without ``_orig_mod`` (the compiled wrapper hands attribute access on to what it compiled)."""
+    try:
+        module.get_submodule(name)
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
 def copy_all(dst: list[Tensor], src: list[Tensor], non_blocking: bool = False) -> None:
     """``dst[i].copy_(src[i])`` for every pair, in one call (``torch._foreach_copy_``: the loop in C++; on an
     accelerator, grouped launches). Falls back to the Python loop where a build lacks it."""
@@ -618,7 +628,7 @@ def uncompiled(root: nn.Module) -> Iterator[None]:
     try:
         for parent in list(root.modules()):
             for name, child in list(parent._modules.items()):
-                inner = getattr(child, "_orig_mod", None)
+                inner = getattr(child, COMPILED_CHILD, None)
                 if isinstance(inner, nn.Module) and child is not None and type(child).__name__ == "OptimizedModule":
                     parent._modules[name] = inner
                     swapped.append((parent, name, child))

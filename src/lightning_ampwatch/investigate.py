@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import deepspeed_state, distributed, protocol, sharding
+from lightning_ampwatch import compat, deepspeed_state, distributed, protocol, sharding
 from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
-from lightning_ampwatch.signals import _float_tensors, inspect_batch
+from lightning_ampwatch.signals import float_tensors, inspect_batch
 from lightning_ampwatch.remedies.precision import bf16_supported
 from lightning_ampwatch.probes import (
     FP16_MAX,
@@ -32,7 +32,6 @@ from lightning_ampwatch.probes import (
     capture_rng,
     tensors_in,
 )
-from lightning_ampwatch.compat import uncompiled
 from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
 from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.records import ControlVerdict, facts_of
@@ -146,7 +145,7 @@ class Investigator:
                 "this rank alone would wait for the others")})
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
-                with uncompiled(self.module):  # the user's modules, hooked and named as written
+                with compat.uncompiled(self.module):  # the user's modules, hooked and named as written
                     local = self._local(batches, scale, weights_stepped)
                 local.loss_level, local.loss_level_origin = loss_level, loss_level_origin
                 local.evidence.update(reference or {})
@@ -277,7 +276,7 @@ class ReducedInputs(torch.overrides.TorchFunctionMode):
         self.keep: list[torch.Tensor] = []  # the traced tensors stay alive, so that their ids stay theirs
         for i, mb in enumerate(batches):
             prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
-            for path, t in _float_tensors(mb.batch, prefix):
+            for path, t in float_tensors(mb.batch, prefix):
                 self.paths[id(t)] = path
                 self.keep.append(t)
         self.reduced: list[str] = []
@@ -901,7 +900,7 @@ class TrajectoryControl:
 
                 facts = facts_of(diagnosis)
                 located = facts.replay.module if facts.replay is not None else None
-                if located is not None and not _names_submodule(state.module, located):
+                if located is not None and not (located and compat.has_submodule(state.module, located)):
                     located = None  # the code around the model (training_step): no module to make an island of
                 nothing_nonfinite = _replay_went_nonfinite(facts.replay) if facts.replay is not None else False
                 # which replays run must be every rank's alike (their collectives meet): under several ranks only the
@@ -912,7 +911,7 @@ class TrajectoryControl:
                                        bf16=self.bf16, before_each=before_each,
                                        agree=(lambda clean: all(distributed.gather(clean))) if together else
                                        (lambda clean: clean))
-                with uncompiled(state.module):
+                with compat.uncompiled(state.module):
                     report = runner.run(
                         module=state.module, located=located,
                         forward=forward,
@@ -1073,15 +1072,6 @@ def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | 
             return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
                     "lr_change_step": point}
     return None
-
-
-def _names_submodule(module: Any, name: str) -> bool:
-    """``name`` is a submodule's path (through a ``torch.compile``'d module too), not the code around the model."""
-    try:
-        module.get_submodule(name)
-    except (AttributeError, TypeError):
-        return False
-    return bool(name)
 
 
 def _number(value: Any) -> float | None:

@@ -211,19 +211,19 @@ def current_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, ...
     return tuple(out)
 
 
-def _float_tensors(obj: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+def float_tensors(obj: Any, path: str) -> Iterator[tuple[str, Tensor]]:
     if isinstance(obj, Tensor):
         if obj.is_floating_point() or obj.is_complex():
             yield path, obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from _float_tensors(value, f"{path}[{key!r}]")
+            yield from float_tensors(value, f"{path}[{key!r}]")
     elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
         for i, value in enumerate(obj):
-            yield from _float_tensors(value, f"{path}[{i}]")
+            yield from float_tensors(value, f"{path}[{i}]")
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            yield from _float_tensors(getattr(obj, name), f"{path}.{name}")
+            yield from float_tensors(getattr(obj, name), f"{path}.{name}")
 
 
 def inspect_batch(batches: Sequence[Any], max_rows: int = 8) -> BatchStats:
@@ -232,7 +232,7 @@ def inspect_batch(batches: Sequence[Any], max_rows: int = 8) -> BatchStats:
     absmax, absmax_where = 0.0, None
     for i, batch in enumerate(batches):
         prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
-        for path, tensor in _float_tensors(batch, prefix):
+        for path, tensor in float_tensors(batch, prefix):
             t = tensor.detach()
             if t.numel() == 0:
                 continue

@@ -405,14 +405,8 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    # Why the express lane stays (it repeats what ``add_loss`` then ``close`` do for a healthy step, inline):
-    # Measured for issue 29 (the toy, ``benchmarks/step_counts.py`` and the hooks' timer of
-    # ``benchmarks/overhead.py``, the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the
-    # cadences have decided: with the lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7
-    # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
-    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. The budget is 25 calls and 8 us: the
-    # calls could be met by one route, the time cannot, so the three stay together (the lean route needs the hooks
-    # idled: it is what spares Lightning's calls).
+    # Why the express lane stays (it repeats what ``add_loss`` then ``close`` do for a healthy step, inline): the
+    # figures measured against one route are beside ``RunWatcher.lean`` (core.py).
     def open_lane(self, log_every: int) -> None:
         """Set :attr:`express_until`: the steps :meth:`express` may take from now on, given the core's leave (a quiet
         machine, nothing due). None while an earlier micro-batch's loss or batch waits, a step is in flight, a clean

@@ -900,11 +900,10 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                 if ran is not None:
                     _run_at(state, ran(step), lr_factor)
                 if lr_cap is not None:  # the counterfactual "without the rise": no group above the LR before it
-                    for opt in state.optimizers:
-                        for group in opt.param_groups:
-                            if isinstance(group.get("lr"), (int, float)) and group["lr"] > lr_cap:
-                                group["lr"] = lr_cap
-                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context, before_micro_batch)
+                    groups = param_groups(state.optimizers)
+                    clamp_lrs(groups, [lr_cap] * len(groups))
+                loss, skip = _replay_step(state, _as_micro_batches(micro_batches), scaler, amp, context,
+                                          before_micro_batch)
                 losses.append(loss)
                 skipped.append(skip)
                 peaks.append(watcher.step_peak())

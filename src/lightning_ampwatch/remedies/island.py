@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lightning_ampwatch import deepspeed_state
+from lightning_ampwatch import compat, deepspeed_state
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -83,22 +83,12 @@ def _island_module_name(module: nn.Module, location: str | None) -> str:
     """The module to isolate: the location itself, or the module owning a located parameter."""
     if location is None:
         raise RemedyError("the overflow was not located in a module")
-    if _is_submodule(module, location):
+    if compat.has_submodule(module, location):
         return location
     owner = location.rsplit(".", 1)[0] if "." in location else ""
-    if owner and _is_submodule(module, owner):
+    if owner and compat.has_submodule(module, owner):
         return owner
     raise RemedyError(f"{location!r} is not a submodule of the model")
-
-
-def _is_submodule(module: nn.Module, name: str) -> bool:
-    """``name`` names a submodule, through a ``torch.compile``'d one too (the user's path, without ``_orig_mod``:
-    the compiled module hands attribute access on to the module it compiled)."""
-    try:
-        module.get_submodule(name)
-    except (AttributeError, TypeError):
-        return False
-    return True
 
 
 @register
@@ -112,7 +102,7 @@ class Fp32Island(Remedy):
         report = getattr(diagnosis.facts, "interventions", None)
         measured = tuple(getattr(report, "island_modules", ()) or ())
         if measured and report.cured(Intervention.ISLAND):
-            names = [n for n in measured if _is_submodule(ctx.module, n)]  # the modules whose island cured
+            names = [n for n in measured if compat.has_submodule(ctx.module, n)]  # the modules whose island cured
         else:
             names = [_island_module_name(ctx.module, diagnosis.location)]
         for name in names:

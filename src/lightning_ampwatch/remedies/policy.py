@@ -26,8 +26,8 @@ LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
 
 #: The remedy that does in the run what each intervention did in its replay (FP32 as a whole has none: it is the
 #: control, not a fix AmpWatch applies).
-REMEDY_OF = {"lower_scale": RemedyName.LOWER_INIT_SCALE, "fp32_island": RemedyName.FP32_ISLAND,
-             "bf16": RemedyName.BF16_FALLBACK, "lower_lr": RemedyName.REDUCE_LR}
+REMEDY_OF = {Intervention.LOWER_SCALE: RemedyName.LOWER_INIT_SCALE, Intervention.ISLAND: RemedyName.FP32_ISLAND,
+             Intervention.BF16: RemedyName.BF16_FALLBACK, Intervention.LOWER_LR: RemedyName.REDUCE_LR}
 #: Findings whose ladder follows the interventions' replays where they ran (the recipe findings and a growth overflow
 #: keep their own: their fix is not among the interventions).
 MEASURED = frozenset({Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE,
@@ -40,14 +40,14 @@ def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
     report = getattr(diagnosis.facts, "interventions", None)
     if report is None or diagnosis.finding not in MEASURED:
         return None
-    cures = tuple(REMEDY_OF[k.value] for k in report.cures() if k.value in REMEDY_OF)
+    cures = tuple(REMEDY_OF[k] for k in report.cures() if k in REMEDY_OF)
     if report.lr_only_delays() and report.cured(Intervention.LOWER_LR):
         cures += (RemedyName.REDUCE_LR,)  # clean over the window, but only delaying the fault: the last resort
     if diagnosis.finding is Finding.FP32_UNSTABLE:  # FP32 fails too: never an AMP knob, whatever quieted the skips
         cures = tuple(r for r in cures if r in LADDERS[Finding.FP32_UNSTABLE])
     if cures:
         return cures
-    failed = {REMEDY_OF[t.kind.value] for t in report.tried if t.kind.value in REMEDY_OF}
+    failed = {REMEDY_OF[t.kind] for t in report.tried if t.kind in REMEDY_OF}
     return tuple(r for r in LADDERS.get(diagnosis.finding, ()) if r not in failed)
 
 

@@ -471,7 +471,7 @@ def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fal
     if report is None or applied is None:
         return None
     kind = next((k for k, r in REMEDY_OF.items() if r is applied.name), None)
-    tried = report.get(Intervention(kind)) if kind else None
+    tried = report.get(kind) if kind is not None else None
     tried = tried if tried is not None and tried.cured else None
     if tried is None:
         return None
