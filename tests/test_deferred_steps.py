@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_ampwatch import AmpWatch, core, steps
-from lightning_ampwatch.core import RunWatcher
+from lightning_ampwatch.steps import CleanRuns
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
 from lightning_ampwatch.timeline import Timeline
@@ -147,14 +147,14 @@ def test_the_ring_keeps_a_run_as_it_keeps_each_step(seed: int, n: int, held_befo
 
 def _count_hand_overs(monkeypatch: pytest.MonkeyPatch, runs: list[int]) -> None:
     """``runs`` gets the length of every run of deferred clean steps the watcher takes in."""
-    flush = RunWatcher._flush_clean
+    settle = CleanRuns.settle
 
-    def counting(self: RunWatcher) -> None:
-        if self.ledger is not None and self.ledger.deferred:
-            runs.append(len(self.ledger.deferred))
-        flush(self)
+    def counting(self: CleanRuns) -> None:
+        if self.deferred:
+            runs.append(len(self.deferred))
+        settle(self)
 
-    monkeypatch.setattr(RunWatcher, "_flush_clean", counting)
+    monkeypatch.setattr(CleanRuns, "settle", counting)
 
 
 def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int], *,
@@ -163,7 +163,7 @@ def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, ru
     the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
     accelerator (the CPU takes each one's value as it comes)."""
     monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
-    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", steps.HOST_TAPE_DEVICES if host_tape else frozenset())
+    monkeypatch.setattr(steps.losses, "HOST_TAPE_DEVICES", steps.losses.HOST_TAPE_DEVICES if host_tape else frozenset())
     _count_hand_overs(monkeypatch, runs)
     scenario = SCENARIOS[name]
     torch.manual_seed(0)

@@ -18,9 +18,6 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
-from itertools import repeat
-from dataclasses import dataclass
-from operator import itemgetter, truediv
 from typing import Any, Sequence
 
 import torch
@@ -40,20 +37,16 @@ from lightning_ampwatch.signals import (
     read_scale,
     scaler_config,
 )
+from lightning_ampwatch.steps import losses as _losses
+from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
+from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, RECENT_LOSSES, LossRing
+from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
 
 #: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
 #: batches, trimmed to ``BATCHES_KEPT_AFTER_TRIM``: enough for any accumulation a real run uses.
 BATCHES_KEPT_MAX = 64
 BATCHES_KEPT_AFTER_TRIM = 32
-#: Step losses held unread; the ring is read when it holds this many (or ``log_every_n_steps``, if larger).
-LOSS_RING_STEPS = 64
-LOSS_RING_MAX_STEPS = 1024
-#: Step losses kept once read, for checking a remedy's outcome over the steps after it.
-RECENT_LOSSES = 256
-#: Device types whose losses are taken as floats when they come (``loss.item()``, cheaper there than keeping the
-#: tensor): reading a tensor on them is no synchronisation. On any other device the loss stays an unread tensor.
-HOST_TAPE_DEVICES: frozenset[str] = frozenset({"cpu"})
-_NONE_RESOLVED: list["ResolvedStep"] = []  # a clean step resolves nothing (shared, never appended to)
+_NONE_RESOLVED: list[ResolvedStep] = []  # a clean step resolves nothing (shared, never appended to)
 
 
 class _Unscaled:
@@ -65,124 +58,6 @@ class _Unscaled:
 
 
 _UNSCALED = _Unscaled()
-_first, _second = itemgetter(0), itemgetter(1)
-_UNSCALED_ONE = ((None, 1.0),)  # a lane step's one loss, read as a tape's (its value comes from the read)
-
-
-#: a deferred step's batches when nothing will hold them (see ``StepLedger.defer_batches``)
-_NO_BATCHES: list[Any] = []
-
-
-class OpenStep:
-    """An optimizer step whose outcome needs more than the fast path: a skip, a flag or a loss still in flight,
-    or an episode in progress. Queued until it can be resolved in order."""
-
-    __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss", "scale_after",
-                 "unscaled")
-
-    def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
-                 batches: list[MicroBatch]) -> None:
-        self.step, self.scale, self.lrs, self.tape, self.batches = step, scale, lrs, tape, batches
-        self.skipped = False
-        self.found_inf: DeferredRead | None = None  # fused optimizers: the scaler's flag, read once landed
-        self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
-        self.scale_after: float | None = None  # DeepSpeed: its scaler's scale after this step, as it set it
-        self.unscaled = False  # no scaler step ran (see StepLedger.close): the mirror stays as it is
-
-
-@dataclass
-class ResolvedStep:
-    """A step the machine must see in full: its observation, what it ran on, the ranks at fault, and the losses of
-    earlier steps read while resolving it (the machine takes them before it observes this step)."""
-
-    obs: Observation
-    opened: OpenStep
-    fault_ranks: list[int]
-    losses_before: list[tuple[int, float]]
-
-
-class ClosedStep:
-    """An optimizer step just taken in: its batches (for the trajectory control), and either the clean step's
-    values (``clean``: the fast path; ``loss`` when it was read for free) or the steps resolved now.
-
-    A clean step's record is one object per ledger, refilled at each step (no allocation on the fast path): read
-    it before the next ``close``."""
-
-    __slots__ = ("step", "batches", "clean", "scale", "grew", "lrs", "loss", "resolved")
-
-    def __init__(self, step: int, batches: list[MicroBatch], clean: bool, scale: float | None, grew: bool,
-                 lrs: tuple[float, ...], loss: float | None, resolved: list[ResolvedStep]) -> None:
-        self.step, self.batches, self.clean, self.scale, self.grew = step, batches, clean, scale, grew
-        self.lrs, self.loss, self.resolved = lrs, loss, resolved
-
-
-class LossRing:
-    """The losses of recent steps, as ``(step, tape)`` pairs of unread device tensors (or, on the CPU, the floats
-    taken as they came); read all at once. A step the express lane took holds its one unscaled loss in place of
-    the tape, ``(step, loss)``: the tape's three objects a step saved (garbage collections come on with every
-    object a step keeps)."""
-
-    def __init__(self, capacity: int = LOSS_RING_STEPS) -> None:
-        self.capacity = capacity
-        self.entries: list[tuple[int, LossTape]] = []
-
-    def append(self, step: int, tape: LossTape) -> None:
-        self.entries.append((step, tape))
-
-    @property
-    def full(self) -> bool:
-        return len(self.entries) >= self.capacity
-
-    def held(self) -> list[Tensor | float]:
-        """Every held loss, in order, as held (tensors, or floats taken on the host)."""
-        tapes = list(map(_second, self.entries))
-        kinds = set(map(type, tapes))
-        if LossTape not in kinds:  # every step the express lane's: its loss itself
-            return tapes
-        if len(kinds) == 1 and sum(map(len, tapes)) == len(tapes):  # one backward per step: each tape's first (C)
-            return list(map(_first, map(_first, tapes)))
-        return [loss for tape in tapes for loss in (map(_first, tape) if type(tape) is LossTape else (tape,))]
-
-    def stacked(self) -> Tensor | None:
-        """Every held loss as one float32 vector, in order (no read): for a packed read with other values. Losses
-        of one dtype and device (the usual case) are stacked as they are: one op for the lot."""
-        losses = self.held()
-        if not losses:
-            return None
-        if type(losses[0]) is float:  # taken on the host (the tape's later losses may be tensors: see backward)
-            losses = [torch.tensor(loss, dtype=torch.float32) if type(loss) is float else loss for loss in losses]
-        try:
-            stacked = torch.stack(losses)
-            if stacked.dim() != 1:
-                stacked = stacked.reshape(-1)
-            return stacked if stacked.dtype == torch.float32 else stacked.float()
-        except RuntimeError:  # mixed dtypes or shapes (a loss that is not a scalar): one by one
-            return torch.stack([loss.detach().float().reshape(()).to(losses[0].device) for loss in losses])
-
-    def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
-        """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
-        entries = self.entries
-        if len(values) == len(entries):  # one loss per step, the usual case: (step, value / its scale), in C
-            kinds = set(map(type, map(_second, entries)))
-            scales: Any
-            if LossTape not in kinds:  # the express lane's steps: unscaled losses
-                scales = repeat(1.0)
-            elif len(kinds) == 1:
-                scales = map(_second, map(_first, map(_second, entries)))
-            else:  # the lane's steps among tapes of one loss each
-                scales = [tape[0][1] if type(tape) is LossTape else 1.0 for tape in map(_second, entries)]
-            self.entries = []
-            return list(zip(map(_first, entries), map(truediv, values, scales)))
-        out: list[tuple[int, float]] = []
-        i = 0
-        for step, tape in entries:
-            total = 0.0
-            for _, scale in (tape if type(tape) is LossTape else _UNSCALED_ONE):
-                total += values[i] / scale
-                i += 1
-            out.append((step, total))
-        self.entries = []
-        return out
 
 
 class StepLedger:
@@ -238,17 +113,11 @@ class StepLedger:
         self._host: Any = None
         self._fast_path = False
         self._host_loss = False
-        self._host_tape = device_type in HOST_TAPE_DEVICES  # losses taken as floats (see backward)
+        self._host_tape = device_type in _losses.HOST_TAPE_DEVICES  # losses taken as floats (see backward)
         self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
-        # Clean fast-path steps the core takes in later, in one run (``RunWatcher._flush_clean``): each
-        # ``(step, batches, scale, grew, lrs)``, while the step is below ``defer_until`` (the core's: its next snapshot,
-        # its cap; 0: none deferred). ``close`` returns None for such a step.
-        self.deferred: list[tuple[int, list[MicroBatch], float | None, bool, tuple[float, ...]]] = []
-        self.defer_until = 0
-        # Whether a deferred step keeps its batches: only while a snapshot ring holds them (the core's). A held batch
-        # is not free on the CPU: the allocator cannot hand its memory to the next batch, which then lands in memory
-        # the cache has not seen (a plain torch loop holding 240 toy batches ran 6-15 us a step slower)
-        self.defer_batches = True
+        #: clean fast-path steps held back and handed over in runs (:class:`CleanRuns`): ``close`` returns None for a
+        #: step it holds
+        self.runs = CleanRuns()
         #: the express lane (:meth:`express`) takes steps below this one (0: closed); set by :meth:`open_lane`
         self.express_until = 0
 
@@ -272,18 +141,22 @@ class StepLedger:
         self.mirror_scaler()
 
     def stop(self) -> None:
-        """Leave the optimizers as they were found, and drop every reference to batches and losses."""
-        self.taken.detach()
-        self._host = None
-        self._optimizers = ()
-        self.stepped = False
-        self._pending.clear()
-        self._batches = []
-        self._clean.batches = []
-        self.deferred = []
-        self.defer_until = self.express_until = 0
-        self._tape = LossTape()
-        self.losses.entries = []
+        """Leave the optimizers as they were found, and drop every reference to batches and losses (the clean steps
+        held back handed over first: the timeline and the machine as they would be)."""
+        try:
+            self.runs.settle()
+        finally:
+            self.runs.drop()
+            self.taken.detach()
+            self._host = None
+            self._optimizers = ()
+            self.stepped = False
+            self._pending.clear()
+            self._batches = []
+            self._clean.batches = []
+            self.express_until = 0
+            self._tape = LossTape()
+            self.losses.entries = []
 
     @property
     def scaler_active(self) -> bool:
@@ -326,6 +199,19 @@ class StepLedger:
         """The losses read since the last call, in step order, for the machine's loss level."""
         unnoted, self.unnoted = self.unnoted, []
         return unnoted
+
+    def settle(self) -> None:
+        """Every clean step held back handed over to its consumers now (:class:`CleanRuns`): for a reader from outside
+        a step (an adapter's ``machine``, a checkpoint, the fit's end)."""
+        self.runs.settle()
+
+    def hold(self) -> None:
+        """Something outside the steps happened (a diagnosis emitted, possibly from inside a step): the clean steps
+        held back are handed over, and none is held back (nor taken by the express lane) until the core's next
+        plan (``runs.until``), so that whatever follows sees every step taken in."""
+        self.runs.settle()
+        self.runs.until = self.step_index
+        self.express_until = 0
 
     @property
     def in_flight(self) -> bool:
@@ -419,7 +305,7 @@ class StepLedger:
             self.express_until = 0
             return
         step = self.step_index
-        until = self.defer_until
+        until = self.runs.until
         if log_every:
             until = min(until, -(-(step + 1) // log_every) * log_every - 1)
         losses = self.losses
@@ -459,7 +345,8 @@ class StepLedger:
             lrs = self._lrs_changed(step, lrs, (lr,))
         self.log_steps += 1
         self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
-        self.deferred.append((step, [micro_batch] if self.defer_batches else _NO_BATCHES,  # type: ignore[list-item]
+        runs = self.runs
+        runs.deferred.append((step, [micro_batch] if runs.keep_batches else NO_BATCHES,  # type: ignore[list-item]
                               mirror.scale, False, lrs))  # type: ignore[union-attr]
         return True
 
@@ -480,7 +367,8 @@ class StepLedger:
         then discriminator): this step takes the losses handed to backward before it began; the later ones stay
         for the next step (which shares them when there are none: several optimizers stepped from one backward).
         Each optimizer step is a step, as Lightning's ``global_step`` counts them. Also None for a clean fast-path
-        step below :attr:`defer_until`: it joins :attr:`deferred`, for the core to take in later."""
+        step below ``runs.until``: it is held back (:class:`CleanRuns`) and handed over with its run. Any other step
+        hands the run held back over first (:meth:`settle`), so that every consumer takes the steps in order."""
         self.stepped = False
         tape, batches = self._tape, self._batches
         if micro_batch is not None:
@@ -542,6 +430,8 @@ class StepLedger:
             self._skipped_seen = skipped_total
             scale_after = loss_scale.scale()
             if not (taken and quiet and not self._pending):
+                if self.runs.deferred:
+                    self.runs.settle()
                 opened = OpenStep(step, scale, lrs, tape, batches)
                 opened.skipped = not taken
                 opened.scale_after = scale_after
@@ -571,16 +461,21 @@ class StepLedger:
             entries = losses.entries
             entries.append((step, tape))
             if len(entries) < losses.capacity:
-                if step < self.defer_until:  # the core takes it in later, with the run of clean steps it ends
-                    self.deferred.append((step, batches if self.defer_batches else _NO_BATCHES, scale, grew, lrs))
+                runs = self.runs
+                if step < runs.until:  # handed over later, with the run of clean steps it ends
+                    runs.deferred.append((step, batches if runs.keep_batches else NO_BATCHES, scale, grew, lrs))
                     return None
-            else:
+                if runs.deferred:
+                    runs.settle()
+            else:  # (the read hands the run held back over first)
                 self.read_losses()
                 self.lr_log.trim()
             clean = self._clean
             clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, scale, grew, \
                 lrs, None
             return clean
+        if self.runs.deferred:
+            self.runs.settle()
         if self._host_loss and not self._pending and quiet:
             # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
             # takes the fast path too. On an accelerator the loss goes the deferred way below.
@@ -683,7 +578,10 @@ class StepLedger:
         """Read every held step loss, and ``extra`` tensors (scalars, or the cross-rank sums' vector), in ONE
         device-to-host copy; returns ``extra``'s values, flattened. The values are packed with as few ops as
         possible (one ``cat`` promotes their dtypes): each op is paid at every log step. Losses taken as floats on
-        the host are read with no tensor op (:meth:`_read_host`)."""
+        the host are read with no tensor op (:meth:`_read_host`). The clean steps held back are handed over first: the
+        losses read are noted after them."""
+        if self.runs.deferred:
+            self.runs.settle()
         if self._host_tape and _on_host(extra):
             return self._read_host([], extra)
         losses = self.losses.stacked()
@@ -727,7 +625,9 @@ class StepLedger:
                 self._latest_loss = losses[-1]
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
-        """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight."""
+        """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight (the clean
+        steps held back handed over first)."""
+        self.runs.settle()
         self.step_index = trainer.global_step  # cheap here, once per log interval
         if not self.recheck_optimizers(trainer):
             self.read_param_groups(trainer.optimizers)  # the groups as they are (a group's dict replaced?)
