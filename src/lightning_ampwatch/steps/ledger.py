@@ -16,7 +16,6 @@ tensor op for the losses.
 from __future__ import annotations
 
 import math
-from array import array
 from collections import deque
 from typing import Any, Sequence
 
@@ -24,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat, distributed
-from lightning_ampwatch.machine import LrLog, Observation
+from lightning_ampwatch.machine import Observation
 from lightning_ampwatch.probes import MicroBatch
 from lightning_ampwatch.signals import (
     DeferredRead,
@@ -32,14 +31,15 @@ from lightning_ampwatch.signals import (
     PrecisionInfo,
     ScaleMirror,
     StepTaken,
-    current_lrs,
     inspect_batch,
     read_scale,
     scaler_config,
 )
 from lightning_ampwatch.steps import losses as _losses
 from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
-from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, RECENT_LOSSES, LossRing
+from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, LossRing
+from lightning_ampwatch.steps.lrs import LrTracking
+from lightning_ampwatch.steps.reads import LossReads
 from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
 
 #: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
@@ -80,36 +80,24 @@ class StepLedger:
         self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
         self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
         self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
-        self.unnoted: list[tuple[int, float]] = []  # losses read and not yet handed to the machine
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self._mark = 0  # the tape's length when that step began: later losses belong to the batch's next step
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
-        self.recent_losses: deque[tuple[int, float]] = deque(maxlen=RECENT_LOSSES)  # (step, loss) as read
-        self._latest_loss: tuple[int, float] | None = None  # the (step, loss) of the latest step read so far
+        self.reads = LossReads()
+        self.recent_losses = self.reads.recent_losses  # (step, loss) as read: a remedy's outcome is judged on them
+        self.unnoted = self.reads.unnoted  # losses read and not yet handed to the machine (take_unnoted)
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
         self._pending: deque[OpenStep] = deque()
-        self._lrs: tuple[float, ...] = ()  # the LRs the next step will run with
-        # the scaler's scale and growth tracker (0-d on torch 2.x) as 1-d views for the log step's ``cat``, made once
-        # per pair of tensors (the scaler updates them in place): (scale, tracker, their views)
-        self._scaler_views: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
-        self._param_groups: list[dict[str, Any]] = []
-        self._float_lrs = True  # every LR a Python number (not a tensor): read them inline
-        self._one_group: dict[str, Any] | None = None  # the only param group, when there is one with a number LR
-        #: the LRs each step ran with, as change points (a constant LR adds none): what the replay runs each step at
-        self.lr_log = LrLog()
-        self._lr_points = self.lr_log.entries
-        # An LR seen to change when a step is taken in was set before that step ran (a callback's on_train_epoch_start
-        # or on_train_batch_start, an epoch-interval scheduler), not after it, when no scheduler steps between the
-        # optimizer step and the read: Lightning with no step-interval scheduler. Then that step is dated with it.
-        self._lrs_set_before = False
-        # the optimizers the step hook sits on, and their param groups' count: a callback may swap in a new
-        # optimizer or add a group (BackboneFinetuning); checked at log steps and on an anomalous step, never per step
+        #: the LRs each step runs with (and the log of their changes, :attr:`lr_log`, which the replay reads)
+        self.lr = LrTracking()
+        self.lr_log = self.lr.log
+        # the optimizers the step hook sits on: a callback may swap in a new optimizer; checked at log steps and on an
+        # anomalous step, never per step
         self._optimizers: tuple[Any, ...] = ()
-        self._groups_seen = 0
         self._host: Any = None
         self._fast_path = False
         self._host_loss = False
@@ -130,13 +118,7 @@ class StepLedger:
         self._host = trainer  # for the optimizers' re-check on an anomalous step (resolved without the trainer)
         self.taken.attach(trainer.optimizers)
         self._optimizers = tuple(trainer.optimizers)
-        self.lr_log.clear()
-        self.read_param_groups(trainer.optimizers, lrs_now=True)
-        try:
-            self._lrs_set_before = bool(getattr(trainer, "automatic", False)) and \
-                getattr(trainer, "trainer", None) is not None and not trainer.step_schedulers()
-        except Exception:  # noqa: BLE001 - an LR change is then dated as it is read, one step late at worst
-            self._lrs_set_before = False
+        self.lr.start(trainer, self.step_index)
         self.losses.capacity = min(max(LOSS_RING_STEPS, log_every), LOSS_RING_MAX_STEPS)
         self.mirror_scaler()
 
@@ -197,8 +179,7 @@ class StepLedger:
 
     def take_unnoted(self) -> list[tuple[int, float]]:
         """The losses read since the last call, in step order, for the machine's loss level."""
-        unnoted, self.unnoted = self.unnoted, []
-        return unnoted
+        return self.reads.take_unnoted()
 
     def settle(self) -> None:
         """Every clean step held back handed over to its consumers now (:class:`CleanRuns`): for a reader from outside
@@ -219,29 +200,9 @@ class StepLedger:
         return bool(self._pending)
 
     def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer], lrs_now: bool = False) -> None:
-        """The param groups whose LRs are read every step, and whether they are all plain numbers. ``lrs_now``:
-        the LRs changed since the last step was taken in (a remedy, a rollback), so the next step's are read again."""
-        self._param_groups = [g for opt in optimizers for g in opt.param_groups]
-        self._groups_seen = len(self._param_groups)
-        self._float_lrs = all(isinstance(g.get("lr"), (int, float)) for g in self._param_groups)
-        groups = self._param_groups
-        self._one_group = groups[0] if len(groups) == 1 and self._float_lrs else None
-        if self._one_group is not None and len(self._lrs) != 1:
-            lrs_now = True  # the next step's LRs are kept as a 1-tuple while there is one group (see close)
-        if lrs_now:
-            self._lrs = current_lrs(optimizers)
-            self._lr_points.append((self.step_index, self._lrs))
-
-    def _lrs_changed(self, step: int, ran: tuple[Any, ...], now: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The LRs read as ``step`` is taken in differ from those it was thought to run with (``ran``): ``now`` is the
-        next step's, and a change point for the replay. Returns the LRs ``step`` ran with: ``now`` when they were set
-        before it ran (no scheduler steps between the optimizer step and this read), else ``ran``."""
-        self._lrs = now
-        if self._lrs_set_before:
-            self._lr_points.append((step, now))
-            return now
-        self._lr_points.append((step + 1, now))
-        return ran
+        """The param groups whose LRs are read every step (:meth:`LrTracking.read_param_groups`); ``lrs_now``: the
+        LRs changed since the last step was taken in (a remedy, a rollback)."""
+        self.lr.read_param_groups(optimizers, self.step_index, lrs_now)
 
     def _update_fast_path(self) -> None:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
@@ -301,7 +262,7 @@ class StepLedger:
         log step, the step the losses' ring fills at, the step the scale grows at."""
         mirror = self.mirror
         if (self._tape or self._batches or self._pending or not self._fast_path or self._table_scaler is None
-                or self._one_group is None or self._loss_scale is not None or mirror is None):
+                or self.lr.one_group is None or self._loss_scale is not None or mirror is None):
             self.express_until = 0
             return
         step = self.step_index
@@ -339,10 +300,11 @@ class StepLedger:
         mirror = self.mirror
         mirror.tracker += 1  # type: ignore[union-attr]
         self.step_index = step + 1
-        lrs = self._lrs  # the LRs this step ran with; the next step's read now
-        lr = self._one_group["lr"]  # type: ignore[index]
+        tracking = self.lr
+        lrs = tracking.lrs  # the LRs this step ran with; the next step's read now
+        lr = tracking.one_group["lr"]  # type: ignore[index]
         if lrs[0] != lr:  # as close() takes a change in
-            lrs = self._lrs_changed(step, lrs, (lr,))
+            lrs = tracking.changed(step, lrs, (lr,))
         self.log_steps += 1
         self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
         runs = self.runs
@@ -387,17 +349,17 @@ class StepLedger:
             self._batches = []
         step = self.step_index
         self.step_index = step + 1
-        lrs = self._lrs  # the LRs this step ran with, read when the previous step was taken in ...
-        group = self._one_group
+        tracking = self.lr
+        lrs = tracking.lrs  # the LRs this step ran with, read when the previous step was taken in ...
+        group = tracking.one_group
         if group is not None:  # ... and the next step's: one group, the usual case
             lr = group["lr"]
             if lrs[0] != lr:  # a constant LR keeps its tuple: no new object per step
-                lrs = self._lrs_changed(step, lrs, (lr,))
+                lrs = tracking.changed(step, lrs, (lr,))
         else:
-            now = current_lrs(trainer.optimizers) if not self._float_lrs else \
-                tuple([g["lr"] for g in self._param_groups])  # (a tensor LR is never read on a device)
+            now = tracking.read_now(trainer.optimizers)
             if now != lrs:  # as above
-                lrs = self._lrs_changed(step, lrs, now)
+                lrs = tracking.changed(step, lrs, now)
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
@@ -414,9 +376,9 @@ class StepLedger:
                     # no hook fired because the optimizer that stepped is not the one it sat on (a callback swapped
                     # it): the scaler tells whether it skipped the step, by the scale it backed off
                     taken = self._scale_held(scaler)
-                    if self._lrs_set_before:  # and this step ran at the new optimizers' LRs, read just now
-                        lrs = self._lrs
-                        self._lr_points.append((step, lrs))
+                    if tracking.set_before:  # and this step ran at the new optimizers' LRs, read just now
+                        lrs = tracking.lrs
+                        tracking.points.append((step, lrs))
             self._states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
@@ -482,7 +444,7 @@ class StepLedger:
             loss = tape.read()
             if math.isfinite(loss):
                 self.log_steps += 1
-                self._recent((step, loss))
+                self.reads.recent((step, loss))
                 clean = self._clean
                 clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
                     False, lrs, loss
@@ -533,16 +495,16 @@ class StepLedger:
             loss = opened.tape.read()
         loss_finite = None if loss is None else math.isfinite(loss)
         if loss is not None:
-            self._recent((opened.step, loss))
+            self.reads.recent((opened.step, loss))
         self.log_steps += 1
         self.log_skipped += int(skipped)
         batch_stats = None
         fault_ranks = [distributed.rank()]
         if skipped or loss_finite is False:
             host = self._host
-            if host is not None and self.recheck_optimizers(host) and self._lrs_set_before \
+            if host is not None and self.recheck_optimizers(host) and self.lr.set_before \
                     and opened.step == self.step_index - 1:
-                opened.lrs = self._lrs  # a group added since (read just now): no scheduler stepped since this step ran
+                opened.lrs = self.lr.lrs  # a group added since (read just now): no scheduler stepped since this step ran
             self.read_losses()  # the level before the fault, current to the step before it
             batch_stats = inspect_batch([mb[0] for mb in opened.batches])
             self.log_nonfinite += int(loss_finite is False)
@@ -563,66 +525,15 @@ class StepLedger:
     @property
     def last_loss(self) -> float | None:
         """The loss of the latest step read so far (the timeline samples it at log steps)."""
-        latest = self._latest_loss
-        return None if latest is None else latest[1]
-
-    def _recent(self, pair: tuple[int, float]) -> None:
-        """One step's loss, read: kept with the recent ones; the latest by step is remembered (steps resolved on
-        the slow path may be read before older ones still in the ring)."""
-        self.recent_losses.append(pair)
-        latest = self._latest_loss
-        if latest is None or pair[0] >= latest[0]:
-            self._latest_loss = pair
+        return self.reads.last_loss
 
     def read_losses(self, extra: Sequence[Tensor] = ()) -> list[float]:
-        """Read every held step loss, and ``extra`` tensors (scalars, or the cross-rank sums' vector), in ONE
-        device-to-host copy; returns ``extra``'s values, flattened. The values are packed with as few ops as
-        possible (one ``cat`` promotes their dtypes): each op is paid at every log step. Losses taken as floats on
-        the host are read with no tensor op (:meth:`_read_host`). The clean steps held back are handed over first: the
-        losses read are noted after them."""
+        """Read every held step loss, and ``extra`` tensors, in ONE device-to-host copy (:meth:`LossReads.read`);
+        returns ``extra``'s values, flattened. The clean steps held back are handed over first: the losses read are
+        noted after them."""
         if self.runs.deferred:
             self.runs.settle()
-        if self._host_tape and _on_host(extra):
-            return self._read_host([], extra)
-        losses = self.losses.stacked()
-        if extra:
-            device = extra[0].device
-            parts = [t.data if t.dim() == 1 else t.data.reshape(-1) for t in extra]  # the scaler's are 1-d
-            n_extra = sum([t.numel() for t in parts])
-            if losses is not None:
-                parts.append(losses if losses.device == device else losses.to(device))
-            packed = torch.cat(parts)
-            values = (packed if packed.dtype == torch.float32 else packed.float()).cpu().tolist()
-        elif losses is not None:
-            values, n_extra = losses.cpu().tolist(), 0
-        else:
-            return []
-        self._settle(values[n_extra:])
-        return values[:n_extra]
-
-    def _read_host(self, head: list[float], extra: Sequence[Tensor]) -> list[float]:
-        """:meth:`read_losses` where the losses were taken as floats (the CPU): ``head`` (values already read) and
-        ``extra`` (host tensors) first, read with no packing op. Every value is rounded to float32, as the packed
-        vector's ``float()`` rounds it, so the values are those of the packed read, bit for bit."""
-        for t in extra:
-            head.extend(t.reshape(-1).tolist())
-        losses = self.losses.held()
-        if not losses and not head:
-            return []
-        n = len(head)
-        head.extend(losses)
-        values = array("f", head).tolist()  # float32, as ``cat(...).float().tolist()`` gives them
-        self._settle(values[n:])
-        return values[:n]
-
-    def _settle(self, values: list[float]) -> None:
-        losses = self.losses.settle(values)
-        if losses:
-            self.unnoted.extend(losses)
-            self.recent_losses.extend(losses)
-            latest = self._latest_loss
-            if latest is None or losses[-1][0] >= latest[0]:
-                self._latest_loss = losses[-1]
+        return self.reads.read(self.losses, self._host_tape, extra)
 
     def drain_at_log_step(self, trainer: Any) -> list[ResolvedStep]:
         """Once per ``log_every_n_steps``: re-synchronise with the trainer and resolve everything in flight (the clean
@@ -651,7 +562,7 @@ class StepLedger:
         optimizers = trainer.optimizers
         attached = self._optimizers
         swapped = len(optimizers) != len(attached) or any(a is not b for a, b in zip(optimizers, attached))
-        if not swapped and sum(len(opt.param_groups) for opt in optimizers) == self._groups_seen:
+        if not swapped and not self.lr.groups_changed(optimizers):
             return False
         if swapped:
             fused = self.taken.fused
@@ -673,26 +584,13 @@ class StepLedger:
         them), ``extra`` scalars and the held losses. Returns the real scale (the mirror's without a scaler
         tensor yet) and ``extra``'s values."""
         scaler = self.precision.scaler
-        scale_t = compat.scale_tensor(scaler) if scaler is not None else None
-        if scale_t is None:
+        if self.runs.deferred:
+            self.runs.settle()
+        read = None if scaler is None else self.reads.read_with_scaler(self.losses, self._host_tape, scaler, extra)
+        if read is None:
             values = self.read_losses(extra)
             return (self.mirror.scale if self.mirror is not None else None), values
-        tracker_t = compat.growth_tracker_tensor(scaler)
-        if self._host_tape and tracker_t is not None and _on_host((scale_t, *extra)):
-            # the CPU: the scaler's two values read as they are, with the losses taken as floats, without a ``cat``
-            scale, tracker, *values = self._read_host([scale_t.item(), tracker_t.item()], extra)
-            if self.mirror is not None:
-                self.mirror.reconcile(scale, int(tracker))
-            return scale, values
-        views = self._scaler_views
-        if views is None or views[0] is not scale_t or views[1] is not tracker_t:
-            # views (``view``: never a copy) alias the scaler's tensors, read as they are at each log step: no
-            # reshape op per read
-            views = (scale_t, tracker_t, scale_t.data.view(-1), tracker_t.data.view(-1)) if tracker_t is not None \
-                else None
-            self._scaler_views = views
-        pair = [views[2], views[3]] if views is not None else [scale_t, tracker_t]
-        scale, tracker, *values = self.read_losses([*pair, *extra])
+        scale, tracker, values = read
         if self.mirror is not None:
             self.mirror.reconcile(scale, int(tracker))
         return scale, values
@@ -703,10 +601,3 @@ class StepLedger:
         self.log_steps = self.log_skipped = self.log_nonfinite = 0
         return counts
 
-
-def _on_host(tensors: Sequence[Tensor]) -> bool:
-    """Whether every tensor lives on the CPU (its values read with no synchronisation)."""
-    for t in tensors:
-        if t.device.type != "cpu":
-            return False
-    return True
