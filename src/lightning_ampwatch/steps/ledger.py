@@ -32,8 +32,6 @@ from lightning_ampwatch.signals import (
     ScaleMirror,
     StepTaken,
     inspect_batch,
-    read_scale,
-    scaler_config,
 )
 from lightning_ampwatch.steps import losses as _losses
 from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
@@ -41,23 +39,13 @@ from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS
 from lightning_ampwatch.steps.lrs import LrTracking
 from lightning_ampwatch.steps.reads import LossReads
 from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
+from lightning_ampwatch.steps.scale import ScaleTracking
 
 #: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
 #: batches, trimmed to ``BATCHES_KEPT_AFTER_TRIM``: enough for any accumulation a real run uses.
 BATCHES_KEPT_MAX = 64
 BATCHES_KEPT_AFTER_TRIM = 32
 _NONE_RESOLVED: list[ResolvedStep] = []  # a clean step resolves nothing (shared, never appended to)
-
-
-class _Unscaled:
-    """The tape's scale when the loss handed to backward is not scaled (no GradScaler; DeepSpeed scales inside its
-    engine): read like a mirror's, so ``backward`` does not branch on it."""
-
-    __slots__ = ()
-    scale = 1.0
-
-
-_UNSCALED = _Unscaled()
 
 
 class StepLedger:
@@ -70,16 +58,8 @@ class StepLedger:
         #: several ranks meet anomalies together under a scaler (and gather a view of each skip) until a rank's watch
         #: switches itself off (distributed.CrossRank)
         self.agree = True
-        self.mirror: ScaleMirror | None = None  # made in start(), once the framework has restored the scaler
-        self._tape_mirror: ScaleMirror | _Unscaled = _UNSCALED  # whose scale the losses handed to backward carry
-        self._skipped_seen = 0  # DeepSpeed: its engine's skipped-step count when the last step was taken in
-        # A GradScaler's per-optimizer table when the last step was taken in: its update() makes a new one after every
-        # step it runs, skipped or not; the same table means the framework ran no scaler step (see close)
-        self._states_seen: Any = None
-        self._table_scaler: Any = None
-        self._loss_scale: Any = None  # DeepSpeed: its loss scaler's view (precision.loss_scale), once mirrored
-        self._engine: Any = None  # DeepSpeed: its engine, asked whether its coming step() is an optimizer step
-        self.scaler_config: dict[str, Any] = {}  # the scaler's growth settings, as last mirrored
+        #: the scaler's host mirror, and what tells a step the scaler ran (:class:`ScaleTracking`)
+        self.scale = ScaleTracking()
         self.taken = StepTaken()
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self._mark = 0  # the tape's length when that step began: later losses belong to the batch's next step
@@ -145,31 +125,19 @@ class StepLedger:
         """A loss scaler skips the steps it finds an overflow in: a GradScaler, or DeepSpeed's own."""
         return self.precision.scaler is not None or self.precision.loss_scale is not None
 
-    def mirror_scaler(self) -> None:
-        """Read the scaler once (scale, tracker, growth settings) into the host mirror (``scaler_config``: the
-        growth settings, for the machine)."""
-        scaler, loss_scale = self.precision.scaler, self.precision.loss_scale
-        if scaler is not None:
-            config = scaler_config(scaler)
-            scale, tracker = read_scale(scaler)
-            self.mirror = ScaleMirror(scale, tracker=tracker, **config)
-            self.scaler_config = config
-            self._states_seen = compat.per_optimizer_states(scaler)
-        elif loss_scale is not None:  # DeepSpeed: host values, read again after every step (see close)
-            config = loss_scale.config()
-            self.mirror = ScaleMirror(loss_scale.scale(), **{k: v for k, v in config.items() if k != "loss_scaler"})
-            self.scaler_config = config
-            self._skipped_seen = loss_scale.skipped_steps()
-        else:
-            self.mirror = None
-            self.scaler_config = {}
-        # the loss handed to backward carries the GradScaler's scale; DeepSpeed scales inside its engine's backward
-        self._tape_mirror = self.mirror if scaler is not None and self.mirror is not None else _UNSCALED
-        self._loss_scale = loss_scale if self.mirror is not None else None
-        # the GradScaler whose per-optimizer table close() reads (one C call), when it has one
-        self._table_scaler = scaler if scaler is not None and self._states_seen is not None else None
-        self._engine = self.precision.engine
+    @property
+    def mirror(self) -> ScaleMirror | None:
+        """The scaler's host mirror (None without a scaler)."""
+        return self.scale.mirror
 
+    @property
+    def scaler_config(self) -> dict[str, Any]:
+        """The scaler's growth settings, as last mirrored (for the machine)."""
+        return self.scale.config
+
+    def mirror_scaler(self) -> None:
+        """Read the scaler once into the host mirror (:meth:`ScaleTracking.read`)."""
+        self.scale.read(self.precision)
         self._update_fast_path()
 
     def switch_precision(self, precision: PrecisionInfo) -> None:
@@ -208,7 +176,7 @@ class StepLedger:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
         and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
         self._host_loss = not self.scaler_active and self.device_type == "cpu"
-        self._fast_path = self.scaler_active and self.mirror is not None and not self.taken.fused
+        self._fast_path = self.scaler_active and self.scale.mirror is not None and not self.taken.fused
 
     # ------------------------------------------------------------------ what the hooks report
 
@@ -218,7 +186,7 @@ class StepLedger:
         reads it. On the CPU (``HOST_TAPE_DEVICES``) its value is taken at once instead: ``item()`` is no
         synchronisation there, costs less than ``.data``, and leaves the log step no tensor op for the losses.
         (Under a GradScaler this is the scaled loss; the tape keeps the scale beside it.)"""
-        self.add_loss(loss if self._host_tape else loss.data, self._tape_mirror.scale)
+        self.add_loss(loss if self._host_tape else loss.data, self.scale.tape_mirror.scale)
 
     def add_loss(self, loss: Tensor, scale: float = 1.0) -> None:
         """A loss joins the tape beside the scale it carries: kept unread (a tensor without its graph), or on the
@@ -242,13 +210,7 @@ class StepLedger:
 
     def last_step_skipped(self) -> bool:
         """Whether the optimizer step that just ran was skipped by the scaler (for ``hold_lr_on_skip``)."""
-        if not self.scaler_active:
-            return False
-        if self.precision.loss_scale is not None:  # DeepSpeed's flag for its latest step (a host value)
-            return self.precision.loss_scale.overflow()
-        if self.taken.found_inf is not None:
-            return bool(self.taken.found_inf.item())  # fused optimizer: the user asked for this read
-        return not self.taken.taken
+        return self.scale.last_step_skipped(self.precision, self.taken)
 
     # ------------------------------------------------------------------ the per-step path
 
@@ -260,9 +222,10 @@ class StepLedger:
         step cannot take the fast path, there is no per-optimizer table to tell a scaler step by, or the LRs are not
         one plain number; else up to (not including) the first of: the step the deferral stops at, the step before a
         log step, the step the losses' ring fills at, the step the scale grows at."""
-        mirror = self.mirror
-        if (self._tape or self._batches or self._pending or not self._fast_path or self._table_scaler is None
-                or self.lr.one_group is None or self._loss_scale is not None or mirror is None):
+        tracking = self.scale
+        mirror = tracking.mirror
+        if (self._tape or self._batches or self._pending or not self._fast_path or tracking.table_scaler is None
+                or self.lr.one_group is None or tracking.loss_scale is not None or mirror is None):
             self.express_until = 0
             return
         step = self.step_index
@@ -284,8 +247,9 @@ class StepLedger:
         taken_hook = self.taken
         if not taken_hook.taken:
             return False  # the scaler skipped the step, or none ran
-        states = compat.read_per_optimizer_states(self._table_scaler)
-        if states is self._states_seen:
+        scaling = self.scale
+        states = compat.read_per_optimizer_states(scaling.table_scaler)
+        if states is scaling.states_seen:
             return False  # no scaler step ran in this batch
         if self._host_tape:
             try:
@@ -296,8 +260,8 @@ class StepLedger:
             value = loss
         # as close() leaves a clean step it defers (open_lane ruled out a growth)
         taken_hook.taken = False
-        self._states_seen = states
-        mirror = self.mirror
+        scaling.states_seen = states
+        mirror = scaling.mirror
         mirror.tracker += 1  # type: ignore[union-attr]
         self.step_index = step + 1
         tracking = self.lr
@@ -314,7 +278,7 @@ class StepLedger:
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
-        engine = self._engine
+        engine = self.scale.engine
         if engine is not None and not compat.deepspeed_at_boundary(engine):
             return  # DeepSpeed mid-accumulation: its engine will take no step; the losses stay for the one that does
         self.stepped = True
@@ -363,33 +327,34 @@ class StepLedger:
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
-        scaler = self._table_scaler
+        tracking_scale = self.scale
+        scaler = tracking_scale.table_scaler
         unscaled = False  # no scaler step ran: nothing skipped, nothing for the mirror to follow
         if scaler is not None:
             states = compat.read_per_optimizer_states(scaler)
             if not taken and found_inf is None:
-                if states is self._states_seen:
+                if states is tracking_scale.states_seen:
                     # Lightning runs no scaler step when the step's last micro-batch returned None from training_step
                     # (earlier micro-batches' losses are on the tape); the scaler neither skipped nor updated
                     unscaled = taken = True
                 elif self.recheck_optimizers(trainer):
                     # no hook fired because the optimizer that stepped is not the one it sat on (a callback swapped
                     # it): the scaler tells whether it skipped the step, by the scale it backed off
-                    taken = self._scale_held(scaler)
+                    taken = tracking_scale.held(scaler)
                     if tracking.set_before:  # and this step ran at the new optimizers' LRs, read just now
                         lrs = tracking.lrs
                         tracking.points.append((step, lrs))
-            self._states_seen = states
+            tracking_scale.states_seen = states
         if not tape:
             return None  # backward never ran (training_step returned None): the framework did not step
-        mirror = self.mirror
+        mirror = tracking_scale.mirror
         scale = mirror.scale if mirror is not None else None
-        loss_scale = self._loss_scale
+        loss_scale = tracking_scale.loss_scale
         if loss_scale is not None:
             # DeepSpeed: its engine counted the step as skipped or not, and set its scale, on the host already
             skipped_total = loss_scale.skipped_steps()
-            taken = skipped_total == self._skipped_seen
-            self._skipped_seen = skipped_total
+            taken = skipped_total == tracking_scale.skipped_seen
+            tracking_scale.skipped_seen = skipped_total
             scale_after = loss_scale.scale()
             if not (taken and quiet and not self._pending):
                 if self.runs.deferred:
@@ -481,14 +446,14 @@ class StepLedger:
 
     def _resolve(self, opened: OpenStep) -> ResolvedStep:
         skipped = bool(opened.found_inf.value()) if opened.found_inf is not None else opened.skipped
-        if opened.scale_after is not None and self.mirror is not None:  # DeepSpeed's scale, as its scaler set it
-            mirror = self.mirror
+        mirror = self.scale.mirror
+        if opened.scale_after is not None and mirror is not None:  # DeepSpeed's scale, as its scaler set it
             grew = opened.scale_after > (opened.scale or 0.0)
             mirror.reconcile(opened.scale_after, 0 if skipped or grew else mirror.tracker + 1)
         elif opened.unscaled:
             grew = False
         else:
-            grew = self.mirror.update(skipped) if self.mirror is not None else False
+            grew = mirror.update(skipped) if mirror is not None else False
         loss: float | None = opened.loss.value() if opened.loss is not None else None
         if skipped and loss is None:
             # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
@@ -545,15 +510,6 @@ class StepLedger:
         self.lr_log.trim()
         return self.drain(force=True)
 
-    def _scale_held(self, scaler: Any) -> bool:
-        """Whether the scaler's last update kept (or grew) its scale: it ran the step. One read, only after the
-        optimizers changed under the step hook."""
-        scale_t = compat.scale_tensor(scaler)
-        mirror = self.mirror
-        if scale_t is None or mirror is None:
-            return False
-        return float(scale_t) >= mirror.scale
-
     def recheck_optimizers(self, trainer: Any) -> bool:
         """At a log step or an anomalous step: whether the trainer's optimizers or their param groups changed since
         they were read (a callback swapped in a new optimizer, or added a group: BackboneFinetuning). Then the step
@@ -589,10 +545,12 @@ class StepLedger:
         read = None if scaler is None else self.reads.read_with_scaler(self.losses, self._host_tape, scaler, extra)
         if read is None:
             values = self.read_losses(extra)
-            return (self.mirror.scale if self.mirror is not None else None), values
+            mirror = self.scale.mirror
+            return (mirror.scale if mirror is not None else None), values
         scale, tracker, values = read
-        if self.mirror is not None:
-            self.mirror.reconcile(scale, int(tracker))
+        mirror = self.scale.mirror
+        if mirror is not None:
+            mirror.reconcile(scale, int(tracker))
         return scale, values
 
     def take_log_counts(self) -> tuple[int, int, int]:
