@@ -4,13 +4,20 @@ The core tells the ledger what happened (a loss went to backward, a batch ended,
 decides what a step costs to watch, and returns a :class:`ClosedStep` for every step it takes in. A healthy step
 under a GradScaler takes the fast path: a clean record made of host-side values (the scale mirror's, the LRs).
 Any other step is opened, resolved once its deferred reads have landed, and handed back as a
-:class:`ResolvedStep`. The ledger feeds nothing itself: the core hands each record to the machine, the timeline
-and the trajectory control.
+:class:`ResolvedStep`. The core hands each record it gets to the machine, the timeline and the trajectory
+control. A clean step the core's plan lets it hold back is not returned: the ledger hands such steps over in runs,
+to the consumers registered at train start (:class:`CleanRuns`), before any step, read or log step that must see
+them taken in (:meth:`StepLedger.settle` for a reader from outside a step).
 
 Step losses are kept as device tensors and read together, in one read, at a log step, on an anomaly, or when the
-ring is full: the loss level stays current without a read per step. On the CPU (``HOST_TAPE_DEVICES``), where
-reading a tensor is no synchronisation, each loss is taken as a float when it comes, and the log step has no
-tensor op for the losses.
+ring is full (:class:`LossRing`, :class:`LossReads`): the loss level stays current without a read per step. On the
+CPU (``losses.HOST_TAPE_DEVICES``), where reading a tensor is no synchronisation, each loss is taken as a float when
+it comes, and the log step has no tensor op for the losses. The scaler's host mirror is :class:`ScaleTracking`'s,
+the LRs :class:`LrTracking`'s.
+
+Why :class:`StepLedger` is longer than the package's other classes (about 500 lines): ``close`` keeps a healthy
+step's bookkeeping inline, and the express lane repeats it, because every call on an ordinary step counts against
+its budget of 25 (``benchmarks/step_counts.py``).
 """
 
 from __future__ import annotations
