@@ -306,3 +306,20 @@ def test_without_snapshots_no_clean_steps_batch_is_held(tmp_path: Path) -> None:
         alive[every] = refs.alive_at
     assert alive[0] == []
     assert alive[20] and min(alive[20]) <= 40  # the ring's batches since its newest snapshots
+
+
+def test_the_owner_hands_a_run_to_every_consumer_once_in_the_order_they_were_registered() -> None:
+    """The ledger's batching (``steps.CleanRuns``): a run of held-back clean steps reaches each consumer once, as
+    columns, in the order the roles were first registered (a role registered again, as the trajectory control is
+    after a precision change, keeps its place and only the new consumer gets the run)."""
+    runs = CleanRuns()
+    got: list[tuple[str, tuple[Any, ...]]] = []
+    runs.hand_to("trajectory", lambda *columns: got.append(("old control", columns)))
+    runs.hand_to("machine", lambda *columns: got.append(("machine", columns)))
+    runs.hand_to("trajectory", lambda *columns: got.append(("new control", columns)))
+    runs.deferred.extend([(4, ["b4"], 1024.0, False, (0.1,)), (5, ["b5"], 2048.0, True, (0.1,))])
+    runs.settle()
+    runs.settle()  # nothing held back any more: nothing handed over twice
+    columns = ((4, 5), (["b4"], ["b5"]), (1024.0, 2048.0), (False, True), ((0.1,), (0.1,)))
+    assert got == [("new control", columns), ("machine", columns)]
+    assert runs.deferred == []
