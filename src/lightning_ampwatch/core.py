@@ -232,7 +232,7 @@ class RunWatcher(WatchState):
     # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
     # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. Measured again once the clean-step
     # batching moved into the ledger (``steps.CleanRuns``; ``overhead.py --quick`` with and without the fast paths,
-    # interleaved, load 4 to 5): the fast paths 12 calls and 7.7 to 8.4 us, one route 24 calls and 16.9 to 25.0 us.
+    # interleaved, load 3 to 5): the fast paths 12 calls and 7.2 to 8.8 us, one route 24 calls and 12.8 to 25.0 us.
     # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
     # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
     def lean(self, host: Host, steps_done: int) -> bool:
