@@ -842,7 +842,7 @@ def test_a_healthy_fabric_loop_gets_no_read_between_log_steps_and_one_at_most_at
     bare, _ = reads_per_step(_healthy_fabric_loop(tmp_path / "bare", watched=False))
     # the accelerator's way, on the CPU: each loss kept as an unread tensor (the CPU takes its value as it comes,
     # which is no synchronisation there: test_host_reads.test_on_the_cpu_each_loss_is_taken_as_it_comes)
-    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", frozenset())
+    monkeypatch.setattr(steps.losses, "HOST_TAPE_DEVICES", frozenset())
     reads, watch = reads_per_step(_healthy_fabric_loop(tmp_path / "watched", watched=True))
     assert watch is not None and watch.steps == 24 and watch.machine.skipped_total == 0 and watch.diagnoses == []
     added = added_reads(reads, bare)

@@ -63,7 +63,6 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from lightning_ampwatch import distributed
-from lightning_ampwatch.cadence import LogCadence
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
@@ -82,7 +81,7 @@ from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
-from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, ResolvedStep, StepLedger
+from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, LogCadence, ResolvedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding, withdrawn_by
 from lightning_ampwatch.trajectory import SnapshotRing, retrain
@@ -189,10 +188,12 @@ class RunWatcher(WatchState):
         return getattr(self.reporters, "event_log", None)
 
     def caught_up(self) -> "RunWatcher":
-        """The watcher with every clean step taken in (:meth:`_flush_clean`): what an adapter reads the machine of
-        between log steps (the per-step path hands the machine a healthy run's steps at its next log step)."""
+        """The watcher with every clean step taken in (the ledger's :meth:`~StepLedger.settle`): what an adapter reads
+        the machine of between log steps (the ledger hands a healthy run's steps over in runs), a checkpoint holds, and
+        the fit's end starts from."""
         try:
-            self._flush_clean()
+            if self.ledger is not None:
+                self.ledger.settle()
         except Exception as err:  # noqa: BLE001
             self.internal_failure("the machine's catch-up", err)
         return self
@@ -229,9 +230,11 @@ class RunWatcher(WatchState):
     # ``benchmarks/overhead.py``, the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the
     # cadences have decided: with the lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7
     # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
-    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. The budget is 25 calls and 8 us: the
-    # calls could be met by one route, the time cannot, so the three stay together (the lean route needs the hooks
-    # idled: it is what spares Lightning's calls).
+    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. Measured again once the clean-step
+    # batching moved into the ledger (``steps.CleanRuns``; ``overhead.py --quick`` with and without the fast paths,
+    # interleaved, load 3 to 5): the fast paths 12 calls and 7.2 to 8.8 us, one route 24 calls and 12.8 to 25.0 us.
+    # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
+    # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
     def lean(self, host: Host, steps_done: int) -> bool:
         """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
         framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
@@ -304,6 +307,14 @@ class RunWatcher(WatchState):
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
+        # who takes the clean steps the ledger holds back, in runs (after the trajectory control: the order the
+        # steps' own route feeds them in)
+        machine, timeline = self.machine, self._timeline
+        ledger.runs.hand_to("machine", lambda steps, _, scales, grews, lrss:
+                            machine.observe_clean_run(steps, scales, grews, lrss))  # type: ignore[union-attr]
+        if timeline is not None:
+            ledger.runs.hand_to("timeline", lambda steps, _, scales, __, lrss:
+                                timeline.record_clean_run(steps, scales, lrss))
         self._plan_deferral()
 
     def _start_trajectory(self) -> None:
@@ -321,6 +332,8 @@ class RunWatcher(WatchState):
                                     lr_cause_margin=config.thresholds.lr_cause_margin,
                                     thresholds=config.thresholds)
         self.trajectory = control
+        if self.ledger is not None:  # the clean steps' batches held back, for its snapshots (again: the new control)
+            self.ledger.runs.hand_to("trajectory", lambda steps, batches, *_: control.note_run(steps, batches))
         control.state.lr_log = self.ledger.lr_log if self.ledger is not None else None  # each step's LRs, replayed
         control.start(host.global_step)  # a state from before the first step this run takes
 
@@ -412,7 +425,7 @@ class RunWatcher(WatchState):
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = self.machine.quiet  # type: ignore[union-attr]
             closed = ledger.close(self.host, quiet, micro_batch)
-            if closed is not None:  # None: no backward ran, or a clean step deferred (in ``ledger.deferred``)
+            if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self._take_closed(closed, quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
@@ -505,7 +518,6 @@ class RunWatcher(WatchState):
         """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
         ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
         assert ledger is not None and reporters is not None and machine is not None and host is not None
-        self._flush_clean()
         self._take(ledger.drain_at_log_step(host))
         steps, skipped, nonfinite = ledger.take_log_counts()
         ranks = self._ranks
@@ -531,6 +543,7 @@ class RunWatcher(WatchState):
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
+        self.caught_up()  # every clean step taken in: the relayed diagnoses below are dated after them
         if not self.disabled:
             self._finish()
         # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
@@ -552,7 +565,6 @@ class RunWatcher(WatchState):
 
     @_guarded
     def _finish(self) -> None:
-        self._flush_clean()
         if self.ledger is not None:
             self._take(self.ledger.drain(force=True))
             self._read_losses()
@@ -575,10 +587,8 @@ class RunWatcher(WatchState):
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
         timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
-        try:
-            self._flush_clean()  # the clean steps not taken in yet: the timeline and the machine as they would be
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("clean-up", err)
+        # (the ledger's stop hands the clean steps not taken in yet over first: the timeline and the machine as they
+        # would be)
         for undo in (self.ledger.stop if self.ledger is not None else None,
                      self.guards.detach,
                      self.investigations.close if self.investigations is not None else None,
@@ -607,7 +617,6 @@ class RunWatcher(WatchState):
             return
         machine, ledger = self.machine, self.ledger
         assert machine is not None and ledger is not None
-        self._flush_clean()  # the clean steps before this one first, in order
         control = self.trajectory
         if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
             if self.world_size == 1:
@@ -632,28 +641,6 @@ class RunWatcher(WatchState):
 
     # ------------------------------------------------------------------ clean steps taken in later
 
-    def _flush_clean(self) -> None:
-        """Take in the clean steps the ledger deferred (its fast path, below ``ledger.defer_until``), in one run: their
-        batches to the trajectory control, then the machine, then the timeline, as :meth:`_take_closed` takes a clean
-        step, with the same result (each room's run method equals one call per step; the three do not read one
-        another). Called before anything reads or changes those rooms' state: a log step, any step that is not a
-        deferred clean one, an emitted diagnosis, a step boundary, the fit's end, ``close``, ``state_dict`` and the
-        adapters' ``machine``."""
-        ledger = self.ledger
-        if ledger is None or not ledger.deferred:
-            return
-        run, ledger.deferred = ledger.deferred, []
-        steps, batches, scales, grews, lrss = zip(*run)  # the run as columns, in one C call
-        control = self.trajectory
-        if control is not None:
-            control.note_run(steps, batches)
-        machine = self.machine
-        if machine is not None:
-            machine.observe_clean_run(steps, scales, grews, lrss)
-        timeline = self._timeline
-        if timeline is not None:
-            timeline.record_clean_run(steps, scales, lrss)
-
     def _plan_deferral(self) -> None:
         """Up to which step the ledger may defer clean steps: the next snapshot that may be due (a multiple of the
         ring's interval, taken by the full route), at most ``MAX_DEFERRED`` steps on; none while the cadence times
@@ -662,11 +649,12 @@ class RunWatcher(WatchState):
         if ledger is None:
             return
         control = self.trajectory
-        ledger.defer_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
+        runs = ledger.runs
+        runs.keep_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
         step = ledger.step_index  # the next step to be closed
         treatment = self.treatment
         if self.disabled or treatment.watch is not None or treatment.due:
-            ledger.defer_until = step
+            runs.until = step
             return
         # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
         judge_every = self._judge_every
@@ -676,17 +664,16 @@ class RunWatcher(WatchState):
             every = control.defer_limit
             if every is not None:
                 if every <= 0:
-                    ledger.defer_until = step
+                    runs.until = step
                     return
                 due = -(-step // every) * every  # the first multiple of ``every`` at or after ``step``
                 if due < limit:
                     limit = due
-        ledger.defer_until = limit
+        runs.until = limit
 
     def _read_losses(self) -> None:
         """Every held loss read (one copy), and handed to the machine's loss level."""
         assert self.ledger is not None and self.machine is not None
-        self._flush_clean()
         self.ledger.read_losses()
         self.machine.note_losses(self.ledger.take_unnoted())
 
@@ -695,7 +682,6 @@ class RunWatcher(WatchState):
         published."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
-        self._flush_clean()
         timeline = self._timeline
         for step in resolved:
             if step.losses_before:
@@ -742,7 +728,6 @@ class RunWatcher(WatchState):
         trajectory replays where a snapshot allows, then published or treated like any other."""
         machine, investigations, ledger = self.machine, self.investigations, self.ledger
         assert machine is not None and ledger is not None
-        self._flush_clean()
         for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
             if investigations is not None and diagnosis.is_alarm:
                 diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
@@ -752,10 +737,9 @@ class RunWatcher(WatchState):
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
         divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
         since a treatment is a decision every rank must take together."""
-        self._flush_clean()  # the steps before it taken in: the timeline dates its marker by them
         ledger = self.ledger
-        if ledger is not None:  # closed until the next batch end has looked (a recipe guard emits from inside a step)
-            ledger.express_until = 0
+        if ledger is not None:  # the steps before it taken in (the timeline dates its marker by them), and none held
+            ledger.hold()  # back until the next batch end has looked (a recipe guard emits from inside a step)
         if self.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
             diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
                 f"{self._ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
@@ -776,7 +760,6 @@ class RunWatcher(WatchState):
         returns records; the changes to the run, the machine and the ledger are made here."""
         treatment, machine, ledger = self.treatment, self.machine, self.ledger
         assert machine is not None and ledger is not None
-        self._flush_clean()
         agreed = self._agreed
         for diagnosis in treatment.take_due():
             if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
@@ -968,7 +951,6 @@ class RunWatcher(WatchState):
         """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
         it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
         published after a remedy took the scaler away) is not repeated."""
-        self._flush_clean()
         if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
             return
         self.diagnoses.append(diagnosis)
@@ -978,7 +960,6 @@ class RunWatcher(WatchState):
     def _update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
         record, and the sinks get it once more."""
-        self._flush_clean()
         at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
         if at is None:
             self.diagnoses.append(new)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from lightning_ampwatch import compat, deepspeed_state, distributed, protocol, sharding
-from lightning_ampwatch.cadence import SnapshotCadence
+from lightning_ampwatch.steps.cadence import SnapshotCadence
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.signals import float_tensors, inspect_batch
 from lightning_ampwatch.remedies.precision import bf16_supported
