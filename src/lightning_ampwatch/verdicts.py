@@ -176,8 +176,9 @@ def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float],
     (``track``: step -> loss): FP32 training from the same state over the same steps, or the remedy's own cured
     replay of the window. Recovered when at most one step was skipped, every loss is finite, the run's loss tracks
     the reference within ``tolerance`` (the median of its ratios to the reference, step by step, at most
-    ``1 + tolerance``), and it trains down, or holds where the reference holds too. Else not recovered where it
-    plainly lags, not verified where only the trend is in doubt."""
+    ``1 + tolerance``), and it trains down (its last three's median more than ``tolerance`` under its first), or
+    holds where the reference holds too. Else not recovered where it plainly lags, not verified where only the trend
+    is in doubt."""
     values = [loss for _, loss in losses]
     finite = [x for x in values if math.isfinite(x)]
     after = statistics.median(finite) if finite else None
@@ -201,21 +202,21 @@ def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float],
                             Unverified.NO_REFERENCE)
         reference = statistics.median(ref[-max(3, len(ref) // 3):])
         ratio = statistics.median(finite[-max(3, len(finite) // 3):]) / reference
-        ref_falls, ref_first, ref_end = falls(ref), ref[0], statistics.median(ref[-3:])
+        ref_first, ref_end = ref[0], statistics.median(ref[-3:])
     else:
         ratio = statistics.median(a / b for a, b in pairs)
         reference = statistics.median(b for _, b in pairs)
         ref_losses = [b for _, b in pairs]
-        ref_falls, ref_first, ref_end = falls(ref_losses), ref_losses[0], statistics.median(ref_losses[-3:])
+        ref_first, ref_end = ref_losses[0], statistics.median(ref_losses[-3:])
     details.update(loss_before=reference, loss_ratio=round(ratio, 4))
     allowed = f"{tolerance * 100:.3g}%"
     first, end = finite[0], statistics.median(finite[-3:])
     if ratio > 1 + tolerance:
         return Recovery(NOT_RECOVERED, f"the loss does not track {track_from}: {ratio:.3g}x it, more than the "
                                        f"{allowed} allowed ({after:.4g} against {reference:.4g})", details)
-    if falls(finite):
+    if end < (1 - tolerance) * first:
         trend = f"trains down ({first:.4g} -> {end:.4g})"
-    elif not ref_falls:
+    elif not ref_end < (1 - tolerance) * ref_first:
         trend = (f"holds ({first:.4g} -> {end:.4g}), as the reference does ({ref_first:.4g} -> {ref_end:.4g})")
     else:
         return Recovery(Outcome.NOT_VERIFIED, (
