@@ -220,6 +220,8 @@ class Investigator:
             return out
         if weights_stepped and not _weights_finite(self.module):
             ev["replay"] = "not run: the weights already hold non-finite values (no scaler protected them)"
+            ev["weights_lost"] = ("the weights now hold non-finite values (no scaler skipped this step): every later "
+                                  "step trains on them, and the run cannot recover by itself")
             return out
         if weights_stepped:
             ev["replay_note"] = "the optimizer stepped after this batch: replayed with the updated weights"

@@ -202,6 +202,8 @@ class Treatment:
                 if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
+            if diagnosis.finding is Finding.DATA_NONFINITE:  # the batch that held the NaN/inf is never trained on again
+                episode = [e for e in episode if e[0] != diagnosis.step]
             # every rank restores together (a split snapshot's broadcasts), after one meeting where a rank whose
             # checks failed says so: then every rank raises the same error, and none enters a broadcast
             protocol.together(len(held) > 1,
