@@ -132,3 +132,28 @@ def test_the_same_stall_left_unremedied_is_never_called_recovered(tmp_path: Path
     _fit(tmp_path, ClipsScaledGrads(), class_data(), watch, steps=60)
     d = next(d for d in watch.diagnoses if d.is_alarm)
     assert d.finding is Finding.CLIP_BEFORE_UNSCALE and d.remedy is None and d.outcome is None
+
+
+def test_a_fault_that_returns_after_a_resume_takes_the_earlier_recovery_back(tmp_path: Path) -> None:
+    """The recovery is in the checkpoint: a resumed fit whose gradients overflow again (targets 30x larger) re-opens
+    the recovered record as relapsed, as the same fit would have."""
+    pl.seed_everything(0, verbose=False)
+    first = AmpWatch(remediate=True, verbose=False)
+    trainer = make_trainer(tmp_path, [first], "fp16", max_steps=30)
+    trainer.fit(SummedRegression(), DataLoader(summed_data(), batch_size=32))
+    [d] = [d for d in first.diagnoses if d.is_alarm]
+    assert d.finding is Finding.GRADIENT_OVERFLOW and d.outcome == "recovered"
+    ckpt = tmp_path / "after_recovery.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    x, y = summed_data().tensors
+    louder = TensorDataset(x, 30.0 * y)  # the same model, now with gradients far past the scale it settled on
+    resumed = AmpWatch(remediate=True, verbose=False)
+    trainer = make_trainer(tmp_path, [resumed], "fp16", max_steps=60)
+    trainer.fit(SummedRegression(), DataLoader(louder, batch_size=32), ckpt_path=str(ckpt))
+    old = next(r for r in resumed.diagnoses if r.step == d.step and r.finding is d.finding)
+    assert old.outcome == "relapsed", old.evidence.get("recovery")
+    recovery = old.evidence["recovery"]
+    assert recovery["relapsed_at"] >= 30
+    assert "the same fault came back at step" in recovery["reason"]
+    assert recovery["recovered_first"] == d.evidence["recovery"]["reason"]

@@ -217,7 +217,9 @@ def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float],
     if end < (1 - tolerance) * first:
         trend = f"trains down ({first:.4g} -> {end:.4g})"
     elif not ref_end < (1 - tolerance) * ref_first:
-        trend = (f"holds ({first:.4g} -> {end:.4g}), as the reference does ({ref_first:.4g} -> {ref_end:.4g})")
+        moved = "holds" if end <= (1 + tolerance) * first else "rises"
+        trend = (f"{moved} ({first:.4g} -> {end:.4g}) as the reference does on the same batches ({ref_first:.4g} -> "
+                 f"{ref_end:.4g})")
     else:
         return Recovery(Outcome.NOT_VERIFIED, (
             f"the loss tracks {track_from} within {allowed} ({ratio:.3g}x it), but it does not train down ({first:.4g} -> {end:.4g}) while the "

@@ -364,6 +364,19 @@ class Treatment:
         tried = state.get("lr_tried")
         self.lr_tried = [float(v) for v in tried] if isinstance(tried, list) else self.lr_tried
 
+    def recovered_state(self) -> list[list[Any]]:
+        """The records whose remedy recovered, as (finding, step) pairs for a checkpoint: a relapse after a resume
+        re-opens them as it would have without the resume."""
+        return [[finding, record.step] for finding, record in self.recovered.items()]
+
+    def load_recovered(self, state: Any, diagnoses: Sequence[Diagnosis]) -> None:
+        """Take up :meth:`recovered_state`: each pair's record among ``diagnoses`` (the checkpoint's own)."""
+        for finding, step in state or ():
+            record = next((d for d in diagnoses if d.finding.value == finding and d.step == int(step)
+                           and d.outcome == Outcome.RECOVERED.value), None)
+            if record is not None:
+                self.recovered[str(finding)] = record
+
     def note_data_step(self, step: int, skipped: bool) -> None:
         """A step of the watch whose own batch made its loss non-finite (NaN/inf in the data): left out of the
         remedy's judgement, loss and skip alike, since no precision setting could have kept it finite."""
