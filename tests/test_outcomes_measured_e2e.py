@@ -157,3 +157,28 @@ def test_a_fault_that_returns_after_a_resume_takes_the_earlier_recovery_back(tmp
     assert recovery["relapsed_at"] >= 30
     assert "the same fault came back at step" in recovery["reason"]
     assert recovery["recovered_first"] == d.evidence["recovery"]["reason"]
+
+
+def test_an_alarm_located_at_a_parameter_names_its_module_in_the_fixes_tried(tmp_path: Path) -> None:
+    """The alarm is titled with a parameter (``body.4.weight``) of a gradient overflow: the panel's "fixes tried"
+    names the owning module and why the scale, not an island, is what reaches it: never "not located in a module"."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    _fit(tmp_path, SummedRegression(), summed_data(), watch, steps=20)
+    [d] = [d for d in watch.diagnoses if d.is_alarm]
+    assert d.location == "body.4.weight"
+    tried = str(d.evidence["tried"])
+    assert "not located in a module" not in tried, tried
+    assert "fp32 island: not tried (the fault is in the gradients of body.4.weight, not in a forward output of " \
+           "body.4: a lower loss scale is what reaches it)" in tried, tried
+
+
+def test_a_parameter_maps_to_the_module_that_owns_it() -> None:
+    from lightning_ampwatch.investigate import owning_module
+
+    model = SummedRegression()
+    assert owning_module(model, "body.4.weight") == "body.4"
+    assert owning_module(model, "body.4") == "body.4"
+    assert owning_module(model, "body.4.nothing") is None
+    assert owning_module(model, "s5_manual_clip.py:24") is None and owning_module(model, None) is None
+    assert owning_module(model, "") is None  # the model itself is no island
