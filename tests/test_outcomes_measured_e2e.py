@@ -182,3 +182,19 @@ def test_a_parameter_maps_to_the_module_that_owns_it() -> None:
     assert owning_module(model, "body.4.nothing") is None
     assert owning_module(model, "s5_manual_clip.py:24") is None and owning_module(model, None) is None
     assert owning_module(model, "") is None  # the model itself is no island
+
+
+def test_tracking_judges_a_lag_by_whether_the_reference_saw_the_same_batches() -> None:
+    from lightning_ampwatch.verdicts import judge_tracking
+
+    ref = {s: 2.0 - 0.05 * s for s in range(10, 18)}
+    lagging = [(s, 1.3 * v) for s, v in ref.items()]
+    kw = dict(steps=8, skipped=0, track_from="the reference", tolerance=0.1)
+    same = judge_tracking(lagging, ref, **kw)  # type: ignore[arg-type]
+    assert same.outcome.value == "not_recovered" and "more than the 10% allowed" in same.reason
+    other = judge_tracking(lagging, ref, same_batches=False, **kw)  # type: ignore[arg-type]
+    assert other.outcome.value == "not_verified" and "on other batches" in other.reason
+    far = judge_tracking([(s, 2.5 * v) for s, v in ref.items()], ref, same_batches=False, **kw)  # type: ignore[arg-type]
+    assert far.outcome.value == "not_recovered"
+    close = judge_tracking([(s, 1.02 * v) for s, v in ref.items()], ref, **kw)  # type: ignore[arg-type]
+    assert close.outcome.value == "recovered" and "trains down" in close.reason and "within the 10% allowed" in close.reason

@@ -171,14 +171,16 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
 
 
 def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float], *, steps: int, skipped: int,
-                   track_from: str, tolerance: float) -> Recovery:
+                   track_from: str, tolerance: float, same_batches: bool = True) -> Recovery:
     """The outcome of a remedy with no healthy level to come back to, judged against a reference trajectory
     (``track``: step -> loss): FP32 training from the same state over the same steps, or the remedy's own cured
     replay of the window. Recovered when at most one step was skipped, every loss is finite, the run's loss tracks
     the reference within ``tolerance`` (the median of its ratios to the reference, step by step, at most
     ``1 + tolerance``), and it trains down (its last three's median more than ``tolerance`` under its first), or
     holds where the reference holds too. Else not recovered where it plainly lags, not verified where only the trend
-    is in doubt."""
+    is in doubt. ``same_batches``: the reference ran the very batches the run did (FP32 from the same state); where
+    it did not (the cured replay of the window, whose batches a rollback skipped), a lag beyond the tolerance but
+    within ``RECOVERY_LOSS_FACTOR`` is batch noise as much as a fault: not verified, never escalated on."""
     values = [loss for _, loss in losses]
     finite = [x for x in values if math.isfinite(x)]
     after = statistics.median(finite) if finite else None
@@ -211,6 +213,10 @@ def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float],
     details.update(loss_before=reference, loss_ratio=round(ratio, 4))
     allowed = f"{tolerance * 100:.3g}%"
     first, end = finite[0], statistics.median(finite[-3:])
+    if ratio > 1 + tolerance and not same_batches and ratio <= RECOVERY_LOSS_FACTOR:
+        return Recovery(Outcome.NOT_VERIFIED, f"the loss is {ratio:.3g}x {track_from}, more than the {allowed} "
+                                              "allowed, on other batches than the run's: no recovery is claimed",
+                        details, Unverified.NO_REFERENCE)
     if ratio > 1 + tolerance:
         return Recovery(NOT_RECOVERED, f"the loss does not track {track_from}: {ratio:.3g}x it, more than the "
                                        f"{allowed} allowed ({after:.4g} against {reference:.4g})", details)

@@ -61,6 +61,7 @@ class Watch:
     #: with no reference level: a reference trajectory (step -> loss) the run must track, and what it is
     track: dict[int, float] | None = None
     track_from: str = ""
+    track_same: bool = True  # the track ran the run's own batches (FP32 from the same state), not the window's
     extended: int = 0  # times the judgement was put off by ``recovery_steps`` (a stall's fix, still falling)
 
 
@@ -271,7 +272,8 @@ class Treatment:
         track = _cured_replay_track(treated) if reference is None else None
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot,
-                           track=None if track is None else track[0], track_from="" if track is None else track[1])
+                           track=None if track is None else track[0], track_from="" if track is None else track[1],
+                           track_same=False)
         self.ended(treated)
 
     def fp32_reference(self, control: Any, now: int, gather: Callable[[Any], list[Any]] = lambda v: [v]) -> None:
@@ -313,7 +315,7 @@ class Treatment:
                 if fp32.params_finite and all(math.isfinite(v) for v in fp32.losses if v is not None) else None
             self.watch = replace(watch, reference_from=(
                 f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"),
-                track=track or watch.track, track_from=(
+                track=track or watch.track, track_same=bool(track) or watch.track_same, track_from=(
                     f"FP32 training from the same state (the snapshot after step {snapshot.step}) on the same steps"
                     if track else watch.track_from))
             return
@@ -343,7 +345,7 @@ class Treatment:
                 "skipped_before": watch.skipped_before, "reference": watch.reference,
                 "reference_from": watch.reference_from, "data_steps": sorted(watch.data_steps.items()),
                 "lr_tried": self.lr_tried, "track": None if watch.track is None else sorted(watch.track.items()),
-                "track_from": watch.track_from, "extended": watch.extended}
+                "track_from": watch.track_from, "track_same": watch.track_same, "extended": watch.extended}
 
     def load_watch(self, state: Any, diagnoses: Sequence[Diagnosis]) -> None:
         """Take up a watch :meth:`watch_state` wrote; its record is the one among ``diagnoses`` it was published as."""
@@ -360,7 +362,8 @@ class Treatment:
                            data_steps={int(s): bool(k) for s, k in state.get("data_steps", ())},
                            track=None if state.get("track") is None else
                            {int(s): float(v) for s, v in state["track"]},
-                           track_from=str(state.get("track_from", "")), extended=int(state.get("extended", 0)))
+                           track_from=str(state.get("track_from", "")), track_same=bool(state.get("track_same", True)),
+                           extended=int(state.get("extended", 0)))
         tried = state.get("lr_tried")
         self.lr_tried = [float(v) for v in tried] if isinstance(tried, list) else self.lr_tried
 
@@ -399,7 +402,7 @@ class Treatment:
         skipped = skipped_total - watch.skipped_before - sum(data.values())
         if watch.reference is None and watch.track:
             recovery = judge_tracking(pairs, watch.track, steps=steps, skipped=skipped, track_from=watch.track_from,
-                                      tolerance=self.track_tolerance)
+                                      tolerance=self.track_tolerance, same_batches=watch.track_same)
         else:
             recovery = judge_recovery(losses, steps=steps, skipped=skipped,
                                       reference=watch.reference, reference_from=watch.reference_from)
