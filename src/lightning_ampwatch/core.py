@@ -146,7 +146,9 @@ class RunWatcher(WatchState):
         self.guards = RecipeGuards()
         self.treatment = Treatment(RemedyPolicy(config.remedies),
                                    recovery_steps=config.thresholds.recovery_steps,  # type: ignore[union-attr]
-                                   rollback=config.rollback, replay_episode=config.replay_episode)
+                                   rollback=config.rollback, replay_episode=config.replay_episode,
+                                   fall_margin=config.thresholds.fall_margin,  # type: ignore[union-attr]
+                                   track_tolerance=config.thresholds.track_tolerance)  # type: ignore[union-attr]
         self.world_size = 1
         self._log_every = 0
         # the log step's work runs every ``_judge_every`` steps while the run is quiet (a multiple of ``_log_every``,
@@ -797,7 +799,8 @@ class RunWatcher(WatchState):
                 self._note_agreement()
             recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
                                                     skipped_total=machine.skipped_total))
-            self._ended(treatment.end(recovery))
+            if recovery is not None:  # None: judged later (a stall's remedy, still falling)
+                self._ended(treatment.end(recovery))
         control = self.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy

@@ -85,7 +85,7 @@ KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
     Finding.EPS_UNDERFLOW: ("optimizer", "param_group", "eps", "eps_in_float16"),
 }
 #: Rows any finding shows when present: why nothing was replayed, and where a remedy took the run back to.
-ALWAYS_SHOWN = ("replay", "live_probe", "cofactors", "tried", "rollback")
+ALWAYS_SHOWN = ("weights_lost", "replay", "live_probe", "cofactors", "tried", "rollback")
 #: Evidence the console never shows: the single batch's control verdict, kept in the evidence (and the event log)
 #: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
 #: contradiction.
@@ -108,6 +108,7 @@ EVIDENCE_LABELS: dict[str, str] = {
     "batch_idx": "batches replayed",
     # the replay at the run's precision, and where it failed
     "replay": "replay",
+    "weights_lost": "weights after this step",
     "replay_note": "replay note",
     "replay_loss": "replayed loss at run precision",
     "replay_grads_finite": "gradients finite when replayed",
@@ -415,6 +416,11 @@ def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
         return None
     allowed = frozenset(allowed)
     ladder = [str(getattr(r, "value", r)) for r in ladder_for(diagnosis)]
+    if diagnosis.evidence.get("weights_lost"):
+        lost = "the weights now hold NaN/inf and the run cannot recover"
+        if not allowed or not any(r in allowed for r in ladder):
+            return f"{lost}; remediate=True rolls back and skips the batch"
+        return f"{lost}: no state from before the batch could be rolled back to"
     if not ladder:
         return "no AMP setting fixes it"
     if not allowed:

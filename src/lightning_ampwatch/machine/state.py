@@ -128,6 +128,7 @@ class MachineState:
     skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback
     # judges the stretch it goes back to by them)
     rebased_why: str | None = None  # why the latest rollback left no healthy level (None: it left one, or none came)
+    climbing_why: str | None = None  # why no healthy level was taken yet: the stretch was already climbing
 
 
 def plain(value: Any) -> Any:

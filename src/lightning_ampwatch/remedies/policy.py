@@ -21,6 +21,8 @@ LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
     Finding.LR_SCHEDULE: (RemedyName.REDUCE_LR,),
     Finding.FP32_UNSTABLE: (RemedyName.REDUCE_LR, RemedyName.REDUCE_LR),  # never bf16 or an island: not AMP
     Finding.CLIP_BEFORE_UNSCALE: (RemedyName.UNSCALE_BEFORE_CLIP,),
+    # only where the batch's NaN/inf reached the weights (no scaler skipped the step): see ladder_for
+    Finding.DATA_NONFINITE: (RemedyName.SKIP_BATCH,),
 }
 
 
@@ -58,6 +60,8 @@ def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
     if measured is not None:
         return measured
     ladder = LADDERS.get(diagnosis.finding, ())
+    if diagnosis.finding is Finding.DATA_NONFINITE and diagnosis.evidence.get("weights_lost") is None:
+        return ()  # the scaler skipped the step: the weights never saw the batch, nothing to undo
     pattern = diagnosis.evidence.get("pattern")
     if diagnosis.finding is Finding.GRADIENT_OVERFLOW and pattern == GradientPattern.UNSCALED_OVERFLOW:
         ladder = tuple(r for r in ladder if r is not RemedyName.LOWER_INIT_SCALE)  # the gradients overflow unscaled
