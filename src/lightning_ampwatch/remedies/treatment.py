@@ -173,7 +173,7 @@ class Treatment:
             return None, Rollback(RollbackKind.NONE, now, why=(
                 f"the scaler skipped every step since the onset at step {diagnosis.step}, the fit's first, so the "
                 "weights and the optimizer are still those it started with: nothing to roll back, the remedy is "
-                "applied in place")), []
+                "applied in place"), untouched=True), []
         if diagnosis.finding is Finding.GROWTH_OVERFLOW:
             # every overflow came right after a growth and was skipped by the scaler, and the steps between trained
             # cleanly: going back would throw away healthy training to undo nothing
@@ -288,6 +288,13 @@ class Treatment:
             return
         snapshot = control.ring.newest_before(watch.start) \
             if watch.reference is None and control is not None and control.ring.enabled else None
+        rollback = facts_of(watch.diagnosis).rollback
+        origin = None if snapshot is None else f"the snapshot after step {snapshot.step}"
+        if snapshot is not None and rollback is not None and rollback.untouched and snapshot.step < watch.start - 1:
+            # every step from the fit's start to the remedy was skipped: the state the remedy began from is the
+            # snapshot's, so FP32 starts from it on the remedy's first step, not on steps the run never trained on
+            snapshot = replace(snapshot, step=watch.start - 1)
+            origin = f"the fit's start: the scaler skipped every step before step {watch.start}"
         steps = control.ring.batches(snapshot.step + 1, now - 1) if snapshot is not None else []
         ready = snapshot is not None and len(steps) >= 3 and len(steps) == now - 1 - snapshot.step
         held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
@@ -307,21 +314,17 @@ class Treatment:
         margin = self.fall_margin
         losses = fp32.losses if fp32.params_finite else [*fp32.losses, math.nan]  # weights gone non-finite: not healthy
         found = fp32_reference(losses, level=None, margin=margin)
-        replayed = (f"FP32 training from the snapshot after step {snapshot.step} over the steps the remedied run took "
-                    f"({snapshot.step + 1}-{now - 1})")
-        if found.level is None:  # no level: where that replay stayed finite, the run must track it step by step
-            # (this replay, of the very steps judged, stands over what the trajectory control's replay said)
-            track = {s: v for s, v in zip(fp32.steps, fp32.losses) if v is not None} \
-                if fp32.params_finite and all(math.isfinite(v) for v in fp32.losses if v is not None) else None
+        replayed = (f"FP32 training from {origin} over the steps the remedied run took ({snapshot.step + 1}-{now - 1})")
+        # the run is held to that replay step by step, on the very batches it trained on (its loss on each step
+        # against FP32's on the same step: never a window's median against where FP32's fall ended)
+        track = {s: v for s, v in zip(fp32.steps, fp32.losses) if v is not None} \
+            if fp32.params_finite and all(math.isfinite(v) for v in fp32.losses if v is not None) else None
+        if not track:
             self.watch = replace(watch, reference_from=(
-                f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"),
-                track=track or watch.track, track_same=bool(track) or watch.track_same, track_from=(
-                    f"FP32 training from the same state (the snapshot after step {snapshot.step}) on the same steps"
-                    if track else watch.track_from))
+                f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"))
             return
-        self.watch = replace(watch, reference=found.level, reference_from=(
-            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, where "
-            f"it {found.why})"))
+        self.watch = replace(watch, track=track, track_same=True, track_from=(
+            f"FP32 training from the same state ({origin}) on the same steps"))
 
     def with_lr_tried(self, diagnosis: Diagnosis, choice: Any) -> Diagnosis:
         """Before a ``reduce_lr`` rung that follows an earlier one: the learning rates that one set, in the evidence
@@ -500,9 +503,15 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,
     replay was healthy (:func:`~lightning_ampwatch.verdicts.fp32_reference`: trained down near the healthy level, or
     with no level, fell decisively). With neither, nothing: the outcome is then not verified, never "recovered"
     against a level made of the trouble itself, and ``reference_from`` says why."""
-    trajectory = facts_of(diagnosis).trajectory
+    facts = facts_of(diagnosis)
+    trajectory = facts.trajectory
     fp32 = trajectory.fp32_reference if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED \
         else None
+    if level is None and facts.rollback is not None and facts.rollback.kind in (RollbackKind.NONE, RollbackKind.OFF):
+        # applied in place, steps after the replays' start: what they reached came from more (or other) updates than
+        # the run has had since, so it is no level for it; FP32 from the same state on the same steps is replayed
+        return None, ("nothing: there was no healthy loss level before the episode, and the remedy was applied in "
+                      "place, later than the replays of the episode began")
     if level is not None:
         if then is not None and then.level is not None and then.level > level:
             if then.ahead:
