@@ -84,3 +84,20 @@ def test_under_a_scaler_the_ranks_already_see_the_step_together(tmp_path: Path) 
     [d] = _alarms(rank0)
     assert d["finding"] == Finding.DATA_NONFINITE.value and d["step"] == 2 and d["evidence"]["fault_ranks"] == [1]
     assert d["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
+
+
+def test_a_finite_divergence_one_rank_found_alone_is_published_alike_on_every_rank(tmp_path: Path) -> None:
+    # under a scaler, rank 1's own losses climb (finite) while rank 0's stay: judged from rank 1's losses alone, and
+    # published by every rank alike (before, rank 1 published it and rank 0 relayed it, and neither list matched)
+    from test_collective_safety import _child, _ranks
+
+    done = _child("_fit_divergence_on_rank1", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = _ranks(tmp_path)
+    alarms0, alarms1 = _alarms(rank0["diagnoses"]), _alarms(rank1["diagnoses"])
+    assert alarms0 == alarms1 and alarms0
+    d = next(d for d in alarms0 if d["evidence"].get("pattern") == "finite_divergence")
+    assert d["evidence"]["fault_ranks"] == [1] and d["evidence"]["reported_from_rank"] == 1
+    # the alarm every rank met together (the skips) is named from what every rank saw, not from rank 1's climb
+    overflow = next(d for d in alarms0 if d["finding"] == Finding.GRADIENT_OVERFLOW.value)
+    assert "diverged_first" not in overflow["evidence"] and overflow["evidence"]["fault_ranks"] == [0, 1]

@@ -143,7 +143,8 @@ def reconcile(by_rank: Sequence[Sequence[Diagnosis]]) -> list[Diagnosis]:
     with them, and that rank alone would call it a forward overflow. Such an alarm (another rank's, from 1 to
     :data:`REACH` steps after one that began on a rank, and not the rank's own bad data) is the same fault: it is
     absorbed into the originating rank's finding, which names it (``reached_ranks``). The same finding at the same
-    step on several ranks is one finding, naming every rank (``fault_ranks``). Each is named with its rank, as
+    step on several ranks is one finding, naming every rank (``fault_ranks``). A finite divergence (a rank's own
+    losses) absorbs nothing and is absorbed by nothing. Each is named with its rank, as
     rank zero publishes another rank's diagnosis (:func:`named_with_rank`), on every rank alike."""
     alarms = sorted(((d.step, r, d) for r, ds in enumerate(by_rank) for d in ds if not d.withdrawn),
                     key=lambda x: (x[0], x[1]))
@@ -154,7 +155,8 @@ def reconcile(by_rank: Sequence[Sequence[Diagnosis]]) -> list[Diagnosis]:
             same[3].append(r)
             continue
         origin = next((k for k in kept if r not in k[3] and k[0] < step <= k[0] + REACH
-                       and d.finding is not Finding.DATA_NONFINITE), None)
+                       and d.finding is not Finding.DATA_NONFINITE
+                       and not _finite_divergence(d) and not _finite_divergence(k[2])), None)
         if origin is not None:
             origin[4].append(f"rank {r} at step {step} (alone it said {d.finding.value})")
             continue
@@ -168,6 +170,11 @@ def reconcile(by_rank: Sequence[Sequence[Diagnosis]]) -> list[Diagnosis]:
                                    + "; one fault, published once, as the rank it began on found it")
         out.append(named_with_rank(replace(d, evidence=ev), r))
     return out
+
+
+def _finite_divergence(diagnosis: Diagnosis) -> bool:
+    """A rank's own finite divergence (its losses climbed, finite): no gradient reduction carries it anywhere."""
+    return diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value
 
 
 #: The evidence that says where in a batch a fault sits: named with the rank when several ranks' batches are seen
@@ -230,11 +237,11 @@ class CrossRank:
 
     def defers(self, diagnosis: Diagnosis, agreed: bool) -> bool:
         """Whether this alarm waits for the next exchange before any rank publishes it (:meth:`Relay.defer`): one
-        judged alone (the ranks do not meet anomalies together) that is not a rank's own finite divergence (judged
-        from its own losses, and its own alone) nor one rank zero is told of (``reported_from_rank``)."""
-        return (self.world_size > 1 and not agreed and diagnosis.is_alarm and not diagnosis.withdrawn
-                and diagnosis.evidence.get("pattern") != DivergencePattern.FINITE_DIVERGENCE.value
-                and "reported_from_rank" not in diagnosis.evidence)
+        judged alone (the ranks do not meet anomalies together), or a rank's own finite divergence (judged from its
+        own losses, also under a scaler), so that every rank publishes the same findings; never one rank zero is
+        told of (``reported_from_rank``)."""
+        return (self.world_size > 1 and (not agreed or _finite_divergence(diagnosis)) and diagnosis.is_alarm
+                and not diagnosis.withdrawn and "reported_from_rank" not in diagnosis.evidence)
 
     def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
         """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
