@@ -949,8 +949,6 @@ class RunWatcher(WatchState):
             if diagnosis.remedy is None:
                 self._unrecoverable(diagnosis)  # (a request to end the run, carried by the log step's sum)
             return
-        if diagnosis.withdrawn and self._ranks.relay.withdraw(diagnosis):
-            return  # it took back an alarm no rank published yet: neither is published
         if diagnosis.withdrawn:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]

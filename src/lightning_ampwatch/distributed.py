@@ -88,16 +88,6 @@ class Relay:
         self.deferred = [*self.deferred[-(RELAY_MAX - 1):], diagnosis]
         self.count += 1
 
-    def withdraw(self, diagnosis: Diagnosis) -> bool:
-        """A withdrawal of an alarm still deferred: both go (nothing was published). Returns whether one went."""
-        at = next((i for i, d in enumerate(self.deferred)
-                   if d.finding.value == diagnosis.evidence.get("withdrawn_by")
-                   and d.step == diagnosis.evidence.get("withdrawn_at")), None)
-        if at is None:
-            return False
-        del self.deferred[at]
-        return True
-
     def take_reconciled(self) -> list[Diagnosis]:
         out, self.reconciled = self.reconciled, []
         return out
