@@ -6,10 +6,10 @@ small record from every rank), :func:`broadcast` (a tensor from one rank: a spli
 :func:`all_reduce` (the log step's sums), :func:`decide` (rank zero's choice of a remedy or of its outcome, after
 the agreement) and :func:`agree` (the decision every rank takes before any other collective of a region). A
 region that talks to every rank (the restore of a split snapshot, a sharded model's replay) starts with a
-:class:`Meeting`: each rank enters it exactly once, whatever happened to it before (its replay raised, its snapshot failed, its watch switched
-itself off), and brings there whether it can go on. Only when every rank can does any rank enter the region's
-other collectives; otherwise every rank stops at the same point. A rank that cannot take part never skips the
-meeting: it enters it to say so.
+:class:`Meeting`: each rank enters it exactly once, whatever happened to it before (its replay raised, its
+snapshot failed, its watch switched itself off), and brings there whether it can go on. Only when every rank can
+does any rank enter the region's other collectives; otherwise every rank stops at the same point. A rank that
+cannot take part never skips the meeting: it enters it to say so.
 
 This module imports nothing from the package (the others import it), so no import cycle runs through it.
 """
