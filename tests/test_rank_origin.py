@@ -74,8 +74,8 @@ def test_a_nan_that_reaches_rank_zero_through_the_all_reduce_is_rank_ones_findin
     assert d["evidence"]["nonfinite_where"] == "rank 1: batch[0] rows [1]"
     assert "(rank 1: batch[0] rows [1])" in d["advice"]
     assert d["evidence"]["reached_ranks"].startswith("through the gradient reduction: rank 0 at step 3")
-    assert "DATA_NONFINITE at step 2 on rank 1" in stdout and "FORWARD_OVERFLOW" not in stdout.split(
-        "reached_ranks")[0].replace("alone it said FORWARD_OVERFLOW", "")
+    # rank zero's console: one panel, rank 1's; none for what rank 0 judged alone
+    assert "DATA_NONFINITE at step 2 on rank 1" in stdout and "FORWARD_OVERFLOW at step" not in stdout
 
 
 def test_under_a_scaler_the_ranks_already_see_the_step_together(tmp_path: Path) -> None:
