@@ -43,7 +43,8 @@ Attribute names follow the Lightning ``Trainer`` where the rooms already read th
 ``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was. The
 watcher drops its host in ``close()``: an adapter that pickles (``ddp_spawn``) holds no framework object after a
 run. Under several processes every rank makes the same calls in the same order; the watcher's own collectives
-(``torch.distributed``, on anomalous steps only) and ``host.broadcast`` are made on all ranks together.
+(``torch.distributed``, on anomalous steps only, all through :mod:`lightning_ampwatch.protocol`) are made on all
+ranks together.
 ``hold_lr_on_skip`` is the adapter's to install (the config carries the flag): how schedulers are stepped is
 the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
@@ -62,7 +63,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from lightning_ampwatch import distributed
+from lightning_ampwatch import distributed, protocol
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
@@ -531,6 +532,7 @@ class RunWatcher(WatchState):
             relayed = ranks.at_log_step(values, ledger)
             for diagnosis in relayed:
                 self._publish_relayed(diagnosis)
+            relayed = self._publish_reconciled() + relayed
             self._note_agreement()
         machine.note_losses(ledger.take_unnoted())
         self._take_divergences()  # the losses just read may show a finite divergence
@@ -555,6 +557,7 @@ class RunWatcher(WatchState):
             relayed = self._ranks.at_end()
             for diagnosis in relayed:
                 self._publish_relayed(diagnosis)
+            relayed = self._publish_reconciled() + relayed
         except Exception as err:  # noqa: BLE001
             self.internal_failure("finish", err)
         if not self.disabled:
@@ -797,8 +800,8 @@ class RunWatcher(WatchState):
                 treatment.fp32_reference(self.trajectory, self.host.global_step,
                                          gather=self._ranks.gather(ledger) if ledger.agree else lambda v: [v])
                 self._note_agreement()
-            recovery = self._decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
-                                                    skipped_total=machine.skipped_total))
+            recovery = self._decide(lambda: treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
+                                                            skipped_total=machine.skipped_total))
             if recovery is not None:  # None: judged later (a stall's remedy, still falling)
                 self._ended(treatment.end(recovery))
         control = self.trajectory
@@ -850,7 +853,7 @@ class RunWatcher(WatchState):
             self._update(relapsed.old, relapsed.new)
         if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
             return diagnosis
-        choice = self._decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
+        choice = self._decide(lambda: treatment.policy.choose(diagnosis))  # agreed, then rank zero's
         if choice is None:
             return diagnosis
         self._read_losses()  # the losses up to now, for the level the run goes back to
@@ -863,8 +866,8 @@ class RunWatcher(WatchState):
             and machine.untouched_since(diagnosis.step, now - 1)
         try:
             snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
-                                                              decide=self._decide, host=host, untouched=untouched,
-                                                              gather=distributed.gather)
+                                                              decide=lambda v: self._decide(lambda: v), host=host,
+                                                              untouched=untouched, gather=distributed.gather)
         except AmpWatchError:
             raise
         except Exception as err:  # noqa: BLE001 - published without a remedy, the evidence saying why
@@ -889,11 +892,12 @@ class RunWatcher(WatchState):
                               then=then, steps_seen=machine.steps_seen, skipped_total=machine.skipped_total)
         return treated
 
-    def _decide(self, value: Any) -> Any:
-        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler); this rank's own
-        once the ranks stopped agreeing."""
+    def _decide(self, choose: Callable[[], Any]) -> Any:
+        """Rank zero's ``choose()`` on every rank, after the ranks agreed that every one could choose
+        (:func:`protocol.decide`; only on steps every rank is in: an alarm under a scaler); this rank's own once the
+        ranks stopped agreeing."""
         agree = self.ledger is None or self.ledger.agree
-        return self.host.broadcast(value) if self.world_size > 1 and self.host is not None and agree else value
+        return protocol.decide(choose) if self.world_size > 1 and agree else choose()
 
     def remedy_context(self) -> RemedyContext:
         assert self.host is not None
@@ -924,6 +928,13 @@ class RunWatcher(WatchState):
     def _publish(self, diagnosis: Diagnosis) -> None:
         """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
         replaces the record it takes back; the event log gets one more line saying so."""
+        if self._ranks.defers(diagnosis, self._agreed):
+            # judged alone: published on every rank alike once the ranks compared their alarms at the next exchange
+            # (the log step's, or the fit end's), as the rank the fault began on found it (distributed.reconcile)
+            self._ranks.relay.defer(diagnosis)
+            if diagnosis.remedy is None:
+                self._unrecoverable(diagnosis)  # (a request to end the run, carried by the log step's sum)
+            return
         if diagnosis.withdrawn:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
@@ -959,6 +970,14 @@ class RunWatcher(WatchState):
         self.diagnoses.append(diagnosis)
         if self.reporters is not None:
             self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
+
+    def _publish_reconciled(self) -> list[Diagnosis]:
+        """Every rank, after an exchange: the alarms the ranks judged alone, as they agreed on them
+        (:func:`distributed.reconcile`), published alike on every rank. Returns them."""
+        agreed = self._ranks.relay.take_reconciled()
+        for diagnosis in agreed:
+            self._publish_relayed(diagnosis)
+        return agreed
 
     def _update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated

@@ -436,7 +436,11 @@ class AmpStateMachine:
 
         first = self._first_sign(obs.step)
         climb = s.climb if s.climb is not None and s.climb.steps >= t.climb_steps else None
-        if climb is not None:
+        # Under several ranks the climb is this rank's own losses, while the alarm is met by every rank together: it
+        # neither names the alarm nor adds to its evidence there (ranks whose losses differ would publish different
+        # findings for one episode: one "FP32_UNSTABLE" at its climb's start, the other the overflow). It is its own
+        # finite divergence, reported as such (divergence_opens_episode False).
+        if climb is not None and self.divergence_opens_episode:
             ev.update(self.healthy.climb_evidence(climb, first))
             if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
                 lr = lr_event(s, t, climb.start_step, max(obs.lrs, default=None))
