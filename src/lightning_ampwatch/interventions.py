@@ -305,12 +305,15 @@ class Interventions:
             scale_hint: float | None, scaled: bool, from_step: int, onset: int,
             repeated_from: int | None, lr_factor: float = LR_FACTOR,
             lr_cap: float | None = None, lr_rose: bool = False,
-            unlocated: str = "the fault was not located in a module") -> InterventionReport:
+            unlocated: str = "the fault was not located in a module",
+            fp32_fails: Callable[[Tried, Tried], bool] | None = None) -> InterventionReport:
         """``located``: the module the fault was located in (forward faults), or None; ``forward``: the loss itself
         went non-finite (no loss scale reaches a forward overflow); ``onset_scale``: the scale the run faulted at;
         ``scale_hint``: the single-batch estimate of a safe scale, where the search starts; ``scaled``: the run has
         a scaler; ``lr_rose``: the LR rose before the onset, so the lower LR is always replayed: where the cap has no
-        room left for the whole window, over as much of it as fits, through the onset and a step past it."""
+        room left for the whole window, over as much of it as fits, through the onset and a step past it;
+        ``fp32_fails(nothing, fp32)``: the FP32 replay, finite, still failed (it climbed far above the level: the
+        trajectory control's verdict), so no precision fix is replayed."""
         n = len(self.window)
         self.onset = onset
         self.lr_factor = lr_factor
@@ -348,7 +351,8 @@ class Interventions:
             return self._report(from_step, repeated_from, tried, not_tried, island)
         # FP32 fails too: not an AMP fault, so no precision fix (island, scale, bf16) can cure it and only the lower
         # LR is worth its replay steps (the lr_schedule demo spent its cap on a scale search; agreed, every rank alike)
-        amp_fault = self.agree(fp32 is not None and fp32.cured)
+        amp_fault = self.agree(fp32 is not None and fp32.cured and not (
+            fp32_fails is not None and nothing is not None and fp32_fails(nothing, fp32)))
         if not amp_fault:
             moot = ["fp32 island", *(["lower loss scale"] if scaled else []), *(["bf16"] if self.bf16 else [])]
             not_tried.append((", ".join(moot), "FP32 training fails over the same steps, so no precision setting "

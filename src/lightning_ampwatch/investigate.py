@@ -971,7 +971,10 @@ class TrajectoryControl:
                         scale_hint=_number(ev.get("safe_scale")),
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
                         repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev),
-                        lr_rose=_lr_rise(ev) is not None, unlocated=unlocated)
+                        lr_rose=_lr_rise(ev) is not None, unlocated=unlocated,
+                        fp32_fails=lambda nothing, fp32: judge_trajectory(
+                            fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
+                            TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
                 if error is not None:
                     raise InvestigationError(error)
                 fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)

@@ -416,11 +416,20 @@ def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
         return None
     allowed = frozenset(allowed)
     ladder = [str(getattr(r, "value", r)) for r in ladder_for(diagnosis)]
-    if diagnosis.evidence.get("weights_lost"):
+    if diagnosis.evidence.get("weights_lost") and diagnosis.finding is Finding.DATA_NONFINITE:
         lost = "the weights now hold NaN/inf and the run cannot recover"
         if not allowed or not any(r in allowed for r in ladder):
             return f"{lost}; remediate=True rolls back and skips the batch"
         return f"{lost}: no state from before the batch could be rolled back to"
+    reason = _unremedied(diagnosis, diagnoses, allowed, ladder)
+    if diagnosis.evidence.get("weights_lost"):  # another finding's weights gone non-finite: said after its reason
+        lost = "the weights now hold NaN/inf"
+        return lost if reason is None else f"{reason}; {lost}"
+    return reason
+
+
+def _unremedied(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis], allowed: frozenset[str],
+                ladder: list[str]) -> str | None:
     if not ladder:
         return "no AMP setting fixes it"
     if not allowed:
