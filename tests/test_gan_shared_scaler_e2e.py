@@ -163,3 +163,26 @@ def test_one_optimizer_keeps_the_machines_single_safe_scale_and_an_older_checkpo
     back = AmpStateMachine("fp16")
     back.load_state_dict(gan.state_dict())
     assert back.state.optimizers == gan.state.optimizers and back.max_safe_scale == scale
+
+
+def test_a_burst_of_one_optimizers_skips_is_given_the_scale_it_stepped_at_not_anothers() -> None:
+    """Later in the run: both optimizers stepped at 2**10, then the generator steps at 2**14 while the
+    discriminator's steps are skipped. The burst's safe scale is the discriminator's (2**10), not the 2**14 at which
+    the generator went on stepping (the machine's single record of the largest scale any step went through)."""
+    gan = AmpStateMachine("fp16")
+    gan.optimizer_names = ("Adam over gen.*", "Adam over disc.*")
+    alarms = []
+    for step in range(20):
+        alarms += gan.observe(Observation(step=step, scale=2.0 ** 10, optimizer=step % 2))
+    for step in range(20, 28):
+        skipped = step % 2 == 1
+        alarms += gan.observe(Observation(step=step, scale=2.0 ** (13 if skipped else 14), skipped=skipped,
+                                          loss=1.0 if skipped else None, loss_finite=True if skipped else None,
+                                          optimizer=step % 2))
+    [alarm] = [d for d in alarms if d.is_alarm]
+    ev = alarm.evidence
+    assert alarm.finding is Finding.GRADIENT_OVERFLOW and ev["pattern"] == "burst" and alarm.step == 21
+    assert ev["safe_scale"] == 2.0 ** 10 and ev["optimizer"] == 1
+    assert ev["optimizer_skips"] == ("optimizer 1 (Adam over disc.*) skipped 4 steps in a row, at 2**13, while "
+                                     "optimizer 0 (Adam over gen.*) stepped; the largest scale it stepped at is 2**10")
+    assert "init_scale=2**10" in alarm.advice
