@@ -74,7 +74,8 @@ class OptimizerSteps(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         index = next(i for i, o in enumerate(trainer.optimizers) if o is optimizer)
-        self.steps.append([index, float(trainer.precision_plugin.scaler.get_scale()), False])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.steps.append([index, float(scaler.get_scale()) if scaler is not None else None, False])
 
     def skipped(self, index: int) -> list[float]:
         """The scales at which that optimizer's steps were skipped."""
@@ -186,3 +187,18 @@ def test_a_burst_of_one_optimizers_skips_is_given_the_scale_it_stepped_at_not_an
     assert ev["optimizer_skips"] == ("optimizer 1 (Adam over disc.*) skipped 4 steps in a row, at 2**13, while "
                                      "optimizer 0 (Adam over gen.*) stepped; the largest scale it stepped at is 2**10")
     assert "init_scale=2**10" in alarm.advice
+
+
+def test_remediate_true_sets_the_discriminators_scale_and_its_steps_go_through(tmp_path: Path) -> None:
+    """With ``remediate=True`` the start-up row is judged when the discriminator first steps (no replay measures a
+    scale under manual optimization; the scaler halves its way down on the discriminator's skips meanwhile), and
+    ``lower_init_scale`` holds the scale it stepped at, growing 4x more slowly: no bf16 fallback, and none of the
+    discriminator's steps after it is skipped."""
+    steps, watch = OptimizerSteps(), AmpWatch(remediate=True, verbose=False)
+    fit(tmp_path, [steps, watch])
+    [alarm] = [d for d in watch.diagnoses if d.is_alarm]
+    [applied] = watch.applied
+    assert applied.name.value == "lower_init_scale"
+    assert applied.details["scale_after"] == alarm.evidence["safe_scale"] == steps.taken(1)[0]
+    after = [row for row in steps.steps[applied.step + 1:]]
+    assert len(after) >= 10 and all(taken for _, _, taken in after)

@@ -624,10 +624,10 @@ class AmpStateMachine:
             return Finding.GRADIENT_OVERFLOW
         if not record.stepped:
             # every one of its steps skipped so far (while another optimizer's went through): its start-up row, judged
-            # when it first steps and its safe scale is known, or at once where a remedy can lower the scale
-            if self.early_startup and record.skips_in_row >= t.startup_streak and record.all_loss_finite:
-                ev.update(pattern=GradientPattern.STARTUP, scale_history=list(record.scales), onset=record.first_skip)
-                return Finding.GRADIENT_OVERFLOW
+            # when it first steps and its safe scale is known. Not at once, even where a remedy could lower the scale
+            # (``early_startup``): no replay measures the scale that holds here (several optimizers step only in
+            # manual optimization, whose training_step is not replayed), and the scaler halves its way down to it
+            # on this optimizer's skips anyway
             return None
         found = self._skip_pattern(obs, ev, record.safe_scale)
         if found is not None and "scale_history" in ev:
