@@ -305,6 +305,7 @@ class RunWatcher(WatchState):
         assert host is not None and ledger is not None
         self._log_every = self._judge_every = max(int(host.log_every), 0)
         ledger.start(host, self._log_every)
+        self.machine.optimizer_names = ledger.optimizer_names  # type: ignore[union-attr]  # (several optimizers)
         # one process only: under DDP the log step is where the ranks meet, so every rank must run it at once
         self._log_cadence = LogCadence(self._log_every) if self._log_every and self.world_size == 1 else None
         if ledger.scaler_active:
@@ -386,9 +387,13 @@ class RunWatcher(WatchState):
             return
         try:
             if not self.lean_route:  # (the lean route learns of the step from the framework's count, at batch end)
+                several = ledger.optimizer_ids is not None  # several optimizers: which one steps (one scaler's skips
+                index = ledger.optimizer_index(optimizer) if several else None  # are each one's own)
                 if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                     quiet = self.machine.quiet  # type: ignore[union-attr]
                     self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
+                if several:
+                    ledger.optimizer = index
                 ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self._probing:
                 self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]

@@ -124,7 +124,9 @@ class Observation:
 
     ``loss`` and ``loss_finite`` may be ``None`` when the adapter did not read them (a healthy step under
     a scaler costs nothing to watch); a clean step's loss feeds the loss level and the divergence rule.
-    ``scale`` is the scale the step ran with.
+    ``scale`` is the scale the step ran with. ``optimizer``: which optimizer stepped (its index among the run's
+    optimizers), where several step through one scaler (a GAN's generator and discriminator): each one's skips and
+    safe scale are its own. None with one optimizer.
     """
 
     step: int
@@ -135,6 +137,7 @@ class Observation:
     grew: bool = False
     lrs: tuple[float, ...] = ()
     batch: BatchStats | None = None
+    optimizer: int | None = None
 
     @property
     def anomalous(self) -> bool:

@@ -7,6 +7,8 @@ One small class per module, imported one way (each module only from those above 
 - :mod:`.clean_runs`: clean steps held back and handed over in runs (:class:`CleanRuns`);
 - :mod:`.cadence`: how often the log step's work and the snapshots run (:class:`LogCadence`,
   :class:`SnapshotCadence`);
+- :mod:`.optimizers`: which optimizer a step belongs to, where several step through one scaler
+  (:func:`optimizer_index`, :func:`describe_optimizers`);
 - :mod:`.ledger`: the ledger itself (:class:`StepLedger`), which takes each step in.
 """
 

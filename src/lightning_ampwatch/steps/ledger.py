@@ -44,6 +44,7 @@ from lightning_ampwatch.steps import losses as _losses
 from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
 from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, LossRing
 from lightning_ampwatch.steps.lrs import LrTracking
+from lightning_ampwatch.steps.optimizers import describe_optimizers, optimizer_index
 from lightning_ampwatch.steps.reads import LossReads
 from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
 from lightning_ampwatch.steps.scale import ScaleTracking
@@ -85,6 +86,14 @@ class StepLedger:
         # the optimizers the step hook sits on: a callback may swap in a new optimizer; checked at log steps and on an
         # anomalous step, never per step
         self._optimizers: tuple[Any, ...] = ()
+        #: where the run has several optimizers: ``id(optimizer) -> its index`` (None with one), the index of the one
+        #: whose step is being taken (set by the core before each optimizer steps), and each one in a few words. Once
+        #: a second one steps (``several``), each step is resolved with its optimizer's index (no fast path): one
+        #: scaler's skips are then each optimizer's own (the machine keeps each one's safe scale apart)
+        self.optimizer_ids: dict[int, int] | None = None
+        self.optimizer: int | None = None
+        self.optimizer_names: tuple[str, ...] = ()
+        self.several = False
         self._host: Any = None
         self._fast_path = False
         self._host_loss = False
@@ -105,6 +114,8 @@ class StepLedger:
         self._host = trainer  # for the optimizers' re-check on an anomalous step (resolved without the trainer)
         self.taken.attach(trainer.optimizers)
         self._optimizers = tuple(trainer.optimizers)
+        self._index_optimizers(trainer)
+        self.optimizer, self.several = None, False
         self.lr.start(trainer, self.step_index)
         self.losses.capacity = min(max(LOSS_RING_STEPS, log_every), LOSS_RING_MAX_STEPS)
         self.mirror_scaler()
@@ -119,6 +130,7 @@ class StepLedger:
             self.taken.detach()
             self._host = None
             self._optimizers = ()
+            self.optimizer_ids, self.optimizer, self.several = None, None, False
             self.stepped = False
             self._pending.clear()
             self._batches = []
@@ -152,6 +164,34 @@ class StepLedger:
         self.precision = precision
         self.mirror_scaler()
 
+    def _index_optimizers(self, host: Any) -> None:
+        """The optimizers' indices and names, where there are several (:attr:`optimizer_ids`)."""
+        optimizers = self._optimizers
+        self.optimizer_ids = optimizer_index(optimizers)
+        self.optimizer_names = () if self.optimizer_ids is None else \
+            describe_optimizers(optimizers, getattr(host, "module", None))
+
+    def optimizer_index(self, optimizer: Any) -> int | None:
+        """The index of ``optimizer``, about to step, where the run has several (:attr:`optimizer_ids`; None for one
+        it does not know). The first time a second one steps, each step from then on is resolved with its
+        optimizer's index (the step before it too: the core asks before it takes that step in)."""
+        index = self.optimizer_ids.get(id(optimizer)) if self.optimizer_ids is not None else None
+        if index is not None and not self.several and self.optimizer is not None and index != self.optimizer:
+            self.several = True
+            self._update_fast_path()
+        return index
+
+    def _scale_after_pending(self, mirror: ScaleMirror) -> float:
+        """The scale a step ran with while earlier steps of the batch wait to be resolved (another optimizer's step,
+        split off before it, updates the mirror only when the batch ends): the mirror's, advanced over those whose
+        skip is known already (none read from a fused optimizer's flag)."""
+        if any(o.found_inf is not None or o.unscaled or o.scale_after is not None for o in self._pending):
+            return mirror.scale
+        ahead = ScaleMirror(**mirror.state_dict())
+        for opened in self._pending:
+            ahead.update(opened.skipped)
+        return ahead.scale
+
     def take_unnoted(self) -> list[tuple[int, float]]:
         """The losses read since the last call, in step order, for the machine's loss level."""
         return self.reads.take_unnoted()
@@ -183,7 +223,8 @@ class StepLedger:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
         and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
         self._host_loss = not self.scaler_active and self.device_type == "cpu"
-        self._fast_path = self.scaler_active and self.scale.mirror is not None and not self.taken.fused
+        self._fast_path = self.scaler_active and self.scale.mirror is not None and not self.taken.fused \
+            and not self.several
 
     # ------------------------------------------------------------------ what the hooks report
 
@@ -421,7 +462,13 @@ class StepLedger:
                 clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
                     False, lrs, loss
                 return clean
-        opened = OpenStep(step, scale, lrs, tape, batches)
+        if self.several:
+            if self._pending and mirror is not None:
+                scale = self._scale_after_pending(mirror)
+            opened = OpenStep(step, scale, lrs, tape, batches)
+            opened.optimizer = self.optimizer
+        else:
+            opened = OpenStep(step, scale, lrs, tape, batches)
         if self.scaler_active:
             if found_inf is not None:  # fused optimizer: called whether or not it skipped
                 opened.found_inf = DeferredRead(found_inf)
@@ -489,7 +536,7 @@ class StepLedger:
         elif loss is None:  # read later with the others (a read Observation loss feeds the machine's level)
             self.losses.append(opened.step, opened.tape)
         obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
-                          scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats)
+                          scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats, optimizer=opened.optimizer)
         return ResolvedStep(obs, opened, fault_ranks, self.take_unnoted())
 
     # ------------------------------------------------------------------ reads
@@ -531,6 +578,10 @@ class StepLedger:
             fused = self.taken.fused
             self.taken.attach(optimizers)
             self._optimizers = tuple(optimizers)
+            several = self.several
+            self._index_optimizers(trainer)
+            self.several = several and self.optimizer_ids is not None
+            self._update_fast_path()
             self.lr_log.swapped_at = max(self.step_index - 1, 0)
             if self.taken.fused != fused:
                 self._update_fast_path()

@@ -14,7 +14,7 @@ class OpenStep:
     or an episode in progress. Queued until it can be resolved in order."""
 
     __slots__ = ("step", "scale", "lrs", "tape", "batches", "skipped", "found_inf", "loss", "scale_after",
-                 "unscaled")
+                 "unscaled", "optimizer")
 
     def __init__(self, step: int, scale: float | None, lrs: tuple[float, ...], tape: LossTape,
                  batches: list[MicroBatch]) -> None:
@@ -24,6 +24,7 @@ class OpenStep:
         self.loss: DeferredRead | None = None  # no scaler: the loss, read once landed
         self.scale_after: float | None = None  # DeepSpeed: its scaler's scale after this step, as it set it
         self.unscaled = False  # no scaler step ran (see StepLedger.close): the mirror stays as it is
+        self.optimizer: int | None = None  # which optimizer stepped, where several step through one scaler
 
 
 @dataclass
