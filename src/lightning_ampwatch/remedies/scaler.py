@@ -39,9 +39,6 @@ class LowerInitScale(Remedy):
         safe = diagnosis.evidence.get("safe_scale") or ctx.safe_scale
         target = _pow2_floor(float(safe)) if isinstance(safe, (int, float)) and safe > 0 else _pow2_floor(before / 2)
         target = min(target, _pow2_floor(before)) if before > 0 else target
-        if target >= before:  # "lowered" to where it already is: a change in name only
-            raise RemedyError(f"the loss scale is {format_pow2(before)} already, at or under the safe scale: "
-                              "nothing to lower")
         interval_before = int(scaler.get_growth_interval())
         scaler.update(new_scale=float(target))
         scaler.set_growth_interval(interval_before * 4)
@@ -55,8 +52,10 @@ class LowerInitScale(Remedy):
         return without_scaler(ctx)
 
     def describe(self, details: Mapping[str, Any]) -> str:
-        return (f"loss scale {format_pow2(details['scale_before'])} -> {format_pow2(details['scale_after'])}, "
-                f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps")
+        growth = f"growth interval {details['growth_interval_before']} -> {details['growth_interval_after']} steps"
+        if details["scale_after"] >= details["scale_before"]:  # the scaler had already come down to the safe scale
+            return f"loss scale kept at {format_pow2(details['scale_after'])} (already the safe scale), {growth}"
+        return f"loss scale {format_pow2(details['scale_before'])} -> {format_pow2(details['scale_after'])}, {growth}"
 
 
 @register
