@@ -67,7 +67,7 @@ from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.episode import Action, Apply, Episodes, Publish, Realign, Rollback, Stop
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
-from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
+from lightning_ampwatch.investigate import Investigations, Investigator
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.probes import uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, Effect, RemedyContext, RemedyPolicy
@@ -78,7 +78,8 @@ from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - S
 from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
-from lightning_ampwatch.trajectory import SnapshotRing
+from lightning_ampwatch.trajectory.control import TrajectoryControl
+from lightning_ampwatch.trajectory.ring import SnapshotRing
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5

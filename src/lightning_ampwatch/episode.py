@@ -28,7 +28,7 @@ from lightning_ampwatch.remedies import REGISTRY, Effect
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.steps import ResolvedStep
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding, withdrawn_by
-from lightning_ampwatch.trajectory import retrain
+from lightning_ampwatch.trajectory.replay import retrain
 
 # ------------------------------------------------------------------------------------------------ the actions
 
