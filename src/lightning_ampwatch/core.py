@@ -48,8 +48,10 @@ run. Under several processes every rank makes the same calls in the same order; 
 the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
 Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
-the ledger returns for every step); the investigations and the treatment return what they want changed (a
-renamed finding, a rollback, an episode closed, a remedy's effects) and the watcher applies it.
+the ledger returns for every step). What follows an alarm (investigation, decision, remedy, outcome, publication)
+is the episode owner's (:class:`~lightning_ampwatch.episode.Episodes`, whose journal ``diagnoses`` is): it decides,
+and hands the watcher typed actions (publish, roll back, apply, realign its view, stop) that the watcher applies
+(:meth:`RunWatcher._act`), the one place where an episode changes the run.
 """
 
 from __future__ import annotations
