@@ -219,9 +219,6 @@ LONG_CLASSES: dict[str, str] = {
     "lightning_ampwatch.steps.StepLedger": "as lightning_ampwatch.steps",
     "lightning_ampwatch.machine.machine.AmpStateMachine": "the pure state machine, held by its property test: every "
                                                           "transition reads the same episode state; not yet split",
-    "lightning_ampwatch.trajectory.control.TrajectoryControl": "its judgement (replays, their agreement across ranks, "
-                                                               "the interventions, the verdict's evidence) reads one "
-                                                               "state per alarm; not yet split",
 }
 
 

@@ -3,9 +3,9 @@ that blames reduced precision, the steps since the newest snapshot before the on
 own precision and with each intervention (then the live state is put back exactly). Its verdict is the one that
 stands. Owned by the core (``RunWatcher.trajectory``); the investigations call it with the alarm.
 
-The class is about 460 lines, over the ~400 aimed at: its judgement (the replays, their agreement across ranks, the
-interventions, the verdict's evidence) reads one shared state per alarm, and splitting it is left to a later
-change that can hold its behaviour with the goldens of tests/test_demo_event_logs.py."""
+The class is about 415 lines, a little over the ~400 aimed at: its judgement (:meth:`TrajectoryControl.judge`: the
+replays, their agreement across ranks, the interventions, the verdict's evidence) reads one state per alarm; what
+the interventions decide is a function of its own (:func:`_by_interventions`)."""
 
 from __future__ import annotations
 
@@ -462,7 +462,7 @@ class TrajectoryControl:
                                      f" stays finite but its loss does not fall, and {lower.reason}: not an AMP "
                                      "fault")
         location = diagnosis.location
-        finding, location = self._by_interventions(report, verdict, diagnosis, ev, finding, location)
+        finding, location = _by_interventions(report, verdict, diagnosis, ev, finding, location)
         facts = replace(facts, interventions=report)
         renamed = finding if finding is not diagnosis.finding else None
         if renamed is not None and finding not in AMP_BLAMING:
@@ -470,53 +470,6 @@ class TrajectoryControl:
         return replace(diagnosis, finding=finding, location=location, evidence=ev, advice=advise(finding, ev),
                        facts=facts), renamed
 
-    def _by_interventions(self, report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
-                          ev: dict[str, Any], finding: Finding, location: str | None) -> tuple[Finding, str | None]:
-        """What cured decides (:func:`~lightning_ampwatch.interventions.decide`): the finding, its location and
-        reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place."""
-        ev["interventions"] = report.evidence()
-        ev["tried"] = report.headline()  # the panel's one line per intervention
-        a, b = report.window
-        if report.safe_scale is not None:
-            ev["safe_scale"] = report.safe_scale
-            ev["safe_scale_from"] = (f"the largest loss scale that replayed steps {a}-{b} from the snapshot without a "
-                                     "skip" + ("" if report.safe_scale_bounded else (
-                                         f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
-                                         "replay-step cap)")))
-            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
-                # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
-                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
-        elif report.safe_scale_tried:
-            ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
-            low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
-            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
-                # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
-                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
-            ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
-                                     f"replayed steps {a}-{b} without a skip")
-        ev.pop("pattern_before_replay", None)
-        fp32_failed = verdict.kind in (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES)
-        facts = facts_of(diagnosis)
-        located = location if finding not in BACKWARD else (facts.replay.module if facts.replay else None)
-        nothing = report.get(Intervention.NOTHING)
-        decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(ev),
-                          batch_nonfinite=bool(ev.get("nonfinite_where")),
-                          forward=bool(nothing is not None and nothing.nonfinite) or (
-                              facts.replay is not None and replay_went_nonfinite(facts.replay)),
-                          onset=diagnosis.step, fp32_cured=not fp32_failed)
-        if decision is None:
-            return finding, location
-        if decision.finding is Finding.NOT_REPRODUCED and verdict.kind is not TrajectoryKind.NOT_REPRODUCED:
-            return finding, location
-        if decision.finding is finding:  # the replays confirm it: the control's verdict stands, theirs beside it
-            ev["trajectory_reason"] = decision.reason
-        else:
-            ev["control_verdict"] = decision.reason
-        if decision.cofactors:
-            ev["cofactors"] = list(decision.cofactors)
-        if decision.finding is not Finding.GRADIENT_OVERFLOW:
-            ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
-        return decision.finding, decision.location or location
 
 
 class _CapTooSmall(Exception):
@@ -558,3 +511,52 @@ def _lr_rise(ev: dict[str, Any]) -> str | None:
         return None
     at = ev.get("lr_change_step")
     return f"{before:.3g} -> {after:.3g}" + (f" at step {at}" if isinstance(at, int) else "")
+
+
+def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
+                      ev: dict[str, Any], finding: Finding, location: str | None) -> tuple[Finding, str | None]:
+    """What cured decides (:func:`~lightning_ampwatch.interventions.decide`): the finding, its location and
+    reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place."""
+    ev["interventions"] = report.evidence()
+    ev["tried"] = report.headline()  # the panel's one line per intervention
+    a, b = report.window
+    if report.safe_scale is not None:
+        ev["safe_scale"] = report.safe_scale
+        ev["safe_scale_from"] = (f"the largest loss scale that replayed steps {a}-{b} from the snapshot without a "
+                                 "skip" + ("" if report.safe_scale_bounded else (
+                                     f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
+                                     "replay-step cap)")))
+        if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
+            # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
+            ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+    elif report.safe_scale_tried:
+        ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
+        low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
+        if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
+            # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
+            ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+        ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
+                                 f"replayed steps {a}-{b} without a skip")
+    ev.pop("pattern_before_replay", None)
+    fp32_failed = verdict.kind in (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES)
+    facts = facts_of(diagnosis)
+    located = location if finding not in BACKWARD else (facts.replay.module if facts.replay else None)
+    nothing = report.get(Intervention.NOTHING)
+    decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(ev),
+                      batch_nonfinite=bool(ev.get("nonfinite_where")),
+                      forward=bool(nothing is not None and nothing.nonfinite) or (
+                          facts.replay is not None and replay_went_nonfinite(facts.replay)),
+                      onset=diagnosis.step, fp32_cured=not fp32_failed)
+    if decision is None:
+        return finding, location
+    if decision.finding is Finding.NOT_REPRODUCED and verdict.kind is not TrajectoryKind.NOT_REPRODUCED:
+        return finding, location
+    if decision.finding is finding:  # the replays confirm it: the control's verdict stands, theirs beside it
+        ev["trajectory_reason"] = decision.reason
+    else:
+        ev["control_verdict"] = decision.reason
+    if decision.cofactors:
+        ev["cofactors"] = list(decision.cofactors)
+    if decision.finding is not Finding.GRADIENT_OVERFLOW:
+        ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
+    return decision.finding, decision.location or location
