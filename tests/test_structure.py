@@ -198,6 +198,23 @@ def test_the_trajectory_package_imports_run_one_way() -> None:
         assert not imported & later, (module, imported & later)
 
 
+def test_the_episode_owner_changes_the_run_only_through_the_actions_it_hands_the_front() -> None:
+    """episode.py decides; what changes the run or reaches a sink (a sink's publish, a rollback, a remedy applied, a
+    stop) is an action the front applies (``RunWatcher._act``): no such call is made in episode.py itself."""
+    tree = _modules()["lightning_ampwatch.episode"]
+    run_changing = {"publish", "record_remedy", "roll_back", "apply", "stop", "reapply_all"}
+    called = sorted({node.func.attr for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                     and node.func.attr in run_changing and ast.unparse(node.func.value) != "self"})
+    assert called == []
+    raised = [ast.unparse(node.exc) for node in ast.walk(tree) if isinstance(node, ast.Raise) and node.exc is not None]
+    assert raised == [], "a stop (AmpWatchError) is the front's to raise: hand it a Stop action"
+    actions = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and isinstance(node.func, ast.Name) and node.func.id in {"Publish", "Rollback", "Apply", "Realign",
+                                                                          "Stop"}}
+    assert actions == {"Publish", "Rollback", "Apply", "Realign", "Stop"}  # the check reads the module it means
+
+
 #: The size a newcomer can read: no module of src/ over MAX_MODULE_LINES lines, no class over MAX_CLASS_LINES (the
 #: aim is about 600 and 400: these limits leave room to grow before a split is due).
 MAX_MODULE_LINES = 700
