@@ -84,7 +84,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch import AmpWatch
-from lightning_ampwatch.cadence import MAX_INTERVAL
+from lightning_ampwatch.steps.cadence import MAX_INTERVAL
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from lightning_ampwatch.signals import StepTaken
@@ -619,7 +619,7 @@ def host_reads(seed: int) -> HostReads:
     """The same seeded healthy run with and without AmpWatch under torch.profiler; the difference, step by step.
 
     Step 0 is left out: once per fit AmpWatch reads the first loss (its loss level and loss-graph check). The watched
-    run takes the accelerator's path (``steps.HOST_TAPE_DEVICES`` emptied, as the read-count tests do): on the CPU
+    run takes the accelerator's path (``steps.losses.HOST_TAPE_DEVICES`` emptied, as the read-count tests do): on the CPU
     each step's loss is taken as a float at once, an ``item()`` that waits for no device, which is why it is done."""
 
     def fit(callbacks: list[pl.Callback]) -> Callable[[list[pl.Callback]], None]:
@@ -631,12 +631,12 @@ def host_reads(seed: int) -> HostReads:
                 trainer.fit(Regressor(), healthy_data(seed))
         return run
 
-    host_tape = ampwatch_steps.HOST_TAPE_DEVICES
-    ampwatch_steps.HOST_TAPE_DEVICES = frozenset()
+    host_tape = ampwatch_steps.losses.HOST_TAPE_DEVICES
+    ampwatch_steps.losses.HOST_TAPE_DEVICES = frozenset()
     try:
         watched, _ = reads_per_step(fit([AmpWatch(verbose=False)]))
     finally:
-        ampwatch_steps.HOST_TAPE_DEVICES = host_tape
+        ampwatch_steps.losses.HOST_TAPE_DEVICES = host_tape
     bare, _ = reads_per_step(fit([]))
     added = added_reads(watched, bare)
     log_steps = [added[s] for s in sorted(added) if s >= 1 and (s + 1) % READS_LOG_EVERY == 0]

@@ -60,7 +60,7 @@ CASES = tuple(Case(s, True) for s in REMEDIATED) + tuple(Case(s, False) for s in
 
 def run_case(case: Case, workdir: Path) -> tuple[int, str, str]:
     """Run ``ampwatch demo`` for ``case`` in ``workdir``: its exit status, what it printed, and its event log."""
-    from lightning_ampwatch import cadence
+    from lightning_ampwatch.steps import cadence
     from lightning_ampwatch.cli import main
 
     torch.set_num_threads(1)

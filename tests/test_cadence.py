@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch
-from lightning_ampwatch.cadence import MAX_INTERVAL, SNAPSHOT_FRACTION, SnapshotCadence, snapshot_interval
+from lightning_ampwatch.steps.cadence import MAX_INTERVAL, SNAPSHOT_FRACTION, SnapshotCadence, snapshot_interval
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.trajectory import control as control_module
 from lightning_ampwatch.trajectory.control import TrajectoryControl

@@ -32,12 +32,10 @@ def test_demo_remediate_applies_the_remedy_and_says_what_it_could_verify(
     assert main(["demo", "forward_overflow", "--remediate", "--root-dir", str(tmp_path)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "Applied: fp32_island" in out
-    # the fault is at step 0, before any healthy level. The episode's replays now run through the onset and a few
-    # steps past it (issue 30), over which FP32 training from the same state falls decisively (0.977 -> 0.703): a
-    # healthy reference that the remedied run is measured against, so a run that starts broken can be verified
-    # (before, over the onset's step alone, FP32 fell only a few percent and the recovery stayed unverified)
+    # the fault is at step 0, before any healthy level: the remedied run is held step by step to FP32 training from
+    # the same state on the same batches (issue 30), so a run that starts broken can be verified
     assert "Remedy for FORWARD_OVERFLOW at step 0: fixed with fp32_island, recovery verified" in out
-    assert "what FP32 reached replaying the episode's steps (it fell decisively" in out
+    assert "tracks FP32 training from the same state" in out
     assert "no healthy reference" not in out
     # the run is twice the scenario's length, to show the recovery: the demo's own line and the summary agree
     assert "Precision: fp16 on the CPU, 16 optimizer steps, logs in" in out

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_ampwatch import AmpWatch, core, steps
-from lightning_ampwatch.core import RunWatcher
+from lightning_ampwatch.steps import CleanRuns
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
 from lightning_ampwatch.timeline import Timeline
@@ -147,14 +147,14 @@ def test_the_ring_keeps_a_run_as_it_keeps_each_step(seed: int, n: int, held_befo
 
 def _count_hand_overs(monkeypatch: pytest.MonkeyPatch, runs: list[int]) -> None:
     """``runs`` gets the length of every run of deferred clean steps the watcher takes in."""
-    flush = RunWatcher._flush_clean
+    settle = CleanRuns.settle
 
-    def counting(self: RunWatcher) -> None:
-        if self.ledger is not None and self.ledger.deferred:
-            runs.append(len(self.ledger.deferred))
-        flush(self)
+    def counting(self: CleanRuns) -> None:
+        if self.deferred:
+            runs.append(len(self.deferred))
+        settle(self)
 
-    monkeypatch.setattr(RunWatcher, "_flush_clean", counting)
+    monkeypatch.setattr(CleanRuns, "settle", counting)
 
 
 def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, runs: list[int], *,
@@ -163,7 +163,7 @@ def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, ru
     the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
     accelerator (the CPU takes each one's value as it comes)."""
     monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
-    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", steps.HOST_TAPE_DEVICES if host_tape else frozenset())
+    monkeypatch.setattr(steps.losses, "HOST_TAPE_DEVICES", steps.losses.HOST_TAPE_DEVICES if host_tape else frozenset())
     _count_hand_overs(monkeypatch, runs)
     scenario = SCENARIOS[name]
     torch.manual_seed(0)
@@ -306,3 +306,20 @@ def test_without_snapshots_no_clean_steps_batch_is_held(tmp_path: Path) -> None:
         alive[every] = refs.alive_at
     assert alive[0] == []
     assert alive[20] and min(alive[20]) <= 40  # the ring's batches since its newest snapshots
+
+
+def test_the_owner_hands_a_run_to_every_consumer_once_in_the_order_they_were_registered() -> None:
+    """The ledger's batching (``steps.CleanRuns``): a run of held-back clean steps reaches each consumer once, as
+    columns, in the order the roles were first registered (a role registered again, as the trajectory control is
+    after a precision change, keeps its place and only the new consumer gets the run)."""
+    runs = CleanRuns()
+    got: list[tuple[str, tuple[Any, ...]]] = []
+    runs.hand_to("trajectory", lambda *columns: got.append(("old control", columns)))
+    runs.hand_to("machine", lambda *columns: got.append(("machine", columns)))
+    runs.hand_to("trajectory", lambda *columns: got.append(("new control", columns)))
+    runs.deferred.extend([(4, ["b4"], 1024.0, False, (0.1,)), (5, ["b5"], 2048.0, True, (0.1,))])
+    runs.settle()
+    runs.settle()  # nothing held back any more: nothing handed over twice
+    columns = ((4, 5), (["b4"], ["b5"]), (1024.0, 2048.0), (False, True), ((0.1,), (0.1,)))
+    assert got == [("new control", columns), ("machine", columns)]
+    assert runs.deferred == []

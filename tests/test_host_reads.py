@@ -60,7 +60,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory, bare: ReadsByStep) -> tupl
     one these counts judge."""
     watch = AmpWatch(verbose=False)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset())
+        mp.setattr(steps.losses, "HOST_TAPE_DEVICES", frozenset())
         reads, trainer = reads_per_step(healthy_fit(tmp_path_factory.mktemp("watched"), [watch]))
     return added_reads(reads, bare), trainer, watch
 

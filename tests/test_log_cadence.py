@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, core
-from lightning_ampwatch.cadence import LOG_CADENCE_AFTER, LOG_FRACTION, LOG_MAX_INTERVAL, LogCadence
+from lightning_ampwatch.steps.cadence import LOG_CADENCE_AFTER, LOG_FRACTION, LOG_MAX_INTERVAL, LogCadence
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.timeline import TIMELINE_NAME
 

@@ -86,7 +86,7 @@ class ReplayAt(Callback):
         self.live[step] = float(outputs["loss"])
         if step == 29:
             watcher = self.watch.watcher
-            watcher._flush_clean()  # the clean steps' batches the ledger deferred reach the ring now
+            watcher.caught_up()  # the clean steps' batches the ledger held back reach the ring now
             control = watcher.trajectory
             snapshot = control.ring.newest_before(20)
             assert snapshot is not None and snapshot.step == 10

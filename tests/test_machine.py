@@ -868,7 +868,7 @@ def test_the_level_is_rejudged_as_statistics_medians_say(window: list[float], be
     makes, or keeps, is the one its definition gives with ``statistics.median``, huge finite losses included."""
     import statistics
 
-    from lightning_ampwatch.machine import HEALTHY_RISE, Reference
+    from lightning_ampwatch.machine import CLIMBING_RISE, HEALTHY_RISE, Reference
 
     m = AmpStateMachine("fp16", thresholds=Thresholds(loss_window=24))
     s = m.state
@@ -878,7 +878,7 @@ def test_the_level_is_rejudged_as_statistics_medians_say(window: list[float], be
     s.reference = None if before is None else Reference(before, 0, 9, 10)
     expected = s.reference
     n, half = len(window), len(window) // 2
-    if n >= 3 and statistics.median(window[half:]) <= HEALTHY_RISE * statistics.median(window[:half]):
+    if n >= 3 and statistics.median(window[half:]) <= CLIMBING_RISE * statistics.median(window[:half]):
         level = statistics.median(window)
         if before is None or level <= HEALTHY_RISE * before:
             expected = Reference(level, 100, 100 + n - 1, n) if steps_known else Reference(level, 300 - n, 299, n)

@@ -94,8 +94,10 @@ def test_the_ladders_end_is_said_plainly(tmp_path: Path, capsys: pytest.CaptureF
     last = [d for d in watch.diagnoses if d.finding is Finding.FP32_UNSTABLE and not d.remedy]
     assert len(tried) == 2 and last, watch.diagnoses
     where = f" in {last[0].location}" if last[0].location else ""
+    # (and where that alarm's weights went non-finite, the line says so after the ladder: issue 30's weights_lost)
+    ended = "; the weights now hold NaN/inf)" if last[0].evidence.get("weights_lost") else ")"
     assert (f"{last[0].finding.value}{where} (not fixed: see the advice above; its ladder (reduce_lr, "
-            f"reduce_lr) is used up, tried for the alarms at steps {tried[0]}, {tried[1]})") in out, out
+            f"reduce_lr) is used up, tried for the alarms at steps {tried[0]}, {tried[1]}{ended}") in out, out
 
 
 def test_report_table_shows_the_fix_whole_in_a_narrow_terminal(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def _read(host: bool, held: list[tuple[int, Any]],
     (``(step, tape)``, or ``(step, loss)`` as the express lane holds it), with ``extra`` values: the values returned
     and the per-step losses settled."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(steps, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
+        mp.setattr(steps.losses, "HOST_TAPE_DEVICES", frozenset({"cpu"}) if host else frozenset())
         ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
     assert ledger._host_tape is host
     ring = LossRing()
@@ -127,7 +127,7 @@ def test_the_cpu_takes_each_loss_as_a_float_and_an_accelerator_keeps_the_tensor(
     on_cpu.mirror_scaler()
     on_cpu.backward(scaler.scale(loss))  # Lightning hands over the scaled loss under a GradScaler
     assert on_cpu._tape == [(0.75 * 2.0**10, 2.0**10)] and on_cpu._tape.read() == 0.75
-    monkeypatch.setattr(steps, "HOST_TAPE_DEVICES", frozenset())
+    monkeypatch.setattr(steps.losses, "HOST_TAPE_DEVICES", frozenset())
     kept = StepLedger(PrecisionInfo(PrecisionMode.FP16, scaler), "cpu")
     kept.mirror_scaler()
     kept.backward(scaler.scale(loss))

@@ -222,18 +222,22 @@ MAX_CLASS_LINES = 450
 #: The exceptions, each with the reason it may stay for now. An entry whose module or class got under the limit
 #: must go too (``test_every_size_exception_is_still_needed``).
 LONG_MODULES: dict[str, str] = {
-    "lightning_ampwatch.core": "RunWatcher still holds the per-step route (lean route, express lane, deferred clean "
-                               "steps, log step) until the per-step owner (issue 29, steps/) takes it",
-    "lightning_ampwatch.steps": "the step ledger, scale mirror, LR tracking and cadence in one module until the "
-                                "per-step owner (issue 29) makes it a package",
+    "lightning_ampwatch.core": "RunWatcher keeps the per-step route the per-step owner (steps/) leaves in the front: "
+                               "the lean route, its express lane and the log step, kept for the figures measured "
+                               "beside RunWatcher.lean",
+    "lightning_ampwatch.machine.machine": "the pure state machine, held by its property test, with each optimizer's "
+                                          "own skips and safe scale (two optimizers through one scaler): not yet split",
     "lightning_ampwatch.fabric": "FabricWatch with its host and the hooks it patches into a Fabric loop: one adapter, "
                                  "not yet split (issue 29 names FabricHost among the large classes)",
     "lightning_ampwatch.reporters": "every sink in one module (panel, event log, timeline, loggers, the summary): "
                                     "not yet split",
 }
 LONG_CLASSES: dict[str, str] = {
-    "lightning_ampwatch.core.RunWatcher": "as lightning_ampwatch.core: the per-step route is still its own",
-    "lightning_ampwatch.steps.StepLedger": "as lightning_ampwatch.steps",
+    "lightning_ampwatch.core.RunWatcher": "as lightning_ampwatch.core: the lean route, its express lane and the log "
+                                          "step are still its own",
+    "lightning_ampwatch.steps.ledger.StepLedger": "close keeps a healthy step's bookkeeping inline and the express "
+                                                  "lane repeats it: every call on an ordinary step counts against its "
+                                                  "budget of 25 (steps/ledger.py's docstring)",
     "lightning_ampwatch.machine.machine.AmpStateMachine": "the pure state machine, held by its property test: every "
                                                           "transition reads the same episode state; not yet split",
 }
@@ -304,3 +308,102 @@ def test_the_private_check_leaves_self_cls_and_the_modules_own_classes_alone() -
     tree = ast.parse("class A:\n    _x = 1\n    def f(self):\n        return self._y, A._x, getattr(self, '_z')\n"
                      "    @classmethod\n    def g(cls):\n        return cls._x, a.__dict__")
     assert private_accesses({"lightning_ampwatch.example": tree}) == []
+
+
+# ---------------------------------------------------------------------------------------------- one collective protocol
+
+#: torch.distributed's (and DeepSpeed's comm's) collectives and point-to-point calls.
+DIST_COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "gather", "gather_object", "scatter",
+    "scatter_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "send_object_list", "recv_object_list", "all_reduce_coalesced", "new_group",
+})
+#: What a Lightning strategy, a Lightning Trainer's strategy and a Fabric object talk across ranks with.
+STRATEGY_COLLECTIVES = frozenset({"broadcast", "all_gather", "all_reduce", "reduce", "barrier",
+                                  "reduce_boolean_decision"})
+_DIST_MODULES = ("torch.distributed", "deepspeed.comm")
+#: Segments of a receiver (``self.trainer.strategy``, ``self._fabric``) that name a strategy or a Fabric object.
+_STRATEGY_NAMES = frozenset({"strategy", "_strategy", "fabric", "_fabric"})
+#: Modules that may call collectives themselves: the protocol alone (compat.py needs none: carrying ddp_spawn's
+#: results home is Lightning's own queue, no collective).
+COLLECTIVE_MODULES = frozenset({"lightning_ampwatch.protocol"})
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def collective_calls(trees: dict[str, ast.Module]) -> list[tuple[str, str, int]]:
+    """(module, the call or import, line) for every collective made outside :data:`COLLECTIVE_MODULES`: a call of
+    torch.distributed's (or DeepSpeed comm's) collectives however the module is named (``dist.all_reduce``,
+    ``torch.distributed.barrier``, a name imported from it), and a strategy's or Fabric's own
+    (``trainer.strategy.broadcast``, ``self._fabric.all_gather``)."""
+    found = []
+    for module, tree in trees.items():
+        if module in COLLECTIVE_MODULES:
+            continue
+        aliases: dict[str, str] = {}  # local name -> the distributed module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in _DIST_MODULES:
+                        aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in _DIST_MODULES:
+                        aliases[a.asname or a.name] = full
+                    elif node.module.startswith(_DIST_MODULES) and a.name in DIST_COLLECTIVES:
+                        found.append((module, f"from {node.module} import {a.name}", node.lineno))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            name, receiver = node.func.attr, _dotted(node.func.value)
+            if receiver is None:
+                continue
+            resolved = receiver
+            head, _, rest = receiver.partition(".")
+            if head in aliases:
+                resolved = aliases[head] + ("." + rest if rest else "")
+            if name in DIST_COLLECTIVES and resolved in _DIST_MODULES:
+                found.append((module, f"{receiver}.{name}", node.lineno))
+            elif name in STRATEGY_COLLECTIVES and _STRATEGY_NAMES & set(receiver.split(".")):
+                found.append((module, f"{receiver}.{name}", node.lineno))
+    return found
+
+
+def test_every_collective_goes_through_the_protocol() -> None:
+    # the one place where the ranks talk to each other: each decision point there starts with the agreement
+    # (docs/collectives.md); a collective made anywhere else is a meeting the protocol does not know of
+    assert collective_calls(_modules()) == []
+
+
+@pytest.mark.parametrize("line", [
+    "import torch.distributed as dist\ndist.all_reduce(t)",
+    "import torch\ntorch.distributed.barrier()",
+    "from torch import distributed\ndistributed.broadcast_object_list(box, src=0)",
+    "from torch.distributed import all_gather_object",
+    "from deepspeed import comm as dist\ndist.all_reduce(t)",
+    "def f(self):\n    return self.trainer.strategy.broadcast(value, src=0)",
+    "def f(self):\n    return self._fabric.all_gather(t)",
+    "def f(trainer):\n    trainer.strategy.barrier()",
+])
+def test_the_collective_check_catches_a_collective_outside_the_protocol(line: str) -> None:
+    trees = _modules()
+    trees["lightning_ampwatch.core"].body.extend(ast.parse(line).body)
+    assert [c for c in collective_calls(trees) if c[0] == "lightning_ampwatch.core"]
+
+
+def test_the_collective_check_leaves_the_protocol_and_plain_calls_alone() -> None:
+    tree = ast.parse("from lightning_ampwatch import protocol, distributed\nprotocol.all_reduce(t)\n"
+                     "distributed.gather(x)\nax.scatter(xs, ys)\nfunctools.reduce(f, xs)")
+    assert collective_calls({"lightning_ampwatch.example": tree}) == []
+    assert collective_calls({"lightning_ampwatch.protocol": _modules()["lightning_ampwatch.protocol"]}) == []

@@ -147,9 +147,6 @@ class LightningHost:
         """The checkpoint files the latest rollback passed over, and why (None: none was)."""
         return self._checkpoints.passed_over_sentence()
 
-    def broadcast(self, value: Any) -> Any:
-        return self.trainer.strategy.broadcast(value, src=0)
-
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Through Lightning's logger connector, in the same call as the step's own ``self.log`` values."""
         connector = compat.logger_connector(self.trainer)

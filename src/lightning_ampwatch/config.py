@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from lightning_ampwatch.cadence import AUTO_START
+from lightning_ampwatch.steps.cadence import AUTO_START
 from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.remedies.base import RemedyName
 from lightning_ampwatch.remedies.policy import parse_remediate
@@ -78,7 +78,7 @@ class WatchConfig:
     @property
     def snapshot_interval(self) -> tuple[int, bool]:
         """(the interval snapshots start at, whether the cadence may lengthen it): ``"auto"`` starts at
-        :data:`~lightning_ampwatch.cadence.AUTO_START` steps and is adaptive; a number is kept as given."""
+        :data:`~lightning_ampwatch.steps.cadence.AUTO_START` steps and is adaptive; a number is kept as given."""
         if self.snapshot_every == "auto":
             return AUTO_START, True
         return int(self.snapshot_every), False

@@ -43,7 +43,8 @@ Attribute names follow the Lightning ``Trainer`` where the rooms already read th
 ``optimizers``, ``loggers``, ``is_global_zero``), so a host is passed to the rooms where a trainer was. The
 watcher drops its host in ``close()``: an adapter that pickles (``ddp_spawn``) holds no framework object after a
 run. Under several processes every rank makes the same calls in the same order; the watcher's own collectives
-(``torch.distributed``, on anomalous steps only) and ``host.broadcast`` are made on all ranks together.
+(``torch.distributed``, on anomalous steps only, all through :mod:`lightning_ampwatch.protocol`) are made on all
+ranks together.
 ``hold_lr_on_skip`` is the adapter's to install (the config carries the flag): how schedulers are stepped is
 the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
@@ -64,7 +65,6 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from lightning_ampwatch import distributed
-from lightning_ampwatch.cadence import LogCadence
 from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.episode import Action, Apply, Episodes, Publish, Realign, Rollback, Stop
 from lightning_ampwatch.guards import RecipeGuards
@@ -77,7 +77,7 @@ from lightning_ampwatch.remedies.treatment import Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
-from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, StepLedger
+from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, LogCadence, StepLedger
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.trajectory.control import TrajectoryControl
@@ -141,10 +141,11 @@ class RunWatcher(WatchState):
         self.guards = RecipeGuards()
         self.treatment = Treatment(RemedyPolicy(config.remedies),
                                    recovery_steps=config.thresholds.recovery_steps,  # type: ignore[union-attr]
-                                   rollback=config.rollback, replay_episode=config.replay_episode)
+                                   rollback=config.rollback, replay_episode=config.replay_episode,
+                                   fall_margin=config.thresholds.fall_margin,  # type: ignore[union-attr]
+                                   track_tolerance=config.thresholds.track_tolerance)  # type: ignore[union-attr]
         # the episode owner: alarm, investigation, decision, remedy, outcome, publication (``diagnoses`` is its journal)
-        self.episodes = Episodes(self, self.treatment, act=self._act, flush=self._flush_clean,
-                                 probe_changed=self._sync_investigations)
+        self.episodes = Episodes(self, self.treatment, act=self._act, probe_changed=self._sync_investigations)
         self.world_size = 1
         self._log_every = 0
         # the log step's work runs every ``_judge_every`` steps while the run is quiet (a multiple of ``_log_every``,
@@ -210,10 +211,12 @@ class RunWatcher(WatchState):
         return self._log_every
 
     def caught_up(self) -> "RunWatcher":
-        """The watcher with every clean step taken in (:meth:`_flush_clean`): what an adapter reads the machine of
-        between log steps (the per-step path hands the machine a healthy run's steps at its next log step)."""
+        """The watcher with every clean step taken in (the ledger's :meth:`~StepLedger.settle`): what an adapter reads
+        the machine of between log steps (the ledger hands a healthy run's steps over in runs), a checkpoint holds, and
+        the fit's end starts from."""
         try:
-            self._flush_clean()
+            if self.ledger is not None:
+                self.ledger.settle()
         except Exception as err:  # noqa: BLE001
             self.internal_failure("the machine's catch-up", err)
         return self
@@ -250,9 +253,11 @@ class RunWatcher(WatchState):
     # ``benchmarks/overhead.py``, the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the
     # cadences have decided: with the lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7
     # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
-    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. The budget is 25 calls and 8 us: the
-    # calls could be met by one route, the time cannot, so the three stay together (the lean route needs the hooks
-    # idled: it is what spares Lightning's calls).
+    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. Measured again once the clean-step
+    # batching moved into the ledger (``steps.CleanRuns``; ``overhead.py --quick`` with and without the fast paths,
+    # interleaved, load 3 to 5): the fast paths 12 calls and 7.2 to 8.8 us, one route 24 calls and 12.8 to 25.0 us.
+    # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
+    # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
     def lean(self, host: Host, steps_done: int) -> bool:
         """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
         framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
@@ -320,11 +325,20 @@ class RunWatcher(WatchState):
         assert host is not None and ledger is not None
         self._log_every = self._judge_every = max(int(host.log_every), 0)
         ledger.start(host, self._log_every)
+        self.machine.optimizer_names = ledger.optimizer_names  # type: ignore[union-attr]  # (several optimizers)
         # one process only: under DDP the log step is where the ranks meet, so every rank must run it at once
         self._log_cadence = LogCadence(self._log_every) if self._log_every and self.world_size == 1 else None
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
+        # who takes the clean steps the ledger holds back, in runs (after the trajectory control: the order the
+        # steps' own route feeds them in)
+        machine, timeline = self.machine, self._timeline
+        ledger.runs.hand_to("machine", lambda steps, _, scales, grews, lrss:
+                            machine.observe_clean_run(steps, scales, grews, lrss))  # type: ignore[union-attr]
+        if timeline is not None:
+            ledger.runs.hand_to("timeline", lambda steps, _, scales, __, lrss:
+                                timeline.record_clean_run(steps, scales, lrss))
         self._plan_deferral()
 
     def _start_trajectory(self) -> None:
@@ -342,6 +356,8 @@ class RunWatcher(WatchState):
                                     lr_cause_margin=config.thresholds.lr_cause_margin,
                                     thresholds=config.thresholds)
         self.trajectory = control
+        if self.ledger is not None:  # the clean steps' batches held back, for its snapshots (again: the new control)
+            self.ledger.runs.hand_to("trajectory", lambda steps, batches, *_: control.note_run(steps, batches))
         control.state.lr_log = self.ledger.lr_log if self.ledger is not None else None  # each step's LRs, replayed
         control.start(host.global_step)  # a state from before the first step this run takes
 
@@ -391,9 +407,13 @@ class RunWatcher(WatchState):
             return
         try:
             if not self.lean_route:  # (the lean route learns of the step from the framework's count, at batch end)
+                several = ledger.optimizer_ids is not None  # several optimizers: which one steps (one scaler's skips
+                index = ledger.optimizer_index(optimizer) if several else None  # are each one's own)
                 if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                     quiet = self.machine.quiet  # type: ignore[union-attr]
                     self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
+                if several:
+                    ledger.optimizer = index
                 ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self._probing:
                 self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]
@@ -433,7 +453,7 @@ class RunWatcher(WatchState):
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = self.machine.quiet  # type: ignore[union-attr]
             closed = ledger.close(self.host, quiet, micro_batch)
-            if closed is not None:  # None: no backward ran, or a clean step deferred (in ``ledger.deferred``)
+            if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self._take_closed(closed, quiet)
             log_every = self._log_every
             if log_every and ledger.step_index % log_every == 0:
@@ -473,8 +493,8 @@ class RunWatcher(WatchState):
         """After a batch end: up to which step the express lane may take the next batches (none unless the lean
         route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
         Nothing the lane takes changes any of this. On the lean route the machine changes only inside a batch end
-        (and at the fit's end), a remedy becomes due only through :meth:`_emit`, which closes the lane, and a probe
-        is checked at each lane call."""
+        (and at the fit's end), a remedy becomes due only through the episode owner's ``emit``, which closes the
+        lane, and a probe is checked at each lane call."""
         ledger, machine, treatment = self.ledger, self.machine, self.treatment
         if ledger is None or not self.lean_route:  # (the full route: never opened)
             return
@@ -526,7 +546,6 @@ class RunWatcher(WatchState):
         """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
         ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
         assert ledger is not None and reporters is not None and machine is not None and host is not None
-        self._flush_clean()
         self.episodes.take(ledger.drain_at_log_step(host))
         steps, skipped, nonfinite = ledger.take_log_counts()
         ranks = self._ranks
@@ -538,6 +557,7 @@ class RunWatcher(WatchState):
             relayed = ranks.at_log_step(values, ledger)
             for diagnosis in relayed:
                 self.episodes.publish_relayed(diagnosis)
+            relayed = self.episodes.publish_reconciled() + relayed
             self.episodes.note_agreement()
         machine.note_losses(ledger.take_unnoted())
         self.episodes.take_divergences()  # the losses just read may show a finite divergence
@@ -552,6 +572,7 @@ class RunWatcher(WatchState):
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
+        self.caught_up()  # every clean step taken in: the relayed diagnoses below are dated after them
         if not self.disabled:
             self._finish()
         # The last exchange, outside the guarded work above: every rank is here and must take part, also one whose
@@ -561,6 +582,7 @@ class RunWatcher(WatchState):
             relayed = self._ranks.at_end()
             for diagnosis in relayed:
                 self.episodes.publish_relayed(diagnosis)
+            relayed = self.episodes.publish_reconciled() + relayed
         except Exception as err:  # noqa: BLE001
             self.internal_failure("finish", err)
         if not self.disabled:
@@ -573,7 +595,6 @@ class RunWatcher(WatchState):
 
     @_guarded
     def _finish(self) -> None:
-        self._flush_clean()
         if self.ledger is not None:
             self.episodes.take(self.ledger.drain(force=True))
             self.episodes.read_losses()
@@ -594,10 +615,8 @@ class RunWatcher(WatchState):
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
         timeline written (a run that crashed keeps the steps that led up to it). Never raises; idempotent."""
-        try:
-            self._flush_clean()  # the clean steps not taken in yet: the timeline and the machine as they would be
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("clean-up", err)
+        # (the ledger's stop hands the clean steps not taken in yet over first: the timeline and the machine as they
+        # would be)
         for undo in (self.ledger.stop if self.ledger is not None else None,
                      self.guards.detach,
                      self.investigations.close if self.investigations is not None else None,
@@ -620,13 +639,12 @@ class RunWatcher(WatchState):
 
     def _take_closed(self, closed: ClosedStep | None, quiet: bool) -> None:
         """The one route of every step: its batches to the trajectory control, then a clean step to the machine
-        and the timeline at once, or the steps resolved now through :meth:`_take`. ``quiet``: the machine's, as
-        read before the step was closed (closing it changes nothing in the machine)."""
+        and the timeline at once, or the steps resolved now through the episode owner's ``take``. ``quiet``: the
+        machine's, as read before the step was closed (closing it changes nothing in the machine)."""
         if closed is None:
             return
         machine, ledger = self.machine, self.ledger
         assert machine is not None and ledger is not None
-        self._flush_clean()  # the clean steps before this one first, in order
         control = self.trajectory
         if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
             if self.world_size == 1:
@@ -651,28 +669,6 @@ class RunWatcher(WatchState):
 
     # ------------------------------------------------------------------ clean steps taken in later
 
-    def _flush_clean(self) -> None:
-        """Take in the clean steps the ledger deferred (its fast path, below ``ledger.defer_until``), in one run: their
-        batches to the trajectory control, then the machine, then the timeline, as :meth:`_take_closed` takes a clean
-        step, with the same result (each room's run method equals one call per step; the three do not read one
-        another). Called before anything reads or changes those rooms' state: a log step, any step that is not a
-        deferred clean one, an emitted diagnosis, a step boundary, the fit's end, ``close``, ``state_dict`` and the
-        adapters' ``machine``."""
-        ledger = self.ledger
-        if ledger is None or not ledger.deferred:
-            return
-        run, ledger.deferred = ledger.deferred, []
-        steps, batches, scales, grews, lrss = zip(*run)  # the run as columns, in one C call
-        control = self.trajectory
-        if control is not None:
-            control.note_run(steps, batches)
-        machine = self.machine
-        if machine is not None:
-            machine.observe_clean_run(steps, scales, grews, lrss)
-        timeline = self._timeline
-        if timeline is not None:
-            timeline.record_clean_run(steps, scales, lrss)
-
     def _plan_deferral(self) -> None:
         """Up to which step the ledger may defer clean steps: the next snapshot that may be due (a multiple of the
         ring's interval, taken by the full route), at most ``MAX_DEFERRED`` steps on; none while the cadence times
@@ -681,11 +677,12 @@ class RunWatcher(WatchState):
         if ledger is None:
             return
         control = self.trajectory
-        ledger.defer_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
+        runs = ledger.runs
+        runs.keep_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
         step = ledger.step_index  # the next step to be closed
         treatment = self.treatment
         if self.disabled or treatment.watch is not None or treatment.due:
-            ledger.defer_until = step
+            runs.until = step
             return
         # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
         judge_every = self._judge_every
@@ -695,12 +692,12 @@ class RunWatcher(WatchState):
             every = control.defer_limit
             if every is not None:
                 if every <= 0:
-                    ledger.defer_until = step
+                    runs.until = step
                     return
                 due = -(-step // every) * every  # the first multiple of ``every`` at or after ``step``
                 if due < limit:
                     limit = due
-        ledger.defer_until = limit
+        runs.until = limit
 
     # ------------------------------------------------------------------ the episode's actions, applied
 
@@ -721,8 +718,8 @@ class RunWatcher(WatchState):
             return None
         if isinstance(action, Rollback):
             return self.treatment.roll_back(action.diagnosis, now=action.now, control=self.trajectory,
-                                            decide=self.episodes.decide, host=self.host, untouched=action.untouched,
-                                            gather=distributed.gather)
+                                            decide=lambda v: self.episodes.decide(lambda: v), host=self.host,
+                                            untouched=action.untouched, gather=distributed.gather)
         if isinstance(action, Apply):
             return self.treatment.policy.apply(self.remedy_context(), action.diagnosis, action.choice,
                                                step=action.step)

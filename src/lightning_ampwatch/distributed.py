@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from lightning_ampwatch import sharding
 from lightning_ampwatch.machine import BatchStats
 from lightning_ampwatch.protocol import ReplayAborted, gather, meet, rank, world_size
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding
 
 #: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
 RELAY_MAX = 32
@@ -69,6 +69,10 @@ class Relay:
 
     def __init__(self) -> None:
         self.held: list[Diagnosis] = []
+        #: this rank's alarms judged alone, not yet published: compared with every rank's at the next exchange
+        #: (:func:`reconcile`), then published alike on every rank (:attr:`reconciled`)
+        self.deferred: list[Diagnosis] = []
+        self.reconciled: list[Diagnosis] = []  # what the last exchange agreed on, until taken (take_reconciled)
         self.count = 0  # diagnoses held on this rank so far (the log step's cross-rank sum adds them up)
         self.ends = 0.0  # requests to end the run the last exchange carried, summed over the ranks
         self._agreed_total = 0.0
@@ -77,6 +81,16 @@ class Relay:
         if rank() != 0:
             self.held = [*self.held[-(RELAY_MAX - 1):], diagnosis]
             self.count += 1
+
+    def defer(self, diagnosis: Diagnosis) -> None:
+        """An alarm this rank judged alone, on any rank: published by every rank after the next exchange, once
+        every rank's are compared (the one that began the fault, not the rank it reached through the gradients)."""
+        self.deferred = [*self.deferred[-(RELAY_MAX - 1):], diagnosis]
+        self.count += 1
+
+    def take_reconciled(self) -> list[Diagnosis]:
+        out, self.reconciled = self.reconciled, []
+        return out
 
     def at_log_step(self, agreed_held_total: float) -> list[Diagnosis]:
         """Call on every rank with the cross-rank count of held diagnoses just read; rank zero gets the others'
@@ -91,17 +105,66 @@ class Relay:
         their evidence); the others get nothing. ``ends``: this rank's requests to end the run not yet carried by
         a log step's sum (the last exchange's); every rank reads their sum in :attr:`ends`."""
         held, self.held = self.held, []
-        records = gather(([d.to_dict() for d in held], ends))
-        self.ends = sum(e for _, e in records)
+        deferred, self.deferred = self.deferred, []
+        records = gather(([d.to_dict() for d in held], [d.to_dict() for d in deferred], ends))
+        self.ends = sum(e for _, _, e in records)
+        # every rank's deferred alarms, compared alike on every rank: each publishes the same findings
+        self.reconciled += reconcile([[Diagnosis.from_dict(d) for d in alone] for _, alone, _ in records])
         if rank() != 0:
             return []
         out: list[Diagnosis] = []
-        for r, (dicts, _) in enumerate(records):
+        for r, (dicts, _, _) in enumerate(records):
             if r == 0:
                 continue
             for d in dicts:
                 out.append(named_with_rank(Diagnosis.from_dict(d), r))
         return out
+
+
+#: How many optimizer steps after a rank's non-finite step another rank can meet it through the gradient reduction
+#: alone: that step's reduction makes every rank's weights non-finite, and every rank's next loss with them.
+REACH = 1
+
+
+def reconcile(by_rank: Sequence[Sequence[Diagnosis]]) -> list[Diagnosis]:
+    """One set of findings from the alarms each rank judged alone (``by_rank[r]``: rank r's), the same on every rank
+    (each computes it from the same gathered records). Without a GradScaler a NaN in one rank's batch reaches the
+    other ranks only through the gradient reduction, one step later: there the weights are non-finite and the loss
+    with them, and that rank alone would call it a forward overflow. Such an alarm (another rank's, from 1 to
+    :data:`REACH` steps after one that began on a rank, and not the rank's own bad data) is the same fault: it is
+    absorbed into the originating rank's finding, which names it (``reached_ranks``). The same finding at the same
+    step on several ranks is one finding, naming every rank (``fault_ranks``). A finite divergence (a rank's own
+    losses) absorbs nothing and is absorbed by nothing. Each is named with its rank, as
+    rank zero publishes another rank's diagnosis (:func:`named_with_rank`), on every rank alike."""
+    alarms = sorted(((d.step, r, d) for r, ds in enumerate(by_rank) for d in ds if not d.withdrawn),
+                    key=lambda x: (x[0], x[1]))
+    kept: list[tuple[int, int, Diagnosis, list[int], list[str]]] = []  # (step, rank, diagnosis, ranks, reached)
+    for step, r, d in alarms:
+        same = next((k for k in kept if k[0] == step and k[2].finding is d.finding and r not in k[3]), None)
+        if same is not None:
+            same[3].append(r)
+            continue
+        origin = next((k for k in kept if r not in k[3] and k[0] < step <= k[0] + REACH
+                       and d.finding is not Finding.DATA_NONFINITE
+                       and not _finite_divergence(d) and not _finite_divergence(k[2])), None)
+        if origin is not None:
+            origin[4].append(f"rank {r} at step {step} (alone it said {d.finding.value})")
+            continue
+        kept.append((step, r, d, [r], []))
+    out: list[Diagnosis] = []
+    for _, r, d, ranks, reached in kept:
+        ev = dict(d.evidence)
+        ev["fault_ranks"] = sorted(ranks)
+        if reached:
+            ev["reached_ranks"] = ("through the gradient reduction: " + "; ".join(reached)
+                                   + "; one fault, published once, as the rank it began on found it")
+        out.append(named_with_rank(replace(d, evidence=ev), r))
+    return out
+
+
+def _finite_divergence(diagnosis: Diagnosis) -> bool:
+    """A rank's own finite divergence (its losses climbed, finite): no gradient reduction carries it anywhere."""
+    return diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value
 
 
 #: The evidence that says where in a batch a fault sits: named with the rank when several ranks' batches are seen
@@ -162,6 +225,14 @@ class CrossRank:
             self.end_asked = diagnosis
         self._ends += 1.0
 
+    def defers(self, diagnosis: Diagnosis, agreed: bool) -> bool:
+        """Whether this alarm waits for the next exchange before any rank publishes it (:meth:`Relay.defer`): one
+        judged alone (the ranks do not meet anomalies together), or a rank's own finite divergence (judged from its
+        own losses, also under a scaler), so that every rank publishes the same findings; never one rank zero is
+        told of (``reported_from_rank``)."""
+        return (self.world_size > 1 and (not agreed or _finite_divergence(diagnosis)) and diagnosis.is_alarm
+                and not diagnosis.withdrawn and "reported_from_rank" not in diagnosis.evidence)
+
     def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
         """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
         judge alone (``agreed`` False), and a rank's own finite divergence where they agree."""
@@ -200,7 +271,9 @@ class CrossRank:
         if not self.end_due:
             return None
         self.end_due = False
-        own = self.end_asked
+        # the finding every rank published for it (reconciled), else this rank's own alarm, else one relayed
+        own = next((d for d in relayed if d.is_alarm and d.remedy is None and "fault_ranks" in d.evidence
+                    and "reported_from_rank" in d.evidence), None) or self.end_asked
         if own is None:
             own = next((d for d in relayed if d.is_alarm and d.remedy is None), None)
         on = rank() if own is None or "reported_from_rank" not in own.evidence else own.evidence["reported_from_rank"]

@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol, Union
 
+from lightning_ampwatch import protocol
 from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies import REGISTRY, Effect
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
@@ -114,16 +115,14 @@ class Run(Protocol):
 class Episodes:
     """Alarm, investigation, decision, remedy, outcome and publication of one run (see the module docstring).
 
-    ``act``: the front's hand, which applies an action and answers with what it did. ``flush``: the front's
-    catch-up of clean steps not taken in yet (the machine and the timeline as they would be). ``probe_changed``:
-    called after an investigation may have armed or finished a live probe (the front's per-step calls follow it)."""
+    ``act``: the front's hand, which applies an action and answers with what it did. ``probe_changed``: called after
+    an investigation may have armed or finished a live probe (the front's per-step calls follow it)."""
 
     def __init__(self, run: Run, treatment: Treatment, *, act: Callable[[Action], Any],
-                 flush: Callable[[], None], probe_changed: Callable[[], None]) -> None:
+                 probe_changed: Callable[[], None]) -> None:
         self.run = run
         self.treatment = treatment
         self.act = act
-        self.flush = flush
         self.probe_changed = probe_changed
         self.diagnoses: list[Diagnosis] = []  # the journal: every published diagnosis, updated in place
         self._said_alone = False  # on_unrecoverable could not be carried out by this rank alone: said once
@@ -136,7 +135,6 @@ class Episodes:
         run = self.run
         machine, investigations, ledger = run.machine, run.investigations, run.ledger
         assert machine is not None and ledger is not None
-        self.flush()
         timeline = run.timeline
         treatment = self.treatment
         for step in resolved:
@@ -185,7 +183,6 @@ class Episodes:
         run = self.run
         machine, investigations, ledger = run.machine, run.investigations, run.ledger
         assert machine is not None and ledger is not None
-        self.flush()
         for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
             if investigations is not None and diagnosis.is_alarm:
                 diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, run.trajectory)
@@ -195,7 +192,6 @@ class Episodes:
         """Every held loss read (one copy), and handed to the machine's loss level."""
         ledger, machine = self.run.ledger, self.run.machine
         assert ledger is not None and machine is not None
-        self.flush()
         ledger.read_losses()
         machine.note_losses(ledger.take_unnoted())
 
@@ -203,11 +199,10 @@ class Episodes:
         """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
         divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
         since a treatment is a decision every rank must take together."""
-        self.flush()  # the steps before it taken in: the timeline dates its marker by them
         run = self.run
         ledger = run.ledger
-        if ledger is not None:  # closed until the next batch end has looked (a recipe guard emits from inside a step)
-            ledger.express_until = 0
+        if ledger is not None:  # the steps before it taken in (the timeline dates its marker by them), and none held
+            ledger.hold()  # back until the next batch end has looked (a recipe guard emits from inside a step)
         if run.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
             diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
                 f"{run.ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
@@ -229,7 +224,6 @@ class Episodes:
         run, treatment = self.run, self.treatment
         machine, ledger = run.machine, run.ledger
         assert machine is not None and ledger is not None
-        self.flush()
         agreed = self.agreed
         for diagnosis in treatment.take_due():
             if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
@@ -266,9 +260,10 @@ class Episodes:
                 treatment.fp32_reference(run.trajectory, host.global_step,
                                          gather=run.ranks.gather(ledger) if ledger.agree else lambda v: [v])
                 self.note_agreement()
-            recovery = self.decide(treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
-                                                   skipped_total=machine.skipped_total))
-            self._ended(treatment.end(recovery))
+            recovery = self.decide(lambda: treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
+                                                           skipped_total=machine.skipped_total))
+            if recovery is not None:  # None: judged later (a stall's remedy, still falling)
+                self._ended(treatment.end(recovery))
         control = run.trajectory
         if control is not None:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
@@ -325,7 +320,7 @@ class Episodes:
             self.update(relapsed.old, relapsed.new)
         if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
             return diagnosis
-        choice = self.decide(treatment.policy.choose(diagnosis))  # decided once, on rank zero
+        choice = self.decide(lambda: treatment.policy.choose(diagnosis))  # agreed, then rank zero's
         if choice is None:
             return diagnosis
         self.read_losses()  # the losses up to now, for the level the run goes back to
@@ -362,23 +357,32 @@ class Episodes:
                               then=then, steps_seen=machine.steps_seen, skipped_total=machine.skipped_total)
         return treated
 
-    def decide(self, value: Any) -> Any:
-        """Rank zero's value on every rank (only on steps every rank is in: an alarm under a scaler); this rank's own
-        once the ranks stopped agreeing."""
+    def decide(self, choose: Callable[[], Any]) -> Any:
+        """Rank zero's ``choose()`` on every rank, after the ranks agreed that every one could choose
+        (:func:`protocol.decide`; only on steps every rank is in: an alarm under a scaler); this rank's own once the
+        ranks stopped agreeing."""
         run = self.run
         agree = run.ledger is None or run.ledger.agree
-        return run.host.broadcast(value) if run.world_size > 1 and run.host is not None and agree else value
+        return protocol.decide(choose) if run.world_size > 1 and agree else choose()
 
     # ------------------------------------------------------------------ publication
 
     def publish(self, diagnosis: Diagnosis) -> None:
         """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
         replaces the record it takes back; the event log gets one more line saying so."""
+        ranks = self.run.ranks
+        if ranks.defers(diagnosis, self.agreed):
+            # judged alone: published on every rank alike once the ranks compared their alarms at the next exchange
+            # (the log step's, or the fit end's), as the rank the fault began on found it (distributed.reconcile)
+            ranks.relay.defer(diagnosis)
+            if diagnosis.remedy is None:
+                self._unrecoverable(diagnosis)  # (a request to end the run, carried by the log step's sum)
+            return
         if diagnosis.withdrawn:
             self.diagnoses = [d for d in self.diagnoses
                               if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
         self.diagnoses.append(diagnosis)
-        self.run.ranks.hold(diagnosis, self.agreed)  # rank zero hears of it at the next agreement point, if it must
+        ranks.hold(diagnosis, self.agreed)  # rank zero hears of it at the next agreement point, if it must
         applied = self.treatment.applied
         self.act(Publish(diagnosis, applied[-1].step if diagnosis.remedy is not None and applied else None))
         if diagnosis.is_alarm and diagnosis.remedy is None:
@@ -388,16 +392,22 @@ class Episodes:
         """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
         it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
         published after a remedy took the scaler away) is not repeated."""
-        self.flush()
         if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
             return
         self.diagnoses.append(diagnosis)
         self.act(Publish(diagnosis))
 
+    def publish_reconciled(self) -> list[Diagnosis]:
+        """Every rank, after an exchange: the alarms the ranks judged alone, as they agreed on them
+        (:func:`distributed.reconcile`), published alike on every rank. Returns them."""
+        agreed = self.run.ranks.relay.take_reconciled()
+        for diagnosis in agreed:
+            self.publish_relayed(diagnosis)
+        return agreed
+
     def update(self, old: Diagnosis, new: Diagnosis) -> None:
         """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
         record, and the sinks get it once more."""
-        self.flush()
         at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
         if at is None:
             self.diagnoses.append(new)

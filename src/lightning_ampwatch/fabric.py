@@ -616,9 +616,6 @@ class FabricHost:
         """A Fabric loop saves its checkpoints itself, where the watch cannot know: only snapshots roll back."""
         return None, None
 
-    def broadcast(self, value: Any) -> Any:
-        return self._fabric.broadcast(value, src=0)
-
     def log_metrics(self, metrics: dict[str, float]) -> None:
         self._fabric.log_dict(metrics, step=self._watch.steps)
 

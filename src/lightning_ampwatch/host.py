@@ -85,9 +85,6 @@ class Host(Protocol):
         (None, None) when there is none. A file is checked before the live state is touched; a restore that still
         fails raises (the caller publishes the alarm with the failure)."""
 
-    def broadcast(self, value: Any) -> Any:
-        """Rank zero's ``value`` on every rank (only called where every rank is at the same step)."""
-
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """The ``ampwatch/*`` metrics of the current log step, to the framework's loggers."""
 

@@ -304,11 +304,16 @@ class Interventions:
     def run(self, *, module: Any, located: str | None, forward: bool, onset_scale: float | None,
             scale_hint: float | None, scaled: bool, from_step: int, onset: int,
             repeated_from: int | None, lr_factor: float = LR_FACTOR,
-            lr_cap: float | None = None) -> InterventionReport:
+            lr_cap: float | None = None, lr_rose: bool = False,
+            unlocated: str = "the fault was not located in a module",
+            fp32_fails: Callable[[Tried, Tried], bool] | None = None) -> InterventionReport:
         """``located``: the module the fault was located in (forward faults), or None; ``forward``: the loss itself
         went non-finite (no loss scale reaches a forward overflow); ``onset_scale``: the scale the run faulted at;
         ``scale_hint``: the single-batch estimate of a safe scale, where the search starts; ``scaled``: the run has
-        a scaler."""
+        a scaler; ``lr_rose``: the LR rose before the onset, so the lower LR is always replayed: where the cap has no
+        room left for the whole window, over as much of it as fits, through the onset and a step past it;
+        ``fp32_fails(nothing, fp32)``: the FP32 replay, finite, still failed (it climbed far above the level: the
+        trajectory control's verdict), so no precision fix is replayed."""
         n = len(self.window)
         self.onset = onset
         self.lr_factor = lr_factor
@@ -318,15 +323,24 @@ class Interventions:
         watch = island
 
         def attempt(kind: Intervention, label: str, stop: bool, **options: Any) -> Tried | None:
+            steps = n
             if not self._room():
-                not_tried.append((label, f"the replay-step cap of {self.cap} per alarm is reached "
-                                         "(Thresholds.replay_steps)"))
-                return None
+                room = self.cap - self.used
+                through = self.window.index(onset) + 2 if onset in self.window else None  # the onset and one past
+                if kind is Intervention.LOWER_LR and lr_rose and through is not None and through <= room < n:
+                    steps = room  # shortened, never left out: the LR rose before the onset
+                    options["limit"] = room
+                    label = (f"{label} (steps {self.window[0]}-{self.window[room - 1]}: the window shortened to the "
+                             f"replay-step cap of {self.cap})")
+                else:
+                    not_tried.append((label, f"the replay-step cap of {self.cap} per alarm is reached "
+                                             "(Thresholds.replay_steps)"))
+                    return None
             allowed = 0 if kind in (Intervention.NOTHING, Intervention.LOWER_SCALE) else 1
             result = self._run(stop_on_fault=stop, skips_allowed=allowed, **options)
             if result is None:
                 return None
-            t = Tried(kind, label, result, n, modules=tuple(options.get("island", ())), scale=options.get("scale"))
+            t = Tried(kind, label, result, steps, modules=tuple(options.get("island", ())), scale=options.get("scale"))
             tried.append(t)
             return t
 
@@ -337,7 +351,8 @@ class Interventions:
             return self._report(from_step, repeated_from, tried, not_tried, island)
         # FP32 fails too: not an AMP fault, so no precision fix (island, scale, bf16) can cure it and only the lower
         # LR is worth its replay steps (the lr_schedule demo spent its cap on a scale search; agreed, every rank alike)
-        amp_fault = self.agree(fp32 is not None and fp32.cured)
+        amp_fault = self.agree(fp32 is not None and fp32.cured and not (
+            fp32_fails is not None and nothing is not None and fp32_fails(nothing, fp32)))
         if not amp_fault:
             moot = ["fp32 island", *(["lower loss scale"] if scaled else []), *(["bf16"] if self.bf16 else [])]
             not_tried.append((", ".join(moot), "FP32 training fails over the same steps, so no precision setting "
@@ -356,7 +371,7 @@ class Interventions:
                     attempt(kind, f"fp32 island on {module_label(module, island)}", True, precision="amp",
                             island=island)
                 else:
-                    not_tried.append(("fp32 island", "the fault was not located in a module"))
+                    not_tried.append(("fp32 island", unlocated))
             else:
                 if lr_cap is not None:  # a rise of more than 10x: the same steps without it
                     attempt(kind, f"LR capped at {lr_cap:.3g} (before the rise)", False, precision="amp",

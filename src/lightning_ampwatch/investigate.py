@@ -185,6 +185,8 @@ class Investigator:
             return out
         if weights_stepped and not _weights_finite(self.module):
             ev["replay"] = "not run: the weights already hold non-finite values (no scaler protected them)"
+            ev["weights_lost"] = ("the weights now hold non-finite values (no scaler skipped this step): every later "
+                                  "step trains on them, and the run cannot recover by itself")
             return out
         if weights_stepped:
             ev["replay_note"] = "the optimizer stepped after this batch: replayed with the updated weights"
@@ -333,8 +335,10 @@ def _weights_finite(module: torch.nn.Module) -> bool:
 
 
 def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: str | None,
-                 headroom: list[tuple[str, float]]) -> Diagnosis:
-    """A diagnosis that waited for a :class:`~lightning_ampwatch.probes.LiveProbe`, with what the probe saw."""
+                 headroom: list[tuple[str, float]], outside: str | None = None) -> Diagnosis:
+    """A diagnosis that waited for a :class:`~lightning_ampwatch.probes.LiveProbe`, with what the probe saw. A forward
+    fault with no module output non-finite is placed at ``outside`` (the training step's own code: see
+    :func:`in_training_step`)."""
     ev = dict(diagnosis.evidence)
     ev["live_probe"] = ("the next training step watched as it ran (manual optimization: no replay)"
                         if (first_module or first_param) else
@@ -351,7 +355,21 @@ def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: st
         location = first_module  # a forward fault is where a module's output went non-finite, never a parameter
     else:
         location = first_module or first_param
-    return replace(diagnosis, location=location or diagnosis.location, evidence=ev)
+    located = replace(diagnosis, location=location or diagnosis.location, evidence=ev)
+    return in_training_step(located, outside, "no module's output was non-finite in the step watched")
+
+
+def in_training_step(diagnosis: Diagnosis, place: str | None, why: str) -> Diagnosis:
+    """A forward fault under manual optimization that no module's output explains, placed where it can be defended:
+    the training step (``place``, ``<Model>.training_step``), whose own code computed the loss handed to
+    ``manual_backward`` (every forward ran inside it, and the step cannot be replayed). ``why``: why no module is
+    named, said in the evidence (``location_why``)."""
+    if diagnosis.location is not None or place is None or diagnosis.finding not in _FORWARD \
+            or diagnosis.finding is Finding.DATA_NONFINITE:
+        return diagnosis
+    return replace(diagnosis, location=place, evidence={**diagnosis.evidence, "location_why": (
+        f"{why}; the non-finite loss came out of {place} (manual optimization: the step cannot be replayed), so "
+        "that is the place named")})
 
 
 
@@ -463,6 +481,9 @@ class Investigations:
             self._awaiting_probe.append(refined)  # published after the next step, with its location
             self._probe_next = True
             return None, renamed
+        if not self.investigator.automatic and refined.location is None:  # several ranks: no live probe either
+            refined = in_training_step(refined, self._training_step(),
+                                       "no replay and no live probe (several ranks: each would watch its own step)")
         return refined, renamed
 
     def investigate_divergence(self, diagnosis: Diagnosis, alarm_step: int,
@@ -517,7 +538,16 @@ class Investigations:
             return []
         seen = probe.finish() if probe is not None else (None, None, [])
         waiting, self._awaiting_probe = self._awaiting_probe, []
-        return [located_live(diagnosis, *seen) for diagnosis in waiting]
+        return [located_live(diagnosis, *seen, outside=self._training_step()) for diagnosis in waiting]
+
+    def _training_step(self) -> str | None:
+        """Where the model's own step code runs (``<Model>.training_step``; the adapter's name for it, if any)."""
+        investigator = self.investigator
+        if investigator is None:
+            return None
+        if investigator.outside_modules is not None:
+            return investigator.outside_modules()
+        return f"{sharding.class_name(investigator.module)}.training_step"
 
     @property
     def probing(self) -> bool:

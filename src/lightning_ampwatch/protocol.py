@@ -1,13 +1,15 @@
 """The one place where AmpWatch's ranks talk to each other (docs/collectives.md draws it as a state machine).
 
-Every collective the watch makes goes through this module: :func:`gather` (a small record from every rank),
-:func:`broadcast` (a tensor from one rank: a split snapshot's entries), :func:`all_reduce` (the log step's sums)
-and :func:`agree` (the decision every rank takes before any other collective of a region). A region that talks
-to every rank (the restore of a split snapshot, a sharded model's replay) starts with a :class:`Meeting`: each rank
-enters it exactly once, whatever happened to it before (its replay raised, its snapshot failed, its watch switched
-itself off), and brings there whether it can go on. Only when every rank can does any rank enter the region's
-other collectives; otherwise every rank stops at the same point. A rank that cannot take part never skips the
-meeting: it enters it to say so.
+Every collective the watch makes, in every adapter (Lightning's callback, Fabric's watch) and under every
+strategy, goes through this module (tests/test_structure.py holds every other module to it): :func:`gather` (a
+small record from every rank), :func:`broadcast` (a tensor from one rank: a split snapshot's entries),
+:func:`all_reduce` (the log step's sums), :func:`decide` (rank zero's choice of a remedy or of its outcome, after
+the agreement) and :func:`agree` (the decision every rank takes before any other collective of a region). A
+region that talks to every rank (the restore of a split snapshot, a sharded model's replay) starts with a
+:class:`Meeting`: each rank enters it exactly once, whatever happened to it before (its replay raised, its
+snapshot failed, its watch switched itself off), and brings there whether it can go on. Only when every rank can
+does any rank enter the region's other collectives; otherwise every rank stops at the same point. A rank that
+cannot take part never skips the meeting: it enters it to say so.
 
 This module imports nothing from the package (the others import it), so no import cycle runs through it.
 """
@@ -52,6 +54,26 @@ def broadcast(t: torch.Tensor, src: int) -> None:
 def all_reduce(t: torch.Tensor) -> None:
     """The sum of ``t`` over every rank, in place."""
     dist.all_reduce(t)
+
+
+def decide(choose: Callable[[], T]) -> T:
+    """One decision every rank takes alike (the remedy chosen for an alarm, a watched remedy's outcome): each rank
+    runs ``choose``; the ranks then agree (one small all-reduce, :func:`meet_or_abort`), a rank whose ``choose``
+    raised bringing its error there; only when none did does rank zero's choice reach every rank (one
+    ``broadcast_object_list``). When one did, every rank raises the same :class:`ReplayAborted` at that point, and no
+    rank waits in a broadcast another rank never enters. With one process: ``choose()``, as it is."""
+    if world_size() == 1:
+        return choose()
+    value: Any = None
+    error: str | None = None
+    try:
+        value = choose()
+    except Exception as err:  # noqa: BLE001 - brought to the agreement, raised there on every rank alike
+        error = f"{type(err).__name__}: {err}"
+    meet_or_abort(error)
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def agree(vote: int) -> int:

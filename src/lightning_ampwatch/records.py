@@ -55,6 +55,7 @@ class Rollback:
     path: str | None = None  # the checkpoint file
     why: str | None = None  # for NONE: why nothing was rolled back
     retrained: tuple[float | None, ...] | None = None  # the episode's losses, trained on again with the remedy
+    untouched: bool = False  # NONE because every step since the fit's start was skipped: the state is the start's
 
     @property
     def resumed_at(self) -> int | None:

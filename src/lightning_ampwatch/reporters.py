@@ -70,8 +70,8 @@ KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
     Finding.FORWARD_OVERFLOW: ("replay_first_nonfinite_module", "live_first_nonfinite_module", "replay_loss",
                                "fp32_control_loss", "fp16_headroom_log2", "control_verdict"),
     Finding.INPUT_RANGE: ("input_absmax", "input_where", "control_verdict"),
-    Finding.GRADIENT_OVERFLOW: ("pattern", "skipped_in_row", "scale_history", "safe_scale", "safe_scale_from",
-                                "replay_first_nonfinite_param", "control_verdict"),
+    Finding.GRADIENT_OVERFLOW: ("pattern", "optimizer_skips", "skipped_in_row", "scale_history", "safe_scale",
+                                "safe_scale_from", "replay_first_nonfinite_param", "control_verdict"),
     Finding.GROWTH_OVERFLOW: ("growth_steps", "skip_rate", "growth_interval", "growth_factor", "control_verdict"),
     Finding.LR_SCHEDULE: ("lr_event", "lr_before", "lr_after", "lr_change_step", "divergence", "control_verdict",
                           "loss_reference_why", "lower_lr_reason"),
@@ -85,7 +85,7 @@ KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
     Finding.EPS_UNDERFLOW: ("optimizer", "param_group", "eps", "eps_in_float16"),
 }
 #: Rows any finding shows when present: why nothing was replayed, and where a remedy took the run back to.
-ALWAYS_SHOWN = ("replay", "live_probe", "cofactors", "tried", "rollback")
+ALWAYS_SHOWN = ("weights_lost", "replay", "live_probe", "cofactors", "tried", "rollback")
 #: Evidence the console never shows: the single batch's control verdict, kept in the evidence (and the event log)
 #: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
 #: contradiction.
@@ -108,6 +108,7 @@ EVIDENCE_LABELS: dict[str, str] = {
     "batch_idx": "batches replayed",
     # the replay at the run's precision, and where it failed
     "replay": "replay",
+    "weights_lost": "weights after this step",
     "replay_note": "replay note",
     "replay_loss": "replayed loss at run precision",
     "replay_grads_finite": "gradients finite when replayed",
@@ -199,6 +200,7 @@ EVIDENCE_LABELS: dict[str, str] = {
     "clip_limit": "clip limit",
     "limit_in_real_units": "limit in unscaled units",
     "optimizer": "optimizer",
+    "optimizer_skips": "the optimizer that skipped",
     "optimizer_state": "optimizer state",
     "factor": "loss multiplied by",
     "second_scaler_scale": "second scaler's scale",
@@ -415,6 +417,20 @@ def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
         return None
     allowed = frozenset(allowed)
     ladder = [str(getattr(r, "value", r)) for r in ladder_for(diagnosis)]
+    if diagnosis.evidence.get("weights_lost") and diagnosis.finding is Finding.DATA_NONFINITE:
+        lost = "the weights now hold NaN/inf and the run cannot recover"
+        if not allowed or not any(r in allowed for r in ladder):
+            return f"{lost}; remediate=True rolls back and skips the batch"
+        return f"{lost}: no state from before the batch could be rolled back to"
+    reason = _unremedied(diagnosis, diagnoses, allowed, ladder)
+    if diagnosis.evidence.get("weights_lost"):  # another finding's weights gone non-finite: said after its reason
+        lost = "the weights now hold NaN/inf"
+        return lost if reason is None else f"{reason}; {lost}"
+    return reason
+
+
+def _unremedied(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis], allowed: frozenset[str],
+                ladder: list[str]) -> str | None:
     if not ladder:
         return "no AMP setting fixes it"
     if not allowed:

@@ -41,6 +41,7 @@ class WatchState:
             "applied": [r.to_dict() for r in self.applied],
             "policy": self.treatment.policy.state_dict(),
             "watch": self.treatment.watch_state(),  # a remedy still watched: judged after a resume too
+            "recovered": self.treatment.recovered_state(),  # recoveries a relapse after a resume takes back
         }
 
     def load_state_dict(self, state_dict: Any) -> None:
@@ -66,6 +67,7 @@ class WatchState:
             ("machine", lambda: self.machine.load_state_dict(state["machine"])  # type: ignore[union-attr]
              if state.get("machine") else None),
             ("watch", lambda: self.treatment.load_watch(state.get("watch"), self.diagnoses)),
+            ("recovered", lambda: self.treatment.load_recovered(state.get("recovered"), self.diagnoses)),
         ]
         for part, load in parts:
             try:

@@ -388,7 +388,9 @@ def _advice_data(ev: Mapping[str, Any]) -> str:
         f"Clean the data before it reaches the model{' (' + str(where) + ')' if where else ''}: "
         "check torch.isfinite(batch).all() in the dataset or a collate function, and drop or repair the "
         "offending rows. Changing the precision will not help."
-    )
+    ) + (" The weights already hold NaN/inf from this batch: unless the run goes back to a state from before it, "
+         "the rest of the run is lost (remediate=True rolls back and skips the batch; by hand, resume from a "
+         "checkpoint from before it without that batch)." if ev.get("weights_lost") else "")
 
 
 def _advice_fp32(ev: Mapping[str, Any], control_diverging: bool = False, against_first_loss: bool = False) -> str:

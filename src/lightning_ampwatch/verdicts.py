@@ -164,10 +164,93 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
     ratio = after / reference
     details["loss_ratio"] = round(ratio, 4)
     if ratio > RECOVERY_LOSS_FACTOR:
-        return Recovery(NOT_RECOVERED, f"the NaNs are gone, but the loss is {ratio:.3g}x {reference_from} "
+        return Recovery(NOT_RECOVERED, f"the loss is {ratio:.3g}x {reference_from} "
                                        f"({after:.4g} against {reference:.4g})", details)
     return Recovery(RECOVERED, f"{steps} steps after it: {skipped} skipped, the loss {after:.4g} is {ratio:.3g}x "
                                f"{reference_from} ({reference:.4g})", details)
+
+
+def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float], *, steps: int, skipped: int,
+                   track_from: str, tolerance: float, same_batches: bool = True) -> Recovery:
+    """The outcome of a remedy with no healthy level to come back to, judged against a reference trajectory
+    (``track``: step -> loss): FP32 training from the same state over the same steps, or the remedy's own cured
+    replay of the window. Recovered when at most one step was skipped, every loss is finite, the run's loss tracks
+    the reference within ``tolerance`` (the median of its ratios to the reference, step by step, at most
+    ``1 + tolerance``), and it trains down (its last three's median more than ``tolerance`` under its first), or
+    holds where the reference holds too. Else not recovered where it plainly lags, not verified where only the trend
+    is in doubt. ``same_batches``: the reference ran the very batches the run did (FP32 from the same state); where
+    it did not (the cured replay of the window, whose batches a rollback skipped), a lag beyond the tolerance but
+    within ``RECOVERY_LOSS_FACTOR`` is batch noise as much as a fault: not verified, never escalated on."""
+    values = [loss for _, loss in losses]
+    finite = [x for x in values if math.isfinite(x)]
+    after = statistics.median(finite) if finite else None
+    details: dict[str, Any] = {"steps": steps, "skipped": skipped, "loss_after": after, "loss_before": None,
+                               "loss_before_from": track_from, "track_tolerance": tolerance}
+    if len(finite) < len(values):
+        return Recovery(NOT_RECOVERED, f"{len(values) - len(finite)} of the {len(values)} losses after it are still "
+                                       "non-finite", details)
+    if skipped > 1:
+        return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
+    if climbing(finite):
+        third = max(1, len(finite) // 3)
+        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
+                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
+    pairs = [(loss, track[s]) for s, loss in losses if s in track and math.isfinite(track[s]) and track[s] > 0]
+    if len(pairs) < 3:  # different steps (a rollback renumbered them): the levels over the judged steps
+        ref = [v for v in track.values() if math.isfinite(v)]
+        if len(ref) < 3 or len(finite) < 3:
+            return Recovery(Outcome.NOT_VERIFIED, f"there is no healthy reference to compare the loss with (too few "
+                                                  f"steps in common with {track_from})", details,
+                            Unverified.NO_REFERENCE)
+        reference = statistics.median(ref[-max(3, len(ref) // 3):])
+        ratio = statistics.median(finite[-max(3, len(finite) // 3):]) / reference
+        ref_first, ref_end = ref[0], statistics.median(ref[-3:])
+    else:
+        ratio = statistics.median(a / b for a, b in pairs)
+        reference = statistics.median(b for _, b in pairs)
+        ref_losses = [b for _, b in pairs]
+        ref_first, ref_end = ref_losses[0], statistics.median(ref_losses[-3:])
+    details.update(loss_before=reference, loss_ratio=round(ratio, 4))
+    allowed = f"{tolerance * 100:.3g}%"
+    first, end = finite[0], statistics.median(finite[-3:])
+    if ratio > 1 + tolerance and not same_batches and ratio <= RECOVERY_LOSS_FACTOR:
+        return Recovery(Outcome.NOT_VERIFIED, f"the loss is {ratio:.3g}x {track_from}, more than the {allowed} "
+                                              "allowed, on other batches than the run's: no recovery is claimed",
+                        details, Unverified.NO_REFERENCE)
+    if ratio > 1 + tolerance:
+        return Recovery(NOT_RECOVERED, f"the loss does not track {track_from}: {ratio:.3g}x it, more than the "
+                                       f"{allowed} allowed ({after:.4g} against {reference:.4g})", details)
+    if end < (1 - tolerance) * first:
+        trend = f"trains down ({first:.4g} -> {end:.4g})"
+    elif not ref_end < (1 - tolerance) * ref_first:
+        moved = "holds" if end <= (1 + tolerance) * first else "rises"
+        trend = (f"{moved} ({first:.4g} -> {end:.4g}) as the reference does on the same batches ({ref_first:.4g} -> "
+                 f"{ref_end:.4g})")
+    else:
+        return Recovery(Outcome.NOT_VERIFIED, (
+            f"the loss tracks {track_from} within {allowed} ({ratio:.3g}x it), but it does not train down ({first:.4g} -> {end:.4g}) while the "
+            f"reference does ({ref_first:.4g} -> {ref_end:.4g})"), details, Unverified.NO_REFERENCE)
+    return Recovery(RECOVERED, f"{steps} steps after it: {skipped} skipped, every loss finite, the loss {after:.4g} "
+                               f"tracks {track_from} ({reference:.4g}): {ratio:.3g}x it, within the {allowed} "
+                               f"allowed, and {trend}", details)
+
+
+def judge_decisive_fall(losses: Sequence[float], *, steps: int, skipped: int, margin: float,
+                        why: str) -> Recovery | None:
+    """For a fault that stopped training from progressing (a stall): the run, with no reference to track, is
+    recovered when nothing was skipped (one probe aside), every loss is finite and its loss fell decisively
+    (the median of its last three at least ``margin`` under its first). None when it has not (yet)."""
+    finite = [x for x in losses if math.isfinite(x)]
+    if len(finite) < len(losses) or len(finite) < 3 or skipped > 1:
+        return None
+    first, end = finite[0], statistics.median(finite[-3:])
+    if not end <= (1 - margin) * first:
+        return None
+    return Recovery(RECOVERED, (
+        f"{steps} steps after it: {skipped} skipped, every loss finite, and the loss fell decisively, from {first:.4g} "
+        f"to {end:.4g} (at least the {margin:.0%} fall_margin): {why}"),
+        {"steps": steps, "skipped": skipped, "loss_after": statistics.median(finite), "loss_before": None,
+         "loss_first": first, "loss_end": end, "fall_margin": margin})
 
 
 def climbing(losses: Sequence[float]) -> bool:

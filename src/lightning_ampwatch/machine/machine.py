@@ -18,9 +18,19 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_ampwatch.machine.lr_history import lr_event, record_lr
 from lightning_ampwatch.machine.reference import SKIP_LOG, HealthyReference, LevelAt
-from lightning_ampwatch.machine.state import Climb, Episode, MachineState, NormalCall, Streak, decode, plain
+from lightning_ampwatch.machine.state import (
+    SCALE_HISTORY,
+    Climb,
+    Episode,
+    MachineState,
+    NormalCall,
+    OptimizerSteps,
+    Streak,
+    decode,
+    plain,
+)
 from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
-from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise
+from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise, format_pow2
 
 
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
@@ -57,6 +67,8 @@ class AmpStateMachine:
         self._pending: list[Diagnosis] = []  # alarms raised while losses read after the fact were taken in
         self.healthy = HealthyReference(self, self._climb_lasted)
         """The healthy-reference tracker: the loss level, the climb, the level after a rollback."""
+        self.optimizer_names: tuple[str, ...] = ()
+        """Each optimizer in a few words ("Adam over disc.*"), by index, where several step through one scaler."""
         self.divergence_opens_episode = True
         """A finite divergence opens an episode (later alarms are part of it). Off under DDP, where each rank finds
         it in its own losses while the ranks must keep meeting the agreed alarms (skips) together: it is then
@@ -91,6 +103,8 @@ class AmpStateMachine:
             s.recent_skips.popleft()
         if obs.loss_finite is False:
             s.nonfinite_total += 1
+        if obs.optimizer is not None and obs.skipped:
+            self._optimizer_skipped(obs)
 
         if obs.anomalous:
             if self.quiet:  # the first sign of whatever comes: the healthy level stands as it was before it
@@ -267,7 +281,12 @@ class AmpStateMachine:
 
     @property
     def max_safe_scale(self) -> float | None:
-        """The largest scale at which a step went through: what ``lower_init_scale`` falls back to."""
+        """The largest scale at which a step went through: what ``lower_init_scale`` falls back to. Where several
+        optimizers step through one scaler, the largest at which every one of them did (None until each one has)."""
+        records = self.state.optimizers
+        if records:
+            scales = [r.safe_scale for r in records.values()]
+            return None if None in scales else min(scales)  # type: ignore[type-var]
         return self.state.max_safe_scale
 
     @property
@@ -316,6 +335,8 @@ class AmpStateMachine:
         s.climb = None
         s.recent_skips.clear()
         s.growth_skips.clear()
+        for record in s.optimizers.values():
+            record.skips_in_row = 0
 
     def reconfigure(self, mode: PrecisionMode | str | None = None, scaler_config: Mapping[str, Any] | None = None) -> None:
         """The run's arithmetic changed under us (bf16 fallback, slower growth): keep the history, switch rules."""
@@ -343,6 +364,11 @@ class AmpStateMachine:
         streak, from_start = s.streak, s.streak_from_start
         s.streak = None
         s.streak_from_start = False
+        if obs.optimizer is not None:
+            # several optimizers through one scaler: a start-up streak is each optimizer's own (another's clean step
+            # does not end it, nor say at what scale it holds)
+            from_start = False
+            out.extend(self._optimizer_stepped(obs))
         if streak is not None and (s.episode is None or self._beside_data(s.episode, None)):
             if from_start and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 out.extend(self._raise(self._startup_overflow(streak, obs), obs.step))
@@ -436,7 +462,11 @@ class AmpStateMachine:
 
         first = self._first_sign(obs.step)
         climb = s.climb if s.climb is not None and s.climb.steps >= t.climb_steps else None
-        if climb is not None:
+        # Under several ranks the climb is this rank's own losses, while the alarm is met by every rank together: it
+        # neither names the alarm nor adds to its evidence there (ranks whose losses differ would publish different
+        # findings for one episode: one "FP32_UNSTABLE" at its climb's start, the other the overflow). It is its own
+        # finite divergence, reported as such (divergence_opens_episode False).
+        if climb is not None and self.divergence_opens_episode:
             ev.update(self.healthy.climb_evidence(climb, first))
             if climb.start_step < first:  # divergence first: the optimisation, not reduced precision
                 lr = lr_event(s, t, climb.start_step, max(obs.lrs, default=None))
@@ -482,10 +512,24 @@ class AmpStateMachine:
         ev.update(skipped_in_row=streak.count, skipped_steps=s.skipped_total, steps=s.steps_seen)
         if s.first_scale is not None:
             ev["init_scale"] = s.first_scale
+        record = s.optimizers.get(str(obs.optimizer)) if obs.optimizer is not None else None
+        safe_scale = s.max_safe_scale
+        if record is not None:
+            # several optimizers through one scaler: this optimizer's own row of skips, and the largest scale at which
+            # it (not another) stepped
+            return self._optimizer_pattern(obs, record, ev)
         if obs.scale is not None and obs.scale < t.floor_scale and (s.streak_from_start or streak.count >= 2):
             ev.update(pattern=GradientPattern.UNSCALED_OVERFLOW, scale_history=list(streak.scales),
                       onset=streak.first_step)
             return Finding.GRADIENT_OVERFLOW
+        return self._skip_pattern(obs, ev, safe_scale)
+
+    def _skip_pattern(self, obs: Observation, ev: dict[str, Any], safe_scale: float | None) -> Finding | None:
+        """The patterns of skips later in the run (start-up, growth, burst, collapse, persistent), ``safe_scale`` the
+        largest scale known to hold."""
+        t, s = self.thresholds, self.state
+        streak = s.streak
+        assert streak is not None
         if s.streak_from_start:
             if self.early_startup and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 ev.update(pattern=GradientPattern.STARTUP, scale_history=list(streak.scales), onset=streak.first_step)
@@ -504,13 +548,13 @@ class AmpStateMachine:
         burst = [step for step in s.recent_skips if step > obs.step - 2 * t.streak]
         if len(burst) >= t.streak:
             pattern = GradientPattern.COLLAPSE if streak.count >= t.streak else GradientPattern.BURST
-            ev.update(pattern=pattern, scale_history=list(streak.scales), safe_scale=s.max_safe_scale,
+            ev.update(pattern=pattern, scale_history=list(streak.scales), safe_scale=safe_scale,
                       onset_scale=streak.first_scale, onset=burst[0])
             return Finding.GRADIENT_OVERFLOW
         window_steps = min(t.window, s.steps_seen)
         if window_steps >= t.window // 2 and len(s.recent_skips) >= max(3, t.window_skip_rate * window_steps):
             ev.update(pattern=GradientPattern.PERSISTENT, skip_rate=round(len(s.recent_skips) / window_steps, 4),
-                      window=window_steps, safe_scale=s.max_safe_scale, onset=s.recent_skips[0])
+                      window=window_steps, safe_scale=safe_scale, onset=s.recent_skips[0])
             return Finding.GRADIENT_OVERFLOW
         return None
 
@@ -522,6 +566,102 @@ class AmpStateMachine:
             "init_scale": streak.first_scale, "safe_scale": clean.scale, "scale_history": list(streak.scales),
         }
         return self._make(Finding.GRADIENT_OVERFLOW, streak.first_step, ev)
+
+    # ---------------------------------------------------------------- several optimizers through one scaler
+
+    def _optimizer_skipped(self, obs: Observation) -> None:
+        """An optimizer's step was skipped: its own row of skips grows."""
+        key = str(obs.optimizer)
+        record = self.state.optimizers.get(key)
+        if record is None:
+            record = self.state.optimizers[key] = OptimizerSteps()
+        record.skipped += 1
+        if not record.skips_in_row:
+            record.first_skip, record.scales, record.all_loss_finite = obs.step, [], True
+        record.skips_in_row += 1
+        record.scales.append(obs.scale)
+        del record.scales[:-SCALE_HISTORY]
+        if obs.loss_finite is False and not _data_step(obs):
+            record.all_loss_finite = False
+
+    def _optimizer_stepped(self, obs: Observation) -> list[Diagnosis]:
+        """An optimizer's step went through: its safe scale, and the end of its row of skips. A row that began with
+        its first step and lasted ``startup_streak`` skips is a start-up overflow of this optimizer, the scale it now
+        stepped at its measured safe scale (as for one optimizer, judged when the row ends)."""
+        t, s = self.thresholds, self.state
+        key = str(obs.optimizer)
+        record = s.optimizers.get(key)
+        if record is None:
+            record = s.optimizers[key] = OptimizerSteps()
+        out: list[Diagnosis] = []
+        if not record.stepped and record.skips_in_row >= t.startup_streak and record.all_loss_finite \
+                and (s.episode is None or self._beside_data(s.episode, None)):
+            below_floor = obs.scale is not None and obs.scale < t.floor_scale
+            ev: dict[str, Any] = {
+                "precision": self.mode.value,
+                "pattern": GradientPattern.UNSCALED_OVERFLOW if below_floor else GradientPattern.STARTUP,
+                "skipped_in_row": record.skips_in_row, "init_scale": s.first_scale, "safe_scale": obs.scale,
+                "safe_scale_from": f"the scale optimizer {obs.optimizer} first stepped at without a skip (step "
+                                   f"{obs.step})",
+                "scale_history": list(record.scales),
+                **self._optimizer_ev(obs.optimizer, record),  # type: ignore[arg-type]
+            }
+            assert record.first_skip is not None
+            out.extend(self._raise(self._make(Finding.GRADIENT_OVERFLOW, record.first_skip, ev), obs.step))
+        record.stepped += 1
+        record.last_step = obs.step
+        record.skips_in_row = 0
+        if obs.scale is not None and self.mode is PrecisionMode.FP16 and \
+                (record.safe_scale is None or obs.scale > record.safe_scale):
+            record.safe_scale = obs.scale
+        return out
+
+    def _optimizer_pattern(self, obs: Observation, record: OptimizerSteps, ev: dict[str, Any]) -> Finding | None:
+        """:meth:`_gradient_pattern` for a skip of one of several optimizers through one scaler: its own row of skips
+        and its own safe scale decide, and the evidence names it."""
+        t = self.thresholds
+        ev.update(self._optimizer_ev(obs.optimizer, record))  # type: ignore[arg-type]
+        ev["skipped_in_row"] = record.skips_in_row
+        if obs.scale is not None and obs.scale < t.floor_scale and (not record.stepped or record.skips_in_row >= 2):
+            ev.update(pattern=GradientPattern.UNSCALED_OVERFLOW, scale_history=list(record.scales),
+                      onset=record.first_skip)
+            return Finding.GRADIENT_OVERFLOW
+        if not record.stepped:
+            # every one of its steps skipped so far (while another optimizer's went through): its start-up row, judged
+            # when it first steps and its safe scale is known. Not at once, even where a remedy could lower the scale
+            # (``early_startup``): no replay measures the scale that holds here (several optimizers step only in
+            # manual optimization, whose training_step is not replayed), and the scaler halves its way down to it
+            # on this optimizer's skips anyway
+            return None
+        found = self._skip_pattern(obs, ev, record.safe_scale)
+        if found is not None and "scale_history" in ev:
+            ev["scale_history"] = list(record.scales)
+        return found
+
+    def _optimizer_ev(self, index: int, record: OptimizerSteps) -> dict[str, Any]:
+        """``optimizer`` (its index) and a line that says what its steps and the others' did."""
+        names = self.optimizer_names
+
+        def name(i: int) -> str:
+            return f"optimizer {i}" + (f" ({names[i]})" if 0 <= i < len(names) else "")
+
+        n = record.skips_in_row
+        line = f"{name(index)} skipped {'its first ' if not record.stepped else ''}{n} step{'s' if n != 1 else ''}"
+        if record.stepped:
+            line += " in a row"
+        scales = [v for v in record.scales if v is not None]
+        if scales:
+            top, low = max(scales), min(scales)
+            line += f", at {format_pow2(top)}" if top == low else \
+                f", at every scale from {format_pow2(top)} down to {format_pow2(low)}"
+        since = record.first_skip if record.first_skip is not None else 0
+        others = sorted((int(k) for k, r in self.state.optimizers.items()
+                         if k != str(index) and r.last_step is not None and r.last_step >= since))
+        if others:
+            line += ", while " + " and ".join(name(i) for i in others) + " stepped"
+        if record.safe_scale is not None:
+            line += f"; the largest scale it stepped at is {format_pow2(record.safe_scale)}"
+        return {"optimizer": index, "optimizer_skips": line}
 
     def _scaler_ev(self) -> dict[str, Any]:
         keys = ("growth_interval", "growth_factor", "backoff_factor")

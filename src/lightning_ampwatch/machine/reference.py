@@ -31,6 +31,10 @@ HEALTHY_RISE = 2.0
 #: The healthy level is re-judged every this many candidate losses (and at the first sign of trouble): a few
 #: medians of ``loss_window`` numbers, not one per step.
 _PROMOTE_EVERY = 4
+#: A stretch whose newer half has a median above this many times its older half's is already climbing: no healthy
+#: level is taken from it. Medians of halves of a healthy stretch seldom part by half again; a run whose loss rises
+#: from its first steps (a far too high LR) does, and a level made of that rise would make the climb look late.
+CLIMBING_RISE = 1.5
 _INF = math.inf
 #: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
 #: ring a rollback reads keeps as many steps).
@@ -190,7 +194,9 @@ class HealthyReference:
             return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
         start = self._owner.state.start_loss
         rebased = self._owner.state.rebased_why
+        climbing = self._owner.state.climbing_why
         why = (f"no healthy loss level before step {onset}: {rebased}" if rebased is not None else
+               f"no healthy loss level before step {onset}: {climbing}" if climbing is not None else
                f"no healthy loss level before step {onset}: the trouble began before a stretch of healthy steps "
                "could be seen")
         if start is not None:
@@ -239,7 +245,7 @@ class HealthyReference:
         losses = [loss for _, loss in then]
         half = len(losses) // 2  # (a single loss shows no climb)
         older, newer = (statistics.median(losses[:half]), statistics.median(losses[half:])) if half else (0.0, 0.0)
-        if half and newer > HEALTHY_RISE * older:
+        if half and newer > CLIMBING_RISE * older:
             return unhealthy(f"climb ({older:.4g} -> {newer:.4g})")
         level = statistics.median(losses)
         before = self.reference_for(first)
@@ -345,7 +351,12 @@ class HealthyReference:
         newer_median = newer[mid] if n_new % 2 else (newer[mid - 1] + newer[mid]) / 2
         mid = half // 2
         older_median = older[mid] if half % 2 else (older[mid - 1] + older[mid]) / 2
-        if newer_median > HEALTHY_RISE * older_median:
+        if newer_median > CLIMBING_RISE * older_median:
+            if s.reference is None:  # said where an alarm finds no level: the stretch was already climbing
+                steps = s.loss_steps
+                span = f"steps {steps[0]}..{steps[-1]}" if len(steps) == n else f"the {n} losses before it"
+                s.climbing_why = (f"the losses of {span} already climbed ({older_median:.4g} -> {newer_median:.4g}), "
+                                  "so no healthy level is taken from them")
             return
         losses.sort()
         level = losses[half] if n % 2 else (losses[half - 1] + losses[half]) / 2
@@ -355,6 +366,7 @@ class HealthyReference:
         steps = s.loss_steps  # the deque's ends: no list of it
         first, last = (steps[0], steps[-1]) if len(steps) == n else (s.steps_seen - n, s.steps_seen - 1)
         s.reference_earlier, s.reference = ref, Reference(level, first, last, n)
+        s.climbing_why = None
 
     # ---------------------------------------------------------------- a climb that lasts
 
@@ -364,7 +376,16 @@ class HealthyReference:
         start, or the skip just before it) and its evidence (without the run's precision, which the owner puts
         first). The owner decides what it is (an alarm with an episode, or a noted one under DDP)."""
         s, t = self._owner.state, self._owner.thresholds
-        onset = climb.start_step
+        onset, at_onset, rise = climb.start_step, climb.start_loss, ""
+        if self.reference_for(onset) is None:
+            # no healthy level: the climb is measured from the run's first loss, and began where the loss last stood
+            # at or under it (the losses since, under the climb threshold, were its first rise)
+            before = [(st, v) for st, v in zip(s.loss_steps, s.losses) if st < onset]
+            if len(before) == len(s.losses):
+                low = next((i for i in range(len(before) - 1, -1, -1) if before[i][1] <= climb.level), None)
+                if low is not None and low + 1 < len(before):
+                    onset, at_onset = before[low + 1]
+                    rise = (f"rising from the run's first loss since step {onset} ({at_onset:.3g} there), and ")
         for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
             if skip >= onset:
                 continue
@@ -375,11 +396,14 @@ class HealthyReference:
         base_from = "the healthy level" if ref is not None else "the run's first loss"
         ev: dict[str, Any] = {
             "pattern": DivergencePattern.FINITE_DIVERGENCE, "loss": climb.last_loss,
-            **self.reference_evidence(onset), "loss_at_onset": climb.start_loss, "diverged_first": True,
+            **self.reference_evidence(onset), "loss_at_onset": at_onset, "diverged_first": True,
             "climb_base": climb.level, "climb_base_from": base_from, "climb_steps": climb.steps,
             "divergence": f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {climb.start_step}.."
                           f"{climb.last_step}, {climb.steps} losses in a row above {t.divergence_ratio:g}x "
-                          f"{base_from}, none of them NaN or inf",
+                          f"{base_from}, none of them NaN or inf" if not rise else
+                          f"loss {climb.level:.3g} -> {climb.last_loss:.3g} over steps {onset}..{climb.last_step}, "
+                          f"{rise}{climb.steps} losses in a row above {t.divergence_ratio:g}x it from step "
+                          f"{climb.start_step}, none of them NaN or inf",
             "skipped_steps": s.skipped_total, "steps": s.steps_seen,
         }
         lr = lr_event(s, t, onset, s.lr_last)

@@ -88,6 +88,21 @@ class Streak:
 
 
 @dataclass
+class OptimizerSteps:
+    """One optimizer's own steps, where several step through one scaler (a GAN's generator and discriminator share
+    Lightning's one GradScaler): another optimizer's clean step says nothing of this one's gradients."""
+
+    stepped: int = 0  # its steps that went through
+    skipped: int = 0  # its steps the scaler skipped
+    safe_scale: float | None = None  # the largest scale at which it stepped without a skip
+    last_step: int | None = None  # the latest of its steps that went through
+    skips_in_row: int = 0  # its own steps skipped in a row (the other optimizers' steps between do not end the row)
+    first_skip: int | None = None  # the first step of that row
+    scales: list[float | None] = field(default_factory=list)  # the scales of the row's skips (the latest few)
+    all_loss_finite: bool = True  # every skip of the row had a finite loss (or none read)
+
+
+@dataclass
 class NormalCall:
     """The ``NORMAL_SCALING`` call made, kept so that an alarm that follows it closely can withdraw it."""
 
@@ -128,6 +143,10 @@ class MachineState:
     skip_log: deque[int] = field(default_factory=deque)  # the latest skipped steps, kept through alarms (a rollback
     # judges the stretch it goes back to by them)
     rebased_why: str | None = None  # why the latest rollback left no healthy level (None: it left one, or none came)
+    climbing_why: str | None = None  # why no healthy level was taken yet: the stretch was already climbing
+    # each optimizer's own steps, by its index, where several step through one scaler (empty with one optimizer; a
+    # checkpoint from before it loads with none)
+    optimizers: dict[str, OptimizerSteps] = field(default_factory=dict)
 
 
 def plain(value: Any) -> Any:

@@ -73,6 +73,12 @@ class Thresholds:
     decisively: the median of its last three losses at least this fraction under its first. Minibatch noise on a
     plateau seldom moves a median of three that far; a smaller fall is no evidence that the replay was healthy."""
 
+    track_tolerance: float = 0.1
+    """With no healthy level before the episode, a remedy is recovered when the run after it tracks a reference
+    trajectory (FP32 training from the same state on the same steps, or the remedy's own cured replay): the median of
+    its loss's ratios to the reference, step by step, at most this fraction above 1. Both see the same batches, so
+    minibatch noise largely cancels; a run that lags its reference by more has not recovered."""
+
     replay_steps: int = 96
     """At an alarm, the window is replayed once per candidate intervention (nothing changed, FP32, an FP32 island, a
     lower LR, lower loss scales, bf16): at most this many replayed steps in all, per alarm (eight dozen: the three
@@ -94,7 +100,7 @@ class Thresholds:
         for name in ("window_skip_rate", "growth_skip_rate"):
             if getattr(self, name) > 1:
                 raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {getattr(self, name)!r}")
-        for name in ("lr_cause_margin", "fall_margin"):
+        for name in ("lr_cause_margin", "fall_margin", "track_tolerance"):
             if getattr(self, name) >= 1:
                 raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)!r}")
         if self.divergence_ratio <= 1:
@@ -118,7 +124,9 @@ class Observation:
 
     ``loss`` and ``loss_finite`` may be ``None`` when the adapter did not read them (a healthy step under
     a scaler costs nothing to watch); a clean step's loss feeds the loss level and the divergence rule.
-    ``scale`` is the scale the step ran with.
+    ``scale`` is the scale the step ran with. ``optimizer``: which optimizer stepped (its index among the run's
+    optimizers), where several step through one scaler (a GAN's generator and discriminator): each one's skips and
+    safe scale are its own. None with one optimizer.
     """
 
     step: int
@@ -129,6 +137,7 @@ class Observation:
     grew: bool = False
     lrs: tuple[float, ...] = ()
     batch: BatchStats | None = None
+    optimizer: int | None = None
 
     @property
     def anomalous(self) -> bool:

@@ -15,6 +15,7 @@ from lightning_ampwatch.remedies.base import (
     RemedyName,
     reapply_all,
 )
+from lightning_ampwatch.remedies.data import SkipBatch
 from lightning_ampwatch.remedies.hold_lr import HoldLrOnSkip, LrCeiling
 from lightning_ampwatch.remedies.island import ISLAND_ATTR, Fp32Island, attach_island, detach_island
 from lightning_ampwatch.remedies.lr import ReduceLr
@@ -25,6 +26,6 @@ from lightning_ampwatch.remedies.scaler import LowerInitScale, SlowGrowth, Unsca
 __all__ = [
     "DEFAULT_REMEDIES", "ISLAND_ATTR", "LADDERS", "REGISTRY", "AppliedRemedy", "Bf16Fallback", "Effect", "Fp32Island",
     "HoldLrOnSkip", "LowerInitScale", "LrCeiling", "ReduceLr", "Remedy", "RemedyContext", "RemedyError", "RemedyName",
-    "RemedyPolicy", "SlowGrowth", "UnscaleBeforeClip", "attach_island", "bf16_supported", "detach_island",
+    "RemedyPolicy", "SkipBatch", "SlowGrowth", "UnscaleBeforeClip", "attach_island", "bf16_supported", "detach_island",
     "ladder_for", "parse_remediate", "reapply_all",
 ]

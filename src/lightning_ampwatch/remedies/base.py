@@ -32,6 +32,7 @@ class RemedyName(str, Enum):
     BF16_FALLBACK = "bf16_fallback"
     REDUCE_LR = "reduce_lr"
     UNSCALE_BEFORE_CLIP = "unscale_before_clip"
+    SKIP_BATCH = "skip_batch"  # a NaN/inf batch reached the weights: back to before it, and on without it
 
     def __str__(self) -> str:  # "fp32_island", not "RemedyName.FP32_ISLAND"
         return self.value

@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 from lightning_ampwatch.remedies.base import REGISTRY, AppliedRemedy, RemedyContext, RemedyName
 from lightning_ampwatch.interventions import Intervention
+from lightning_ampwatch.records import facts_of
+from lightning_ampwatch.verdicts import TrajectoryKind
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern
 
 DEFAULT_REMEDIES = tuple(r for r in RemedyName if r is not RemedyName.REDUCE_LR)  # what remediate=True allows
@@ -21,6 +23,8 @@ LADDERS: dict[Finding, tuple[RemedyName, ...]] = {
     Finding.LR_SCHEDULE: (RemedyName.REDUCE_LR,),
     Finding.FP32_UNSTABLE: (RemedyName.REDUCE_LR, RemedyName.REDUCE_LR),  # never bf16 or an island: not AMP
     Finding.CLIP_BEFORE_UNSCALE: (RemedyName.UNSCALE_BEFORE_CLIP,),
+    # only where the batch's NaN/inf reached the weights (no scaler skipped the step): see ladder_for
+    Finding.DATA_NONFINITE: (RemedyName.SKIP_BATCH,),
 }
 
 
@@ -43,12 +47,29 @@ def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
     cures = tuple(REMEDY_OF[k] for k in report.cures() if k in REMEDY_OF)
     if report.lr_only_delays() and report.cured(Intervention.LOWER_LR):
         cures += (RemedyName.REDUCE_LR,)  # clean over the window, but only delaying the fault: the last resort
-    if diagnosis.finding is Finding.FP32_UNSTABLE:  # FP32 fails too: never an AMP knob, whatever quieted the skips
-        cures = tuple(r for r in cures if r in LADDERS[Finding.FP32_UNSTABLE])
+    if diagnosis.finding is Finding.FP32_UNSTABLE or _fp32_fails(diagnosis, report):
+        # FP32 fails too: never an AMP knob, whatever quieted the skips (a warmup to a peak LR that FP32 does not
+        # survive either was once given lower_init_scale, 2**16 -> 2**16, before the lower LR)
+        cures = tuple(r for r in cures if r not in PRECISION_REMEDIES)
     if cures:
         return cures
     failed = {REMEDY_OF[t.kind] for t in report.tried if t.kind in REMEDY_OF}
     return tuple(r for r in LADDERS.get(diagnosis.finding, ()) if r not in failed)
+
+
+#: The remedies that change how reduced precision runs: no cure for a fault FP32 has too.
+PRECISION_REMEDIES = frozenset({RemedyName.LOWER_INIT_SCALE, RemedyName.SLOW_GROWTH, RemedyName.FP32_ISLAND,
+                                RemedyName.BF16_FALLBACK})
+
+
+def _fp32_fails(diagnosis: Diagnosis, report: Any) -> bool:
+    """The FP32 replay of the window failed too: non-finite, or (the trajectory control's verdict) climbing far above
+    the level. Not an AMP fault."""
+    fp32 = report.get(Intervention.FP32)
+    if fp32 is not None and not fp32.cured:
+        return True
+    trajectory = facts_of(diagnosis).trajectory
+    return trajectory is not None and trajectory.kind in (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES)
 
 
 def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
@@ -58,6 +79,8 @@ def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
     if measured is not None:
         return measured
     ladder = LADDERS.get(diagnosis.finding, ())
+    if diagnosis.finding is Finding.DATA_NONFINITE and diagnosis.evidence.get("weights_lost") is None:
+        return ()  # the scaler skipped the step: the weights never saw the batch, nothing to undo
     pattern = diagnosis.evidence.get("pattern")
     if diagnosis.finding is Finding.GRADIENT_OVERFLOW and pattern == GradientPattern.UNSCALED_OVERFLOW:
         ladder = tuple(r for r in ladder if r is not RemedyName.LOWER_INIT_SCALE)  # the gradients overflow unscaled

@@ -39,6 +39,9 @@ class LowerInitScale(Remedy):
         safe = diagnosis.evidence.get("safe_scale") or ctx.safe_scale
         target = _pow2_floor(float(safe)) if isinstance(safe, (int, float)) and safe > 0 else _pow2_floor(before / 2)
         target = min(target, _pow2_floor(before)) if before > 0 else target
+        if target >= before:  # "lowered" to where it already is: a change in name only
+            raise RemedyError(f"the loss scale is {format_pow2(before)} already, at or under the safe scale: "
+                              "nothing to lower")
         interval_before = int(scaler.get_growth_interval())
         scaler.update(new_scale=float(target))
         scaler.set_growth_interval(interval_before * 4)

@@ -33,8 +33,14 @@ from lightning_ampwatch.remedies.policy import REMEDY_OF, RemedyPolicy, ladder_f
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.trajectory.replay import replay_trajectory
 from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt, Thresholds
-from lightning_ampwatch.verdicts import AMP_BLAMING, fp32_reference, judge_recovery
+from lightning_ampwatch.verdicts import (AMP_BLAMING, fp32_reference, judge_decisive_fall, judge_recovery,
+                                        judge_tracking)
 
+
+#: Findings whose fault is a stall (training cannot progress, nothing goes non-finite): with no reference to track,
+#: their remedy is recovered when the loss falls decisively, watched up to ``STALL_WATCHES`` more ``recovery_steps``.
+STALL_FINDINGS = frozenset({Finding.CLIP_BEFORE_UNSCALE})
+STALL_WATCHES = 3
 
 #: What a rollback changes under the watch's feet: the scaler's state and the optimizers' (their learning rates).
 ROLLED_BACK = frozenset({Effect.SCALER, Effect.OPTIMIZERS})
@@ -52,6 +58,11 @@ class Watch:
     reference_from: str
     snapshot: Any = None  # the snapshot the run went back to, kept for the next rung's rollback
     data_steps: dict[int, bool] = field(default_factory=dict)  # steps whose own batch made the loss non-finite
+    #: with no reference level: a reference trajectory (step -> loss) the run must track, and what it is
+    track: dict[int, float] | None = None
+    track_from: str = ""
+    track_same: bool = True  # the track ran the run's own batches (FP32 from the same state), not the window's
+    extended: int = 0  # times the judgement was put off by ``recovery_steps`` (a stall's fix, still falling)
 
 
 @dataclass
@@ -80,6 +91,8 @@ class Treatment:
     lr_tried: list[float] | None = None  # the learning rates the latest reduce_lr set: a next rung compounds on them
     diverging: Diagnosis | None = None  # the published record of a divergence not (yet) recovered from
     recovered: dict[str, Diagnosis] = field(default_factory=dict)  # finding -> its latest record that recovered
+    fall_margin: float = Thresholds.fall_margin  # the user's Thresholds: a decisive fall
+    track_tolerance: float = Thresholds.track_tolerance  # how closely a run must track its reference trajectory
 
     def folds(self, diagnosis: Diagnosis) -> bool:
         """An alarm that blames reduced precision while the run diverges (a divergence's remedy is watched, or one
@@ -94,6 +107,8 @@ class Treatment:
         if record.outcome == Outcome.RECOVERED.value:
             self.lr_tried = None  # it held: a later episode starts its LR ladder afresh
             self.recovered[record.finding.value] = record  # until the same fault comes back, if it does
+        if record.finding in DIVERGENCE_FINDINGS:
+            self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
 
     def relapse(self, alarm: Diagnosis) -> Ended | None:
         """A new alarm of a finding whose remedy recovered earlier in the run, at any later step: that record is
@@ -111,8 +126,6 @@ class Treatment:
             **old.evidence, "recovery": {**details, "relapsed_at": alarm.step, "reason": reason,
                                          "recovered_first": before.get("reason")}}), recovery=recovery)
         return Ended(old, new, recovery)
-        if record.finding in DIVERGENCE_FINDINGS:
-            self.diverging = None if record.outcome == Outcome.RECOVERED.value else record
 
     def end_for(self, alarm: Diagnosis, note: dict[str, Any]) -> Ended:
         """The watched divergence's remedy did not hold: an alarm of its own came up during it (``note``)."""
@@ -160,7 +173,7 @@ class Treatment:
             return None, Rollback(RollbackKind.NONE, now, why=(
                 f"the scaler skipped every step since the onset at step {diagnosis.step}, the fit's first, so the "
                 "weights and the optimizer are still those it started with: nothing to roll back, the remedy is "
-                "applied in place")), []
+                "applied in place"), untouched=True), []
         if diagnosis.finding is Finding.GROWTH_OVERFLOW:
             # every overflow came right after a growth and was skipped by the scaler, and the steps between trained
             # cleanly: going back would throw away healthy training to undo nothing
@@ -190,6 +203,8 @@ class Treatment:
                 if self.replay_episode and control.state.replay_unavailable is None else []
             if len(episode) != (now - 1 - target):
                 episode = []  # not every batch is held (a retry after the ring was reset): skipped instead
+            if diagnosis.finding is Finding.DATA_NONFINITE:  # the batch that held the NaN/inf is never trained on again
+                episode = [e for e in episode if e[0] != diagnosis.step]
             # every rank restores together (a split snapshot's broadcasts), after one meeting where a rank whose
             # checks failed says so: then every rank raises the same error, and none enters a broadcast
             protocol.together(len(held) > 1,
@@ -253,9 +268,12 @@ class Treatment:
         self.applied.append(applied)
         if applied.name is RemedyName.REDUCE_LR and isinstance(applied.details.get("lr_after"), list):
             self.lr_tried = list(applied.details["lr_after"])
-        reference, reference_from = _reference(treated, level, then)
+        reference, reference_from = _reference(treated, level, then, self.fall_margin)
+        track = _cured_replay_track(treated) if reference is None else None
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
-                           reference=reference, reference_from=reference_from, snapshot=snapshot)
+                           reference=reference, reference_from=reference_from, snapshot=snapshot,
+                           track=None if track is None else track[0], track_from="" if track is None else track[1],
+                           track_same=False)
         self.ended(treated)
 
     def fp32_reference(self, control: Any, now: int, gather: Callable[[Any], list[Any]] = lambda v: [v]) -> None:
@@ -270,6 +288,13 @@ class Treatment:
             return
         snapshot = control.ring.newest_before(watch.start) \
             if watch.reference is None and control is not None and control.ring.enabled else None
+        rollback = facts_of(watch.diagnosis).rollback
+        origin = None if snapshot is None else f"the snapshot after step {snapshot.step}"
+        if snapshot is not None and rollback is not None and rollback.untouched and snapshot.step < watch.start - 1:
+            # every step from the fit's start to the remedy was skipped: the state the remedy began from is the
+            # snapshot's, so FP32 starts from it on the remedy's first step, not on steps the run never trained on
+            snapshot = replace(snapshot, step=watch.start - 1)
+            origin = f"the fit's start: the scaler skipped every step before step {watch.start}"
         steps = control.ring.batches(snapshot.step + 1, now - 1) if snapshot is not None else []
         ready = snapshot is not None and len(steps) >= 3 and len(steps) == now - 1 - snapshot.step
         held = gather(snapshot.step if ready else None)  # type: ignore[union-attr]
@@ -286,19 +311,20 @@ class Treatment:
                     before_micro_batch=lock.next if lock else None))
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
-        margin = control.fall_margin
+        margin = self.fall_margin
         losses = fp32.losses if fp32.params_finite else [*fp32.losses, math.nan]  # weights gone non-finite: not healthy
         found = fp32_reference(losses, level=None, margin=margin)
-        replayed = (f"FP32 training from the snapshot after step {snapshot.step} over the steps the remedied run took "
-                    f"({snapshot.step + 1}-{now - 1})")
-        if found.level is None:  # still none: the outcome stays unverified, and says why (this replay, of the very
-            # steps judged, stands over what the trajectory control's replay of the episode said)
+        replayed = (f"FP32 training from {origin} over the steps the remedied run took ({snapshot.step + 1}-{now - 1})")
+        # the run is held to that replay step by step, on the very batches it trained on (its loss on each step
+        # against FP32's on the same step: never a window's median against where FP32's fall ended)
+        track = {s: v for s, v in zip(fp32.steps, fp32.losses) if v is not None} \
+            if fp32.params_finite and all(math.isfinite(v) for v in fp32.losses if v is not None) else None
+        if not track:
             self.watch = replace(watch, reference_from=(
                 f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"))
             return
-        self.watch = replace(watch, reference=found.level, reference_from=(
-            f"what FP32 training from the same state reached on the same steps ({snapshot.step + 1}-{now - 1}, where "
-            f"it {found.why})"))
+        self.watch = replace(watch, track=track, track_same=True, track_from=(
+            f"FP32 training from the same state ({origin}) on the same steps"))
 
     def with_lr_tried(self, diagnosis: Diagnosis, choice: Any) -> Diagnosis:
         """Before a ``reduce_lr`` rung that follows an earlier one: the learning rates that one set, in the evidence
@@ -309,7 +335,7 @@ class Treatment:
 
     def judgement_due(self, steps_seen: int) -> bool:
         watch = self.watch
-        return watch is not None and steps_seen - watch.steps_before >= self.recovery_steps
+        return watch is not None and steps_seen - watch.steps_before >= self.recovery_steps * (1 + watch.extended)
 
     def watch_state(self) -> dict[str, Any] | None:
         """The remedy being watched, as plain data for a checkpoint (None when none is): a run resumed from a
@@ -321,7 +347,8 @@ class Treatment:
         return {"diagnosis": watch.diagnosis.to_dict(), "start": watch.start, "steps_before": watch.steps_before,
                 "skipped_before": watch.skipped_before, "reference": watch.reference,
                 "reference_from": watch.reference_from, "data_steps": sorted(watch.data_steps.items()),
-                "lr_tried": self.lr_tried}
+                "lr_tried": self.lr_tried, "track": None if watch.track is None else sorted(watch.track.items()),
+                "track_from": watch.track_from, "track_same": watch.track_same, "extended": watch.extended}
 
     def load_watch(self, state: Any, diagnoses: Sequence[Diagnosis]) -> None:
         """Take up a watch :meth:`watch_state` wrote; its record is the one among ``diagnoses`` it was published as."""
@@ -335,9 +362,26 @@ class Treatment:
                            skipped_before=int(state["skipped_before"]),
                            reference=None if reference is None else float(reference),
                            reference_from=str(state.get("reference_from", "")),
-                           data_steps={int(s): bool(k) for s, k in state.get("data_steps", ())})
+                           data_steps={int(s): bool(k) for s, k in state.get("data_steps", ())},
+                           track=None if state.get("track") is None else
+                           {int(s): float(v) for s, v in state["track"]},
+                           track_from=str(state.get("track_from", "")), track_same=bool(state.get("track_same", True)),
+                           extended=int(state.get("extended", 0)))
         tried = state.get("lr_tried")
         self.lr_tried = [float(v) for v in tried] if isinstance(tried, list) else self.lr_tried
+
+    def recovered_state(self) -> list[list[Any]]:
+        """The records whose remedy recovered, as (finding, step) pairs for a checkpoint: a relapse after a resume
+        re-opens them as it would have without the resume."""
+        return [[finding, record.step] for finding, record in self.recovered.items()]
+
+    def load_recovered(self, state: Any, diagnoses: Sequence[Diagnosis]) -> None:
+        """Take up :meth:`recovered_state`: each pair's record among ``diagnoses`` (the checkpoint's own)."""
+        for finding, step in state or ():
+            record = next((d for d in diagnoses if d.finding.value == finding and d.step == int(step)
+                           and d.outcome == Outcome.RECOVERED.value), None)
+            if record is not None:
+                self.recovered[str(finding)] = record
 
     def note_data_step(self, step: int, skipped: bool) -> None:
         """A step of the watch whose own batch made its loss non-finite (NaN/inf in the data): left out of the
@@ -346,16 +390,34 @@ class Treatment:
         if watch is not None and step >= watch.start:
             watch.data_steps[step] = skipped
 
-    def judge(self, recent: Any, *, steps_seen: int, skipped_total: int) -> Recovery:
+    def judge(self, recent: Any, *, steps_seen: int, skipped_total: int) -> Recovery | None:
         """The watched remedy's recovery, from the losses read since it (``recent``: (step, loss) pairs), less the
-        steps whose batch held the NaN/inf (:meth:`note_data_step`)."""
+        steps whose batch held the NaN/inf (:meth:`note_data_step`). With no reference level, the run is judged by
+        how it tracks its reference trajectory (FP32 from the same state, or its cured replay), within
+        ``track_tolerance``. None: not yet (a stall's fix with neither, still clean, is watched
+        ``recovery_steps`` longer, up to :data:`STALL_WATCHES` times, for a decisive fall)."""
         watch = self.watch
         assert watch is not None
         data = watch.data_steps
-        losses = [loss for step, loss in recent if step >= watch.start and step not in data]
-        recovery = judge_recovery(losses, steps=steps_seen - watch.steps_before,
-                                  skipped=skipped_total - watch.skipped_before - sum(data.values()),
-                                  reference=watch.reference, reference_from=watch.reference_from)
+        pairs = [(step, loss) for step, loss in recent if step >= watch.start and step not in data]
+        losses = [loss for _, loss in pairs]
+        steps = steps_seen - watch.steps_before
+        skipped = skipped_total - watch.skipped_before - sum(data.values())
+        if watch.reference is None and watch.track:
+            recovery = judge_tracking(pairs, watch.track, steps=steps, skipped=skipped, track_from=watch.track_from,
+                                      tolerance=self.track_tolerance, same_batches=watch.track_same)
+        else:
+            recovery = judge_recovery(losses, steps=steps, skipped=skipped,
+                                      reference=watch.reference, reference_from=watch.reference_from)
+        if recovery.outcome is Outcome.NOT_VERIFIED and watch.reference is None and not watch.track \
+                and watch.diagnosis.finding in STALL_FINDINGS:
+            fell = judge_decisive_fall(losses, steps=steps, skipped=skipped, margin=self.fall_margin, why=(
+                "the fault was that training could not progress, and with the remedy it does"))
+            if fell is not None:
+                recovery = fell
+            elif watch.extended < STALL_WATCHES and skipped <= 1 and all(math.isfinite(x) for x in losses):
+                watch.extended += 1
+                return None
         if not data:
             return recovery
         steps = sorted(data)
@@ -431,7 +493,8 @@ def _last_good_step(diagnosis: Diagnosis) -> int:
     return min(step, lr_change) if isinstance(lr_change, int) else step
 
 
-def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) -> tuple[float | None, str]:
+def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,
+               margin: float = Thresholds.fall_margin) -> tuple[float | None, str]:
     """What the loss must come back to: only ever a reference known to be healthy. ``level`` is the healthy level
     from before the episode (None when the episode began before any healthy stretch). After a rollback, the level the
     run had where it went back to (``then``), if higher (it cannot be asked to be better than that), and only when
@@ -440,9 +503,15 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) 
     replay was healthy (:func:`~lightning_ampwatch.verdicts.fp32_reference`: trained down near the healthy level, or
     with no level, fell decisively). With neither, nothing: the outcome is then not verified, never "recovered"
     against a level made of the trouble itself, and ``reference_from`` says why."""
-    trajectory = facts_of(diagnosis).trajectory
+    facts = facts_of(diagnosis)
+    trajectory = facts.trajectory
     fp32 = trajectory.fp32_reference if trajectory is not None and trajectory.kind is TrajectoryKind.AMP_CONFIRMED \
         else None
+    if level is None and facts.rollback is not None and facts.rollback.kind in (RollbackKind.NONE, RollbackKind.OFF):
+        # applied in place, steps after the replays' start: what they reached came from more (or other) updates than
+        # the run has had since, so it is no level for it; FP32 from the same state on the same steps is replayed
+        return None, ("nothing: there was no healthy loss level before the episode, and the remedy was applied in "
+                      "place, later than the replays of the episode began")
     if level is not None:
         if then is not None and then.level is not None and then.level > level:
             if then.ahead:
@@ -454,7 +523,7 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None) 
         return level, "the healthy loss level before the episode"
     if fp32 is not None and fp32.level is not None:
         return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
-    cured = _cured_replay_reference(diagnosis)
+    cured = _cured_replay_reference(diagnosis, margin)
     if cured is not None:
         return cured
     why = "nothing: there was no healthy loss level before the episode"
@@ -480,6 +549,23 @@ def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fal
         return None
     return found.level, (f"what its cured replay ({tried.label}) reached on steps {report.window[0]}-"
                          f"{report.window[1]} (it {found.why})")
+
+
+def _cured_replay_track(diagnosis: Diagnosis) -> tuple[dict[int, float], str] | None:
+    """The remedy's own cured replay of the window, as a reference trajectory (step -> loss) the run must track:
+    where the replay neither fell decisively nor had a level to come back to."""
+    facts = facts_of(diagnosis)
+    report, applied = facts.interventions, facts.remedy
+    if report is None or applied is None:
+        return None
+    kind = next((k for k, r in REMEDY_OF.items() if r is applied.name), None)
+    tried = report.get(kind) if kind is not None else None
+    if tried is None or not tried.cured:
+        return None
+    track = {s: v for s, v in zip(tried.result.steps, tried.result.losses) if v is not None and math.isfinite(v)}
+    if len(track) < 3:
+        return None
+    return track, f"its cured replay ({tried.label}, steps {report.window[0]}-{report.window[1]})"
 
 
 def _skips_saved(details: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+import torch
+
 from lightning_ampwatch import compat, distributed, protocol, sharding
-from lightning_ampwatch.cadence import SnapshotCadence
 from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.records import ControlVerdict, facts_of
@@ -29,6 +30,7 @@ from lightning_ampwatch.replays import (
     supersede_amp_evidence,
 )
 from lightning_ampwatch.signals import inspect_batch
+from lightning_ampwatch.steps.cadence import SnapshotCadence
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise, format_pow2
 from lightning_ampwatch.trajectory.replay import replay_trajectory
 from lightning_ampwatch.trajectory.ring import SnapshotRing
@@ -357,12 +359,14 @@ class TrajectoryControl:
                 def replay(**options: Any) -> Any:
                     nonlocal error, told
                     options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
+                    limit = options.pop("limit", None)  # a replay shortened to the cap (the lower LR's, after a rise)
+                    use = steps if limit is None else steps[:limit]
                     # a split snapshot's restore meets once, after every check and before its first broadcast
                     # (protocol.Meeting); a sharded replay meets at each micro-batch (Lockstep.next)
                     meeting, lock = protocol.Meeting(split), None
                     try:
                         with lockstep() as lock, meeting:
-                            return replay_trajectory(state, snapshot, steps, ready=meeting.ready,
+                            return replay_trajectory(state, snapshot, use, ready=meeting.ready,
                                                      before_micro_batch=lock.next if lock else None, **options)
                     except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
                         error = f"{type(err).__name__}: {err}"
@@ -370,13 +374,18 @@ class TrajectoryControl:
                         return None
 
                 facts = facts_of(diagnosis)
-                located = facts.replay.module if facts.replay is not None else None
-                if located is not None and not (located and compat.has_submodule(state.module, located)):
-                    located = None  # the code around the model (training_step): no module to make an island of
                 nothing_nonfinite = replay_went_nonfinite(facts.replay) if facts.replay is not None else False
                 # which replays run must be every rank's alike (their collectives meet): under several ranks only the
                 # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
                 forward = nothing_nonfinite or (alone and ev.get("first_nonfinite_step") is not None)
+                located = owning_module(state.module, facts.replay.module if facts.replay is not None else None)
+                owner = owning_module(state.module, diagnosis.location) if located is None else None
+                unlocated = "the fault was not located in a module"
+                if owner is not None and forward:  # a forward fault titled with a parameter: its owning module
+                    located = owner
+                elif owner is not None:  # a gradient fault: the loss scale reaches it, and the cap is kept for that
+                    unlocated = (f"the fault is in the gradients of {diagnosis.location}, not in a forward output of "
+                                 f"{owner}: a lower loss scale is what reaches it")
                 together = agree and distributed.world_size() > 1
                 runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
                                        bf16=self.bf16, before_each=before_each,
@@ -390,7 +399,11 @@ class TrajectoryControl:
                             _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
                         scale_hint=_number(ev.get("safe_scale")),
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev))
+                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev),
+                        lr_rose=_lr_rise(ev) is not None, unlocated=unlocated,
+                        fp32_fails=lambda nothing, fp32: judge_trajectory(
+                            fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
+                            TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
                 if error is not None:
                     raise InvestigationError(error)
                 fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
@@ -560,3 +573,17 @@ def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, di
     if decision.finding is not Finding.GRADIENT_OVERFLOW:
         ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
     return decision.finding, decision.location or location
+
+
+def owning_module(module: Any, name: str | None) -> str | None:
+    """The submodule ``name`` names, or the one owning the parameter it names (``head.weight`` -> ``head``); None for
+    the model itself, the code around it (``training_step``, a file:line) or no name."""
+    if not name:
+        return None
+    if compat.has_submodule(module, name):
+        return name
+    owner, _, leaf = name.rpartition(".")
+    if owner and compat.has_submodule(module, owner) and isinstance(
+            getattr(module.get_submodule(owner), leaf, None), torch.nn.Parameter):
+        return owner
+    return None

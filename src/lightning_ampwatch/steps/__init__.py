@@ -1,0 +1,31 @@
+"""The per-step owner: every optimizer step taken in, in order, at no added host-device read on a healthy step.
+
+One small class per module, imported one way (each module only from those above it in this list):
+
+- :mod:`.records`: what a step becomes (:class:`OpenStep`, :class:`ResolvedStep`, :class:`ClosedStep`);
+- :mod:`.losses`: the losses held unread and read at once (:class:`LossRing`);
+- :mod:`.clean_runs`: clean steps held back and handed over in runs (:class:`CleanRuns`);
+- :mod:`.cadence`: how often the log step's work and the snapshots run (:class:`LogCadence`,
+  :class:`SnapshotCadence`);
+- :mod:`.optimizers`: which optimizer a step belongs to, where several step through one scaler
+  (:func:`optimizer_index`, :func:`describe_optimizers`);
+- :mod:`.ledger`: the ledger itself (:class:`StepLedger`), which takes each step in.
+"""
+
+from lightning_ampwatch.steps.cadence import LogCadence, SnapshotCadence
+from lightning_ampwatch.steps.clean_runs import CleanRuns
+from lightning_ampwatch.steps.ledger import BATCHES_KEPT_AFTER_TRIM, BATCHES_KEPT_MAX, StepLedger
+from lightning_ampwatch.steps.losses import (
+    HOST_TAPE_DEVICES,
+    LOSS_RING_MAX_STEPS,
+    LOSS_RING_STEPS,
+    RECENT_LOSSES,
+    LossRing,
+)
+from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
+
+__all__ = [
+    "BATCHES_KEPT_AFTER_TRIM", "BATCHES_KEPT_MAX", "HOST_TAPE_DEVICES", "LOSS_RING_MAX_STEPS", "LOSS_RING_STEPS",
+    "RECENT_LOSSES", "CleanRuns", "ClosedStep", "LogCadence", "LossRing", "OpenStep", "ResolvedStep",
+    "SnapshotCadence", "StepLedger",
+]
