@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from lightning_ampwatch.trajectory.snapshot import Snapshot
+from lightning_ampwatch.trajectory.snapshot import Snapshot  # noqa: E402
 from lightning_ampwatch.trajectory.state import TrainState  # noqa: E402
 
 WIDTH = 512
