@@ -10,9 +10,9 @@ What legitimately varies from run to run, and how it is held still (nothing is r
 - **Wall-clock times.** No key of ``diagnoses.jsonl`` holds a time or a duration. Two choices are made from a
   clock: the snapshot interval (``steps.cadence.SnapshotCadence``, after the first three snapshots of
   ``snapshot_every="auto"``) and the log step's interval (``steps.cadence.LogCadence``, only from step 300 on: no
-  demo runs that long). The snapshot interval would move the rollback's snapshot with the machine's load, so it is pinned to
-  the interval asked for (``snapshot_interval`` answers ``every``, as it does on a fast machine); its sentence
-  ("A snapshot takes ... ms") is then never said.
+  demo runs that long). The snapshot interval would move the rollback's snapshot with the machine's load, so it is
+  pinned to the interval asked for (``snapshot_interval`` answers ``every``, as it does on a fast machine); its
+  sentence ("A snapshot takes ... ms") is then never said.
 - **Width.** The console is 80 columns (``COLUMNS=80``), as a captured console is by default.
 - **Threads.** One intra-op thread, as in ``conftest.py`` (float sums may round differently with more).
 """
