@@ -56,7 +56,9 @@ from torch import Tensor, nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lightning_ampwatch import AmpWatch, compat, snapshot_copy, trajectory  # noqa: E402
+from lightning_ampwatch import AmpWatch, compat, snapshot_copy  # noqa: E402
+from lightning_ampwatch.trajectory.ring import SnapshotRing  # noqa: E402
+from lightning_ampwatch.trajectory.state import TrainState  # noqa: E402
 from lightning_ampwatch.scenarios import true_fp16_plugin  # noqa: E402
 from overhead import median_interval  # noqa: E402
 
@@ -302,7 +304,7 @@ def snapshot_stall(device: torch.device, tiny: bool, steps: int = 60, every: int
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     x = torch.randn(batch, width, device=device)
-    state = trajectory.TrainState(module=model, optimizers=[opt], scaler=scaler, device=device)
+    state = TrainState(module=model, optimizers=[opt], scaler=scaler, device=device)
     cuda = device.type == "cuda"
 
     def step() -> None:
@@ -314,7 +316,7 @@ def snapshot_stall(device: torch.device, tiny: bool, steps: int = 60, every: int
         scaler.update()
 
     def run(snapshots: bool) -> dict[str, float]:
-        ring = trajectory.SnapshotRing(budget_bytes=2**36, every=every, keep=2) if snapshots else None
+        ring = SnapshotRing(budget_bytes=2**36, every=every, keep=2) if snapshots else None
         spans: list[tuple[Any, Any, bool]] = []
         host: list[float] = []
         for i in range(steps):

@@ -32,7 +32,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from lightning_ampwatch.trajectory import Snapshot, TrainState  # noqa: E402
+from lightning_ampwatch.trajectory.snapshot import Snapshot  # noqa: E402
+from lightning_ampwatch.trajectory.state import TrainState  # noqa: E402
 
 WIDTH = 512
 KINDS = ("single", "frozen_base", "ddp", "fsdp2", "fsdp1")

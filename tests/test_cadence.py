@@ -15,11 +15,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_ampwatch import AmpWatch, investigate
+from lightning_ampwatch import AmpWatch
 from lightning_ampwatch.steps.cadence import MAX_INTERVAL, SNAPSHOT_FRACTION, SnapshotCadence, snapshot_interval
-from lightning_ampwatch.investigate import TrajectoryControl
 from lightning_ampwatch.scenarios import Regressor, regression_data
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState
+from lightning_ampwatch.trajectory import control as control_module
+from lightning_ampwatch.trajectory.control import TrajectoryControl
+from lightning_ampwatch.trajectory.ring import SnapshotRing
+from lightning_ampwatch.trajectory.state import TrainState
 
 from conftest import make_trainer
 
@@ -174,7 +176,7 @@ def _scripted_control(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], lis
     """A trajectory control with ``"auto"`` snapshots every 20 steps to start with, whose clock is ``now[0]`` (the
     test moves it) and whose sentences go to ``said``."""
     now = [0.0]
-    monkeypatch.setattr(investigate.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(control_module.time, "perf_counter", lambda: now[0])
     net = nn.Linear(4, 2)
     state = TrainState(module=net, optimizers=[torch.optim.SGD(net.parameters(), lr=0.1)])
     said: list[str] = []

@@ -21,7 +21,7 @@ from lightning_ampwatch.remedies import RemedyContext, RemedyName
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.signals import PrecisionInfo
 from lightning_ampwatch.machine import PrecisionMode
-from lightning_ampwatch.trajectory import TrainState
+from lightning_ampwatch.trajectory.state import TrainState
 
 
 class PlainHost:

@@ -338,7 +338,8 @@ def test_a_forward_overflow_in_a_compiled_module_is_located_by_its_users_name(tm
 def test_a_snapshot_is_copied_on_a_side_stream_and_the_next_step_waits_on_the_device(tmp_path: Path) -> None:
     """The ring's copy runs on the copier's stream; the weights in the snapshot are those after its step, even
     though the next optimizer step changes them right after (its wait is on the device)."""
-    from lightning_ampwatch.trajectory import SnapshotRing, TrainState
+    from lightning_ampwatch.trajectory.ring import SnapshotRing
+    from lightning_ampwatch.trajectory.state import TrainState
 
     torch.manual_seed(0)
     device = torch.device("cuda", torch.cuda.current_device())

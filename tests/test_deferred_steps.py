@@ -19,7 +19,7 @@ from lightning_ampwatch.steps import CleanRuns
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
 from lightning_ampwatch.timeline import Timeline
-from lightning_ampwatch.trajectory import SnapshotRing
+from lightning_ampwatch.trajectory.ring import SnapshotRing
 
 # ---------------------------------------------------------------------------------------------- a run, generated
 

@@ -268,7 +268,7 @@ def test_a_learning_rate_jump_is_dated_whether_the_loop_sets_the_rate_before_or_
 def test_a_replay_from_a_snapshot_runs_each_step_at_the_rate_the_loop_gave_it(tmp_path: Path, sets_lr: str) -> None:
     """The FP32 trajectory control replays the steps since a snapshot; at the run's own precision that replay must
     be the run itself, step for step, whichever way the loop sets its (cosine) learning rate."""
-    from lightning_ampwatch.trajectory import replay_trajectory
+    from lightning_ampwatch.trajectory.replay import replay_trajectory
 
     torch.manual_seed(0)
     fabric = fp16_fabric(init_scale=2.0**10)

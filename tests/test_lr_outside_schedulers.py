@@ -21,7 +21,7 @@ from lightning_ampwatch import AmpWatch
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from lightning_ampwatch.taxonomy import Finding
 from lightning_ampwatch.timeline import TIMELINE_NAME, read_timeline
-from lightning_ampwatch.trajectory import replay_trajectory
+from lightning_ampwatch.trajectory.replay import replay_trajectory
 
 
 def _alarms(watch: AmpWatch) -> list[Any]:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_ampwatch.probes import MicroBatch, tensors_in
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState, _column_nbytes, _nbytes
+from lightning_ampwatch.trajectory.ring import SnapshotRing, _column_nbytes, _nbytes
+from lightning_ampwatch.trajectory.state import TrainState
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool)

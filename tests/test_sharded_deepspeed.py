@@ -335,7 +335,8 @@ def _fit_snapshot_bf16(out_dir: str) -> None:
     from _sharded import RowsByRank, cpu_deepspeed
 
     from lightning_ampwatch.scenarios import Regressor, regression_data
-    from lightning_ampwatch.trajectory import Snapshot, TrainState
+    from lightning_ampwatch.trajectory.snapshot import Snapshot
+    from lightning_ampwatch.trajectory.state import TrainState
 
     def state_of(trainer: pl.Trainer) -> dict[str, Any]:
         engine = trainer.strategy.model

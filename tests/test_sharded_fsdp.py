@@ -512,7 +512,8 @@ def _one_rank_snapshots_alone(rank: int, out_dir: str, port: int) -> None:
 
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from lightning_ampwatch.trajectory import Snapshot, TrainState
+    from lightning_ampwatch.trajectory.snapshot import Snapshot
+    from lightning_ampwatch.trajectory.state import TrainState
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=HANG_S))

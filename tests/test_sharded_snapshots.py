@@ -167,7 +167,7 @@ def test_a_failing_snapshot_is_reported_once_and_every_step_stays_counted(tmp_pa
 
 
 def test_the_default_snapshot_budget_is_the_nodes_shared_by_its_processes() -> None:
-    from lightning_ampwatch.trajectory import SnapshotRing, default_budget_bytes
+    from lightning_ampwatch.trajectory.ring import SnapshotRing, default_budget_bytes
 
     assert SnapshotRing().budget_bytes == default_budget_bytes()
     assert SnapshotRing(processes_per_node=8).budget_bytes == default_budget_bytes() // 8

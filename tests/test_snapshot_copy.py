@@ -11,7 +11,8 @@ from torch import nn
 
 from lightning_ampwatch import snapshot_copy
 from lightning_ampwatch.snapshot_copy import DeviceCopier, split_for_side_stream, stepped_pointers
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState
+from lightning_ampwatch.trajectory.ring import SnapshotRing
+from lightning_ampwatch.trajectory.state import TrainState
 
 
 def _stepped_model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -11,9 +11,11 @@ import torch
 from test_trajectory import BIG, Busy, Driver, fit
 from torch import nn
 
-from lightning_ampwatch import trajectory
+from lightning_ampwatch.trajectory import ring
 from lightning_ampwatch.scenarios import regression_data
-from lightning_ampwatch.trajectory import Snapshot, SnapshotRing, TrainState
+from lightning_ampwatch.trajectory.ring import SnapshotRing
+from lightning_ampwatch.trajectory.snapshot import Snapshot
+from lightning_ampwatch.trajectory.state import TrainState
 
 
 def _same(a: Snapshot, b: Snapshot) -> None:
@@ -30,13 +32,13 @@ class _CountResolves:
 
     def __init__(self, monkeypatch: Any) -> None:
         self.count = 0
-        resolve = trajectory._CopyPlan.resolve.__func__
+        resolve = ring._CopyPlan.resolve.__func__
 
         def counted(cls: Any, state: TrainState, split: bool) -> Any:
             self.count += 1
             return resolve(cls, state, split)
 
-        monkeypatch.setattr(trajectory._CopyPlan, "resolve", classmethod(counted))
+        monkeypatch.setattr(ring._CopyPlan, "resolve", classmethod(counted))
 
 
 def test_a_fit_snapshots_through_the_plan_what_the_state_dict_machinery_reads(tmp_path: Any, monkeypatch: Any

@@ -16,7 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ampwatch.probes import MicroBatch, capture_rng, uses_rng
 from lightning_ampwatch.scenarios import Regressor, regression_data
-from lightning_ampwatch.trajectory import Snapshot, SnapshotRing, TrainState, replay_trajectory
+from lightning_ampwatch.trajectory.replay import replay_trajectory
+from lightning_ampwatch.trajectory.ring import SnapshotRing
+from lightning_ampwatch.trajectory.snapshot import Snapshot
+from lightning_ampwatch.trajectory.state import TrainState
 from lightning_ampwatch.verdicts import TrajectoryKind, TrajectoryResult, judge_trajectory
 
 BIG = 2**30

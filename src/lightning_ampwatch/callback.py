@@ -25,7 +25,8 @@ from lightning_ampwatch.machine import AmpStateMachine, Thresholds
 from lightning_ampwatch.remedies import AppliedRemedy, HoldLrOnSkip, LrCeiling, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.trajectory import Snapshot, TrainState
+from lightning_ampwatch.trajectory.snapshot import Snapshot
+from lightning_ampwatch.trajectory.state import TrainState
 
 
 #: Lightning hooks called at every training step that AmpWatch has no use for. During a fit they are ``None`` on the

@@ -49,8 +49,10 @@ ranks together.
 the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
 Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
-the ledger returns for every step); the investigations and the treatment return what they want changed (a
-renamed finding, a rollback, an episode closed, a remedy's effects) and the watcher applies it.
+the ledger returns for every step). What follows an alarm (investigation, decision, remedy, outcome, publication)
+is the episode owner's (:class:`~lightning_ampwatch.episode.Episodes`, whose journal ``diagnoses`` is): it decides,
+and hands the watcher typed actions (publish, roll back, apply, realign its view, stop) that the watcher applies
+(:meth:`RunWatcher._act`), the one place where an episode changes the run.
 """
 
 from __future__ import annotations
@@ -58,34 +60,28 @@ from __future__ import annotations
 import functools
 import warnings
 from time import perf_counter as _clock  # the log cadence's clock (a name of its own: tests script it)
-from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
 import torch
 
-from lightning_ampwatch import distributed, protocol
+from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
+from lightning_ampwatch.episode import Action, Apply, Episodes, Publish, Realign, Rollback, Stop
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
-from lightning_ampwatch.investigate import Investigations, Investigator, TrajectoryControl
+from lightning_ampwatch.investigate import Investigations, Investigator
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.probes import uses_rng
-from lightning_ampwatch.remedies import (
-    REGISTRY,
-    AppliedRemedy,
-    Effect,
-    RemedyContext,
-    RemedyPolicy,
-)
-from lightning_ampwatch.records import Outcome
-from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
+from lightning_ampwatch.remedies import AppliedRemedy, Effect, RemedyContext, RemedyPolicy
+from lightning_ampwatch.remedies.treatment import Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
-from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, LogCadence, ResolvedStep, StepLedger
+from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, LogCadence, StepLedger
 from lightning_ampwatch.summary import RunStats
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding, withdrawn_by
-from lightning_ampwatch.trajectory import SnapshotRing, retrain
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
+from lightning_ampwatch.trajectory.control import TrajectoryControl
+from lightning_ampwatch.trajectory.ring import SnapshotRing
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
@@ -129,7 +125,6 @@ class RunWatcher(WatchState):
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
         self.host: Host | None = None
-        self.diagnoses: list[Diagnosis] = []
         self.machine: AmpStateMachine | None = None
         self.reporters: Reporters | None = None
         self._loaded_state: dict[str, Any] | None = None
@@ -138,7 +133,6 @@ class RunWatcher(WatchState):
     def _reset(self) -> None:
         """Per-run state: a second run with the same instance starts afresh (unless it resumes a checkpoint)."""
         config = self.config
-        self.diagnoses = []
         self.machine = None
         self.reporters = None
         self.ledger: StepLedger | None = None
@@ -150,6 +144,8 @@ class RunWatcher(WatchState):
                                    rollback=config.rollback, replay_episode=config.replay_episode,
                                    fall_margin=config.thresholds.fall_margin,  # type: ignore[union-attr]
                                    track_tolerance=config.thresholds.track_tolerance)  # type: ignore[union-attr]
+        # the episode owner: alarm, investigation, decision, remedy, outcome, publication (``diagnoses`` is its journal)
+        self.episodes = Episodes(self, self.treatment, act=self._act, probe_changed=self._sync_investigations)
         self.world_size = 1
         self._log_every = 0
         # the log step's work runs every ``_judge_every`` steps while the run is quiet (a multiple of ``_log_every``,
@@ -187,8 +183,32 @@ class RunWatcher(WatchState):
         self.treatment.applied = list(value)
 
     @property
+    def diagnoses(self) -> list[Diagnosis]:
+        """The journal: every published diagnosis, updated in place when a remedy's outcome is known."""
+        return self.episodes.diagnoses
+
+    @diagnoses.setter
+    def diagnoses(self, value: list[Diagnosis]) -> None:
+        self.episodes.diagnoses = list(value)
+
+    @property
     def event_log(self) -> Any:
         return getattr(self.reporters, "event_log", None)
+
+    @property
+    def ranks(self) -> distributed.CrossRank:
+        """What this rank says to the others outside an anomaly's own agreement (the episode reads it)."""
+        return self._ranks
+
+    @property
+    def timeline(self) -> Any:
+        """The reporters' timeline, None when none is written (the episode records resolved steps in it)."""
+        return self._timeline
+
+    @property
+    def log_every(self) -> int:
+        """The framework's log interval in optimizer steps (0: no log step)."""
+        return self._log_every
 
     def caught_up(self) -> "RunWatcher":
         """The watcher with every clean step taken in (the ledger's :meth:`~StepLedger.settle`): what an adapter reads
@@ -343,7 +363,7 @@ class RunWatcher(WatchState):
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None
-        self.guards.attach(self.host, self.host.module, self.ledger.precision, self._emit,
+        self.guards.attach(self.host, self.host.module, self.ledger.precision, self.episodes.emit,
                            scale_reader=self._mirrored_scale)
 
     def _mirrored_scale(self) -> float:
@@ -424,7 +444,7 @@ class RunWatcher(WatchState):
                 ledger.keep_batch(micro_batch)
                 micro_batch = None
                 for diagnosis in investigations.finish_probe():  # type: ignore[union-attr]  # the armed step is over
-                    self._emit(diagnosis)
+                    self.episodes.emit(diagnosis)
                 self._sync_investigations()
             if not ledger.stepped:
                 if micro_batch is not None:
@@ -473,8 +493,8 @@ class RunWatcher(WatchState):
         """After a batch end: up to which step the express lane may take the next batches (none unless the lean
         route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
         Nothing the lane takes changes any of this. On the lean route the machine changes only inside a batch end
-        (and at the fit's end), a remedy becomes due only through :meth:`_emit`, which closes the lane, and a probe
-        is checked at each lane call."""
+        (and at the fit's end), a remedy becomes due only through the episode owner's ``emit``, which closes the
+        lane, and a probe is checked at each lane call."""
         ledger, machine, treatment = self.ledger, self.machine, self.treatment
         if ledger is None or not self.lean_route:  # (the full route: never opened)
             return
@@ -526,7 +546,7 @@ class RunWatcher(WatchState):
         """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
         ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
         assert ledger is not None and reporters is not None and machine is not None and host is not None
-        self._take(ledger.drain_at_log_step(host))
+        self.episodes.take(ledger.drain_at_log_step(host))
         steps, skipped, nonfinite = ledger.take_log_counts()
         ranks = self._ranks
         metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite,
@@ -536,11 +556,11 @@ class RunWatcher(WatchState):
         if values and self.world_size > 1:  # what another rank reached alone reaches rank zero; a rank switched off
             relayed = ranks.at_log_step(values, ledger)
             for diagnosis in relayed:
-                self._publish_relayed(diagnosis)
-            relayed = self._publish_reconciled() + relayed
-            self._note_agreement()
+                self.episodes.publish_relayed(diagnosis)
+            relayed = self.episodes.publish_reconciled() + relayed
+            self.episodes.note_agreement()
         machine.note_losses(ledger.take_unnoted())
-        self._take_divergences()  # the losses just read may show a finite divergence
+        self.episodes.take_divergences()  # the losses just read may show a finite divergence
         reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
         loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
         reporters.flush(None if loss is None else lambda: loss)
@@ -561,8 +581,8 @@ class RunWatcher(WatchState):
         try:
             relayed = self._ranks.at_end()
             for diagnosis in relayed:
-                self._publish_relayed(diagnosis)
-            relayed = self._publish_reconciled() + relayed
+                self.episodes.publish_relayed(diagnosis)
+            relayed = self.episodes.publish_reconciled() + relayed
         except Exception as err:  # noqa: BLE001
             self.internal_failure("finish", err)
         if not self.disabled:
@@ -576,18 +596,16 @@ class RunWatcher(WatchState):
     @_guarded
     def _finish(self) -> None:
         if self.ledger is not None:
-            self._take(self.ledger.drain(force=True))
-            self._read_losses()
-            self._take_divergences()
+            self.episodes.take(self.ledger.drain(force=True))
+            self.episodes.read_losses()
+            self.episodes.take_divergences()
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
-                self._emit(diagnosis)
+                self.episodes.emit(diagnosis)
             self._sync_investigations()
         if self.treatment.due or self.treatment.watch is not None:
             self._at_step_boundary()
-        ended = self.treatment.finish(self.machine.steps_seen if self.machine is not None else 0)
-        if ended is not None:  # still watched: its outcome stays unknown, never assumed, and the record says why
-            self._update(ended.old, ended.new)
+        self.episodes.finish()  # a remedy still watched: its outcome stays unknown, and the record says why
 
     @_guarded
     def _summarize(self) -> None:
@@ -621,8 +639,8 @@ class RunWatcher(WatchState):
 
     def _take_closed(self, closed: ClosedStep | None, quiet: bool) -> None:
         """The one route of every step: its batches to the trajectory control, then a clean step to the machine
-        and the timeline at once, or the steps resolved now through :meth:`_take`. ``quiet``: the machine's, as
-        read before the step was closed (closing it changes nothing in the machine)."""
+        and the timeline at once, or the steps resolved now through the episode owner's ``take``. ``quiet``: the
+        machine's, as read before the step was closed (closing it changes nothing in the machine)."""
         if closed is None:
             return
         machine, ledger = self.machine, self.ledger
@@ -644,9 +662,9 @@ class RunWatcher(WatchState):
                                          lrs=closed.lrs)
             if ledger.unnoted:  # the ring of held losses was full: read just now
                 machine.note_losses(ledger.take_unnoted())
-                self._take_divergences()
+                self.episodes.take_divergences()
         elif closed.resolved:
-            self._take(closed.resolved)
+            self.episodes.take(closed.resolved)
         self._plan_deferral()
 
     # ------------------------------------------------------------------ clean steps taken in later
@@ -681,228 +699,43 @@ class RunWatcher(WatchState):
                     limit = due
         runs.until = limit
 
-    def _read_losses(self) -> None:
-        """Every held loss read (one copy), and handed to the machine's loss level."""
-        assert self.ledger is not None and self.machine is not None
-        self.ledger.read_losses()
-        self.machine.note_losses(self.ledger.take_unnoted())
-
-    def _take(self, resolved: list[ResolvedStep]) -> None:
-        """Feed resolved steps to the machine (and the timeline); a new alarm is investigated before it is
-        published."""
-        machine, investigations, ledger = self.machine, self.investigations, self.ledger
-        assert machine is not None and ledger is not None
-        timeline = self._timeline
-        for step in resolved:
-            if step.losses_before:
-                machine.note_losses(step.losses_before)
-            obs = step.obs
-            if timeline is not None:
-                timeline.record_step(obs.step, skipped=obs.skipped, scale=obs.scale, loss=obs.loss,
-                                     loss_finite=obs.loss_finite, lrs=obs.lrs)
-            agreed = self._agreed  # read after the step was resolved: a skip's gather may have ended the agreement
-            if not ledger.agree:
-                self._note_agreement()
-            if investigations is not None:
-                investigations.before_observe(step, agreed)
-            renamed_alarm: tuple[str, Finding] | None = None  # (as the machine named it, as the controls did)
-            for diagnosis in machine.observe(obs):
-                if diagnosis.is_alarm and investigations is not None:
-                    refined, renamed = investigations.investigate(diagnosis, step, ledger.scaler_active,
-                                                                  self.trajectory, agree=agreed)
-                    self._sync_investigations()  # a live probe may be armed for the next step
-                    if renamed is not None:
-                        machine.revise(renamed)  # the FP32 control renamed the open episode's finding
-                    if refined is None:
-                        continue  # published after the next step, with what its live probe saw
-                    if refined.finding is not diagnosis.finding:
-                        renamed_alarm = (diagnosis.finding.value, refined.finding)
-                    diagnosis = refined
-                elif diagnosis.withdrawn and renamed_alarm is not None \
-                        and diagnosis.evidence.get("withdrawn_by") == renamed_alarm[0]:
-                    diagnosis = withdrawn_by(diagnosis, renamed_alarm[1])  # the alarm as it was published
-                if diagnosis.is_alarm and not self.treatment.wants(diagnosis):  # (a treated one is seen in _treat)
-                    relapsed = self.treatment.relapse(diagnosis)
-                    if relapsed is not None:
-                        self._update(relapsed.old, relapsed.new)
-                self._emit(diagnosis)
-            batch = obs.batch
-            if self.treatment.watch is not None and batch is not None and batch.nonfinite \
-                    and obs.loss_finite is False and not (renamed_alarm and renamed_alarm[0] == "DATA_NONFINITE"):
-                # its own batch made this step's loss non-finite (unless the controls found otherwise): the data's
-                # fault, not a sign that the watched remedy failed
-                self.treatment.note_data_step(obs.step, obs.skipped)
-
-    def _take_divergences(self) -> None:
-        """Alarms the machine raised from losses read after the fact (a finite divergence): investigated with the
-        trajectory replays where a snapshot allows, then published or treated like any other."""
-        machine, investigations, ledger = self.machine, self.investigations, self.ledger
-        assert machine is not None and ledger is not None
-        for diagnosis in machine.take_pending():  # the alarm, and a NORMAL_SCALING call it withdraws, if any
-            if investigations is not None and diagnosis.is_alarm:
-                diagnosis = investigations.investigate_divergence(diagnosis, ledger.step_index - 1, self.trajectory)
-            self._emit(diagnosis)
-
-    def _emit(self, diagnosis: Diagnosis) -> None:
-        """Publish a diagnosis, or hold an alarm that has a remedy on its ladder until the step boundary. A finite
-        divergence under DDP is each rank's own (its losses differ from the other ranks'): reported, not treated,
-        since a treatment is a decision every rank must take together."""
-        ledger = self.ledger
-        if ledger is not None:  # the steps before it taken in (the timeline dates its marker by them), and none held
-            ledger.hold()  # back until the next batch end has looked (a recipe guard emits from inside a step)
-        if self.world_size > 1 and ledger is not None and not ledger.agree and diagnosis.is_alarm:
-            diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
-                f"{self._ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
-                "remedy")})
-        if self.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
-            self._publish(diagnosis)
-        elif self.treatment.folds(diagnosis) or self.treatment.wants(diagnosis):
-            # held for the step boundary: a remedy on its ladder, or an AMP alarm during a divergence (part of it)
-            self.treatment.due.append(diagnosis)
-        else:
-            self._publish(diagnosis)
-
-    # ------------------------------------------------------------------ remedies, at an optimizer-step boundary
+    # ------------------------------------------------------------------ the episode's actions, applied
 
     def _at_step_boundary(self) -> None:
-        """A remedy for each waiting alarm (rolled back, applied, then watched), published with it or as
-        unrecoverable; then the watched remedy's outcome, once it has run its course. The treatment decides and
-        returns records; the changes to the run, the machine and the ledger are made here."""
-        treatment, machine, ledger = self.treatment, self.machine, self.ledger
-        assert machine is not None and ledger is not None
-        agreed = self._agreed
-        for diagnosis in treatment.take_due():
-            if not agreed and not (diagnosis.finding.is_recipe and ledger.agree):
-                # Under a scaler every rank skips the same steps and reaches the same alarms; without one the ranks
-                # see anomalies at different steps and no single decision can be agreed on (a recipe finding is
-                # every rank's at once, until a rank's watch switched itself off). Nor may an alarm this rank judged
-                # alone end, or fold into, a remedy every rank watches together (a bf16_fallback's): its judgement
-                # starts with a gather, which this rank would then skip while the others wait in it.
-                if ledger.agree:
-                    self.say_once("Without a GradScaler the ranks do not see anomalies together, so AmpWatch does "
-                                  "not remedy them under DDP; it reports them.")
-                self._publish(diagnosis)
-                continue
-            if treatment.folds(diagnosis):
-                self._fold(diagnosis)
-                continue
-            ended = treatment.interrupted(diagnosis)
-            if ended is not None:
-                self._update(ended.old, ended.new)  # the watched remedy did not hold, or is overtaken by this one
-            try:
-                treated = self._treat(diagnosis)
-            except AmpWatchError:
-                raise
-            except Exception as err:  # noqa: BLE001 - the alarm is published all the same, saying what failed
-                self.internal_failure("a remedy", err)
-                treated = replace(diagnosis, evidence={**diagnosis.evidence,
-                                                       "treatment_failed": f"{type(err).__name__}: {err}"})
-            self._publish(treated)
-        if treatment.judgement_due(machine.steps_seen):
-            self._read_losses()  # once per remedy: the steps since it are all read
-            if self.host is not None:  # when no healthy level exists (every rank here: judged together)
-                # (a rank switched off since the remedy joins this gather to say so: the rest is each rank's own)
-                treatment.fp32_reference(self.trajectory, self.host.global_step,
-                                         gather=self._ranks.gather(ledger) if ledger.agree else lambda v: [v])
-                self._note_agreement()
-            recovery = self._decide(lambda: treatment.judge(ledger.recent_losses, steps_seen=machine.steps_seen,
-                                                            skipped_total=machine.skipped_total))
-            if recovery is not None:  # None: judged later (a stall's remedy, still falling)
-                self._ended(treatment.end(recovery))
-        control = self.trajectory
-        if control is not None:
-            control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
+        """An optimizer-step boundary with a remedy due or watched: the episode decides; the deferral follows."""
+        self.episodes.at_step_boundary()
         self._plan_deferral()
 
-    def _ended(self, ended: Any) -> None:
-        """A watched remedy's outcome is known: the record updated, and after one that did not recover, the next
-        rung of its ladder (or, with none left, ``on_unrecoverable``)."""
-        treatment = self.treatment
-        self._update(ended.old, ended.new)
-        treatment.ended(ended.new)
-        if ended.recovery.outcome is Outcome.NOT_RECOVERED:
-            retried = self._treat(treatment.for_retry(ended))
-            treatment.retry_done()
-            if retried.remedy is None:  # no rung left: the record stays as it was (not recovered)
-                self._unrecoverable(ended.new)
-            else:
-                self._update(ended.new, retried)
-                treatment.ended(retried)
-
-    def _fold(self, alarm: Diagnosis) -> None:
-        """An alarm that blames reduced precision, raised while the run diverges (a divergence's remedy watched, or
-        one that did not recover): the same episode going on, not a new AMP fault with a remedy of its own. The
-        divergence's record notes it; a watched remedy did not hold, and the next rung of the LR ladder follows."""
-        treatment = self.treatment
-        note = {"finding": alarm.finding.value, "step": alarm.step, "location": alarm.location}
-        if treatment.watch is not None:
-            ended = treatment.end_for(alarm, note)
-            self._ended(ended)
-            return
-        record = treatment.diverging
-        if record is None:
-            return
-        during = [*record.evidence.get("alarms_during_episode", []), note]  # type: ignore[misc]
-        new = replace(record, evidence={**record.evidence, "alarms_during_episode": during})
-        self._update(record, new)
-        treatment.ended(new)
-
-    def _treat(self, diagnosis: Diagnosis) -> Diagnosis:
-        """Pick the next allowed rung, go back to before the onset, apply it, and start watching it. The diagnosis
-        comes back with the remedy (and its rollback), or unchanged without one; after a rollback that failed,
-        without a remedy, its evidence saying what failed."""
-        treatment, machine, ledger, host = self.treatment, self.machine, self.ledger, self.host
-        assert machine is not None and ledger is not None and host is not None
-        relapsed = treatment.relapse(diagnosis)  # the same fault back after a recovery: taken back, at any step
-        if relapsed is not None:
-            self._update(relapsed.old, relapsed.new)
-        if not ledger.agree:  # a rank's watch switched itself off: no decision can be taken by every rank
-            return diagnosis
-        choice = self._decide(lambda: treatment.policy.choose(diagnosis))  # agreed, then rank zero's
-        if choice is None:
-            return diagnosis
-        self._read_losses()  # the losses up to now, for the level the run goes back to
-        healthy = machine.reference_for(diagnosis.step)  # before a rollback rebases the machine
-        now = host.global_step
-        # an episode from the fit's first step that the scaler skipped throughout left the starting weights as they
-        # were: going back to the starting state would only undo the scaler's backoffs
-        control = self.trajectory
-        untouched = ledger.scaler_active and control is not None and diagnosis.step <= control.start_step \
-            and machine.untouched_since(diagnosis.step, now - 1)
-        try:
-            snapshot, rollback, episode = treatment.roll_back(diagnosis, now=now, control=control,
-                                                              decide=lambda v: self._decide(lambda: v), host=host,
-                                                              untouched=untouched, gather=distributed.gather)
-        except AmpWatchError:
-            raise
-        except Exception as err:  # noqa: BLE001 - published without a remedy, the evidence saying why
-            self.internal_failure("a rollback", err)
-            return treatment.rollback_failed(diagnosis, err)
-        then = None  # the level where a rollback took the run back to, if that stretch was healthy
-        if rollback.resumed_at is not None:
-            self._after_remedy(ROLLED_BACK)
-            then = machine.level_before(ledger.recent_losses, rollback.resumed_at)
-            machine.rebase(then)
-        diagnosis = treatment.with_lr_tried(diagnosis, choice)
-        treated, applied = treatment.policy.apply(self.remedy_context(), diagnosis, choice, step=now)
-        if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
-            return treatment.treated(treated, None, rollback)
-        machine.close_episode(now, f"remedy {applied.name}")
-        self._after_remedy(REGISTRY[applied.name].effects)
-        control = self.trajectory  # the precision may have changed: the current state
-        if episode and control is not None:
-            rollback = rollback.after_retraining(retrain(control.state, episode))
-        treated = treatment.treated(treated, applied, rollback)
-        treatment.start_watch(treated, applied, snapshot, level=None if healthy is None else healthy.level,
-                              then=then, steps_seen=machine.steps_seen, skipped_total=machine.skipped_total)
-        return treated
-
-    def _decide(self, choose: Callable[[], Any]) -> Any:
-        """Rank zero's ``choose()`` on every rank, after the ranks agreed that every one could choose
-        (:func:`protocol.decide`; only on steps every rank is in: an alarm under a scaler); this rank's own once the
-        ranks stopped agreeing."""
-        agree = self.ledger is None or self.ledger.agree
-        return protocol.decide(choose) if self.world_size > 1 and agree else choose()
+    def _act(self, action: Action) -> Any:
+        """Apply what the episode owner decided (:mod:`lightning_ampwatch.episode`), and answer with what was done:
+        the only place where an episode changes the run (a rollback, a remedy, a stop) or reaches a sink."""
+        if isinstance(action, Publish):
+            reporters, diagnosis = self.reporters, action.diagnosis
+            if reporters is not None:
+                if action.remedy_at is not None:
+                    reporters.record_remedy(action.remedy_at, diagnosis.remedy)
+                reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
+            return None
+        if isinstance(action, Rollback):
+            return self.treatment.roll_back(action.diagnosis, now=action.now, control=self.trajectory,
+                                            decide=lambda v: self.episodes.decide(lambda: v), host=self.host,
+                                            untouched=action.untouched, gather=distributed.gather)
+        if isinstance(action, Apply):
+            return self.treatment.policy.apply(self.remedy_context(), action.diagnosis, action.choice,
+                                               step=action.step)
+        if isinstance(action, Realign):
+            self._after_remedy(action.effects)
+            return None
+        if isinstance(action, Stop):
+            diagnosis = action.diagnosis
+            if action.raise_error:
+                raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
+            if self.host is not None:
+                self.host.stop()
+            self.say_once(f"stopping the run after {diagnosis.finding.value} at step {diagnosis.step} "
+                          "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
+            return None
+        raise TypeError(f"not an episode action: {action!r}")  # pragma: no cover - the five above are all
 
     def remedy_context(self) -> RemedyContext:
         assert self.host is not None
@@ -929,103 +762,6 @@ class RunWatcher(WatchState):
                     machine.reconfigure(scaler_config=ledger.scaler_config)
             elif effect is Effect.OPTIMIZERS:
                 ledger.read_param_groups(host.optimizers, lrs_now=True)
-
-    def _publish(self, diagnosis: Diagnosis) -> None:
-        """Every sink gets it (each fails alone); the decision that follows never depends on a sink. A withdrawal
-        replaces the record it takes back; the event log gets one more line saying so."""
-        if self._ranks.defers(diagnosis, self._agreed):
-            # judged alone: published on every rank alike once the ranks compared their alarms at the next exchange
-            # (the log step's, or the fit end's), as the rank the fault began on found it (distributed.reconcile)
-            self._ranks.relay.defer(diagnosis)
-            if diagnosis.remedy is None:
-                self._unrecoverable(diagnosis)  # (a request to end the run, carried by the log step's sum)
-            return
-        if diagnosis.withdrawn:
-            self.diagnoses = [d for d in self.diagnoses
-                              if not (d.finding is diagnosis.finding and d.step == diagnosis.step)]
-        self.diagnoses.append(diagnosis)
-        self._ranks.hold(diagnosis, self._agreed)  # rank zero hears of it at the next agreement point, if it must
-        if diagnosis.remedy is not None and self.reporters is not None and self.treatment.applied:
-            self.reporters.record_remedy(self.treatment.applied[-1].step, diagnosis.remedy)
-        if self.reporters is not None:
-            self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
-        if diagnosis.is_alarm and diagnosis.remedy is None:
-            self._unrecoverable(diagnosis)
-
-    @property
-    def _agreed(self) -> bool:
-        """Whether the ranks meet anomalies together (one process; or a scaler, every rank skipping the same steps,
-        and every rank's watch still on), so that a collective on an anomalous step is entered by every rank."""
-        ledger = self.ledger
-        return self.world_size == 1 or (ledger is not None and ledger.scaler_active and ledger.agree)
-
-    def _note_agreement(self) -> None:
-        """The ranks stopped agreeing (another rank's watch switched itself off): said once, and the snapshots stop
-        where a replay from them needs every rank (split across DDP ranks, or sharded), since none can be agreed on
-        any more."""
-        if self.ledger is not None and not self.ledger.agree:
-            self._ranks.note_agreement_ended(self.ledger, self.trajectory, self.say_once)
-
-    def _publish_relayed(self, diagnosis: Diagnosis) -> None:
-        """Rank zero publishes a diagnosis another rank reached alone (its evidence names the rank). The decision
-        it led to was that rank's; rank zero only reports it. One rank zero reached itself (an agreed alarm
-        published after a remedy took the scaler away) is not repeated."""
-        if any(d.finding is diagnosis.finding and d.step == diagnosis.step for d in self.diagnoses):
-            return
-        self.diagnoses.append(diagnosis)
-        if self.reporters is not None:
-            self.reporters.publish(diagnosis, self.host.loggers if self.host is not None else [])
-
-    def _publish_reconciled(self) -> list[Diagnosis]:
-        """Every rank, after an exchange: the alarms the ranks judged alone, as they agreed on them
-        (:func:`distributed.reconcile`), published alike on every rank. Returns them."""
-        agreed = self._ranks.relay.take_reconciled()
-        for diagnosis in agreed:
-            self._publish_relayed(diagnosis)
-        return agreed
-
-    def _update(self, old: Diagnosis, new: Diagnosis) -> None:
-        """A later fact changed a diagnosis (a remedy's outcome, the next rung): ``diagnoses`` holds the updated
-        record, and the sinks get it once more."""
-        at = next((i for i, d in enumerate(self.diagnoses) if d is old), None)
-        if at is None:
-            self.diagnoses.append(new)
-        else:
-            self.diagnoses[at] = new
-        if new.remedy is not None and new.remedy != old.remedy and self.reporters is not None:
-            self.reporters.record_remedy(self.treatment.applied[-1].step, new.remedy)
-        if self.reporters is not None:
-            self.reporters.publish(new, self.host.loggers if self.host is not None else [])
-
-    def _unrecoverable(self, diagnosis: Diagnosis) -> None:
-        mode = self.config.on_unrecoverable
-        if mode in ("stop", "raise") and not self._judged_by_every_rank(diagnosis):
-            # The other ranks did not meet this alarm: a rank that stopped (or raised) alone would leave them waiting
-            # in their next collective. The request goes with the log step's cross-rank sum, and every rank ends the
-            # run at that log step (:meth:`_at_log_step`); with no log step, no point is shared where it could.
-            if self._log_every:
-                self._ranks.ask_to_end(diagnosis)
-            elif "unrecoverable:alone" not in self._said:
-                self._said.add("unrecoverable:alone")
-                warnings.warn(f"AmpWatch: on_unrecoverable={mode!r} cannot be carried out by one rank alone: this rank "
-                              f"judged {diagnosis.finding.value} at step {diagnosis.step} without the others (they do "
-                              "not meet anomalies together), and with no log step (log_every_n_steps=0) there is no "
-                              "point where every rank learns of it. Stopping this rank alone would leave the others "
-                              "waiting for it; training goes on.", RuntimeWarning, stacklevel=3)
-            return
-        if mode == "stop":
-            if self.host is not None:
-                self.host.stop()
-            self.say_once(f"stopping the run after {diagnosis.finding.value} at step {diagnosis.step} "
-                          "(on_unrecoverable='stop').", key=f"stop:{diagnosis.step}")
-        elif mode == "raise":
-            raise AmpWatchError(diagnosis.headline() + "\nFix: " + diagnosis.advice, diagnosis)
-
-    def _judged_by_every_rank(self, diagnosis: Diagnosis) -> bool:
-        """Whether every rank reached this alarm at the same step (one process; or the ranks agree, and it is no
-        rank's own finite divergence), so that each can act on it at once."""
-        return self.world_size == 1 or (
-            self._agreed and diagnosis.evidence.get("pattern") != DivergencePattern.FINITE_DIVERGENCE.value)
 
     def _run_stats(self) -> RunStats | None:
         machine, ledger = self.machine, self.ledger

@@ -242,7 +242,7 @@ class _ScalerFields(MutableMapping):  # type: ignore[type-arg]
 
 def live_state(engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model state, optimizer state) of a ZeRO-1/2 engine, in the form of torch's distributed state dicts that
-    :class:`~lightning_ampwatch.trajectory.Snapshot` copies and puts back in place: this rank's float32 master
+    :class:`~lightning_ampwatch.trajectory.snapshot.Snapshot` copies and puts back in place: this rank's float32 master
     partitions and the module's buffers; per partition, the inner optimizer's own state dict (the live one); and
     the loss scaler's fields (fp16)."""
     optimizer = zero_optimizer(engine)

@@ -44,7 +44,7 @@ from lightning_ampwatch.probes import tensors_in, uses_rng
 from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo, resolve_precision
 from lightning_ampwatch.taxonomy import Diagnosis
-from lightning_ampwatch.trajectory import TrainState
+from lightning_ampwatch.trajectory.state import TrainState
 
 #: Optimizer steps between two log steps (metrics to ``fabric.loggers``, one packed read), as Lightning's default.
 DEFAULT_LOG_EVERY_N_STEPS = 50

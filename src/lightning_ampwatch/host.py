@@ -14,7 +14,7 @@ import torch
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.remedies import RemedyContext
 from lightning_ampwatch.signals import PrecisionInfo
-from lightning_ampwatch.trajectory import TrainState
+from lightning_ampwatch.trajectory.state import TrainState
 
 
 @runtime_checkable

@@ -1,6 +1,7 @@
 """What happens on the first alarm of an episode: localise (which module, which parameter) and run the FP32
 control, on the rank(s) where the fault arose, then agree on one answer across ranks; for an alarm that blames
-reduced precision, the FP32 trajectory control (:class:`TrajectoryControl`, owned by the core) has the last word.
+reduced precision, the FP32 trajectory control
+(:class:`~lightning_ampwatch.trajectory.control.TrajectoryControl`, owned by the core) has the last word.
 
 Bounded by construction: it runs once per new alarm, and the machine raises an alarm once per episode. What it
 concludes comes back as records (the refined diagnosis with its :class:`~lightning_ampwatch.records.Facts`, the
@@ -11,18 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from lightning_ampwatch import compat, deepspeed_state, distributed, protocol, sharding
-from lightning_ampwatch.steps.cadence import SnapshotCadence
+from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
 from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
-from lightning_ampwatch.signals import float_tensors, inspect_batch
-from lightning_ampwatch.remedies.precision import bf16_supported
+from lightning_ampwatch.signals import float_tensors
 from lightning_ampwatch.probes import (
     FP16_MAX,
     LiveProbe,
@@ -32,9 +29,15 @@ from lightning_ampwatch.probes import (
     capture_rng,
     tensors_in,
 )
-from lightning_ampwatch.trajectory import SnapshotRing, TrainState, replay_trajectory
-from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.records import ControlVerdict, facts_of
+from lightning_ampwatch.replays import (
+    APART,
+    BACKWARD,
+    InvestigationError,
+    ReplayRecord,
+    replay_went_nonfinite,
+    supersede_amp_evidence,
+)
 from lightning_ampwatch.taxonomy import (
     Diagnosis,
     DivergencePattern,
@@ -44,54 +47,16 @@ from lightning_ampwatch.taxonomy import (
     advise,
     format_pow2,
 )
-from lightning_ampwatch.verdicts import (
-    AMP_BLAMING,
-    LOWER_LR_FACTOR,
-    LevelOrigin,
-    LowerLrKind,
-    LowerLrVerdict,
-    TrajectoryKind,
-    TrajectoryResult,
-    TrajectoryVerdict,
-    control_result,
-    fp32_reference,
-    judge_lower_lr,
-    judge_trajectory,
-    trains_down,
-)
+from lightning_ampwatch.verdicts import AMP_BLAMING, LevelOrigin, control_result
 
-#: Findings located by the first non-finite forward output, and by the first non-finite gradient.
+if TYPE_CHECKING:  # the core hands its control to :meth:`Investigations.investigate`; never imported at run time
+    from lightning_ampwatch.trajectory.control import TrajectoryControl
+
+#: Findings located by the first non-finite forward output (by the first non-finite gradient: ``BACKWARD``).
 _FORWARD = {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.DATA_NONFINITE, Finding.FP32_UNSTABLE}
-_BACKWARD = {Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW}
-_INVESTIGATED = _FORWARD | _BACKWARD | {Finding.LR_SCHEDULE}
-#: Why a rank may not replay with the others (said in the evidence where it would have had to).
-_APART = ("the ranks do not meet this anomaly together (no scaler, or another rank's AmpWatch switched itself "
-          "off)")
+_INVESTIGATED = _FORWARD | BACKWARD | {Finding.LR_SCHEDULE}
 #: Alarms a live probe of the next step can locate when the faulty step cannot be replayed.
-LIVE_PROBED = _BACKWARD | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
-
-
-@dataclass
-class ReplayRecord:
-    """What the replay of a faulty step found, agreed across ranks: evidence for the diagnosis, where the fault
-    sits, and the FP32 control's numbers for the verdict."""
-
-    evidence: dict[str, Any] = field(default_factory=dict)
-    module: str | None = None  # the first module whose output went non-finite from finite inputs
-    param: str | None = None  # the first parameter whose gradient went non-finite, in backward order
-    control_loss: float | None = None
-    control_grads_finite: bool | None = None
-    loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
-    loss_level_origin: LevelOrigin = LevelOrigin.HEALTHY  # which of the two ``loss_level`` is
-    error: str | None = None  # the replay failed on this rank
-
-
-class _CapTooSmall(Exception):
-    """The replay-step cap cannot hold the window twice (nothing changed and FP32): the replays are not run."""
-
-
-class InvestigationError(RuntimeError):
-    """A replay failed on some rank; raised on every rank alike so that all of them stop replaying together."""
+LIVE_PROBED = BACKWARD | {Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.LR_SCHEDULE}
 
 
 class Investigator:
@@ -141,7 +106,7 @@ class Investigator:
         everyone = sharding.replay_needs_all_ranks(self.replayer.root_module()) and distributed.world_size() > 1
         if everyone and not agree:
             return ReplayRecord(evidence={"replay": (
-                f"not run: the model is sharded, so a replay's forward talks to every rank, and {_APART}: a replay on "
+                f"not run: the model is sharded, so a replay's forward talks to every rank, and {APART}: a replay on "
                 "this rank alone would wait for the others")})
         if not agree or distributed.rank() in fault_ranks or everyone:
             try:
@@ -176,7 +141,7 @@ class Investigator:
             diagnosis.finding, control_loss=record.control_loss,
             control_grads_finite=record.control_grads_finite,
             batch_nonfinite=bool(batch and batch.nonfinite), loss_level=loss_level,
-            level_origin=record.loss_level_origin, amp_nonfinite=_replay_went_nonfinite(record),
+            level_origin=record.loss_level_origin, amp_nonfinite=replay_went_nonfinite(record),
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
@@ -184,7 +149,7 @@ class Investigator:
         if finding is Finding.INPUT_RANGE and isinstance(ev.get("reduced_precision_inputs"), list) \
                 and where not in ev["reduced_precision_inputs"]:
             # the large values never enter a float16 op (a target used in a float32 loss): not an input-range fault
-            finding = Finding.FORWARD_OVERFLOW if _replay_went_nonfinite(record) and record.module is not None \
+            finding = Finding.FORWARD_OVERFLOW if replay_went_nonfinite(record) and record.module is not None \
                 else Finding.GRADIENT_OVERFLOW
             ev["input_not_in_reduced_precision"] = (
                 f"{ev.pop('input_where', None)} holds values up to {ev.pop('input_absmax', 0):.3g}, but the replay "
@@ -199,7 +164,7 @@ class Investigator:
         if finding is Finding.DATA_NONFINITE:
             location = diagnosis.location  # the data, not a module: where is in evidence["nonfinite_where"]
         else:
-            location = record.param if finding in _BACKWARD else record.module
+            location = record.param if finding in BACKWARD else record.module
             location = location or record.module or record.param or diagnosis.location
         renamed = finding if finding is not diagnosis.finding else None
         if renamed is not None and diagnosis.finding in AMP_BLAMING and finding not in AMP_BLAMING:
@@ -321,7 +286,7 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
     grown since (after an LR rise, say). A start-up streak judged when it ended keeps the scale the scaler settled
     at, measured on these very weights; one decided early (to be remedied at once) has none yet and takes the
     measured one."""
-    if finding in _BACKWARD and (ev.get("replay_unscaled_grads_finite") is False or (
+    if finding in BACKWARD and (ev.get("replay_unscaled_grads_finite") is False or (
             ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0)):
         if ev.get("pattern") not in (None, GradientPattern.UNSCALED_OVERFLOW.value):
             ev["pattern_before_replay"] = ev["pattern"]  # for the interventions, should a lower scale hold
@@ -343,32 +308,6 @@ def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
             ev["safe_scale_from"] = (f"half the scale the replay's gradients overflowed at ({format_pow2(replayed_at)}"
                                      f"; its largest parameter gradient, {absmax:.4g}, would have allowed more)")
     return finding
-
-
-def _data_steps(steps: Sequence[tuple[int, Sequence[Any]]]) -> list[int]:
-    """The steps of a replay window whose batches hold NaN/inf (one device read per tensor: on an alarm only)."""
-    return [step for step, micro_batches in steps
-            if micro_batches and inspect_batch([mb[0] for mb in micro_batches]).nonfinite]
-
-
-def owning_module(module: Any, name: str | None) -> str | None:
-    """The submodule ``name`` names, or the one owning the parameter it names (``head.weight`` -> ``head``); None for
-    the model itself, the code around it (``training_step``, a file:line) or no name."""
-    if not name:
-        return None
-    if compat.has_submodule(module, name):
-        return name
-    owner, _, leaf = name.rpartition(".")
-    if owner and compat.has_submodule(module, owner) and isinstance(
-            getattr(module.get_submodule(owner), leaf, None), torch.nn.Parameter):
-        return owner
-    return None
-
-
-def _replay_went_nonfinite(record: ReplayRecord) -> bool:
-    """Whether the replay at the run's own precision went non-finite: a module's output, or the loss."""
-    loss = record.evidence.get("replay_loss")
-    return record.module is not None or (isinstance(loss, float) and not math.isfinite(loss))
 
 
 def _replay_evidence(result: ReplayResult, prefix: str) -> dict[str, Any]:
@@ -410,7 +349,7 @@ def located_live(diagnosis: Diagnosis, first_module: str | None, first_param: st
         ev["live_first_nonfinite_param"] = first_param
     if headroom:
         ev["fp16_headroom_log2"] = dict(headroom)
-    if diagnosis.finding in _BACKWARD:
+    if diagnosis.finding in BACKWARD:
         location = first_param or first_module
     elif diagnosis.finding in _FORWARD:
         location = first_module  # a forward fault is where a module's output went non-finite, never a parameter
@@ -621,488 +560,6 @@ class Investigations:
             self._live_probe = None
 
 
-#: Which verdict stands when the ranks disagree: a rank whose FP32 run fails clears AMP for all; one that
-#: reproduces the fault confirms it over ranks that did not.
-_VERDICT_ORDER = (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES, TrajectoryKind.AMP_CONFIRMED,
-                  TrajectoryKind.NOT_REPRODUCED)
-_RENAMED_BY = {TrajectoryKind.FP32_NONFINITE: Finding.FP32_UNSTABLE, TrajectoryKind.FP32_DIVERGES: Finding.FP32_UNSTABLE,
-               TrajectoryKind.NOT_REPRODUCED: Finding.NOT_REPRODUCED}
-
-
-class TrajectoryControl:
-    """The true FP32 control: snapshots every ``every`` steps within a memory budget, and, for an alarm that blames
-    reduced precision, the steps since the newest snapshot before the onset run again in FP32 and at the run's own
-    precision (then the live state is put back exactly). Its verdict is the one that stands."""
-
-    def __init__(self, ring: SnapshotRing, state: TrainState, divergence_ratio: float,
-                 say: Callable[[str], None], adaptive: bool = False,
-                 on_failure: Callable[[str, Exception], None] | None = None,
-                 fall_margin: float = Thresholds.fall_margin,
-                 lr_cause_margin: float = Thresholds.lr_cause_margin,
-                 thresholds: Thresholds | None = None) -> None:
-        self.ring = ring
-        thresholds = thresholds or Thresholds()
-        self.replay_steps = thresholds.replay_steps  # the interventions' replay-step cap per alarm
-        self.replay_past = thresholds.replay_past
-        self.bf16 = bf16_supported(state.device) and state.scaler is not None  # bf16 is tried where fp16 failed
-        self.state = state
-        self.divergence_ratio = divergence_ratio
-        self.fall_margin = fall_margin  # Thresholds.fall_margin: a decisive fall of an FP32 replay with no level
-        self.lr_cause_margin = lr_cause_margin  # Thresholds.lr_cause_margin: what the lower-LR verdict needs
-        self.say = say
-        self.on_failure = on_failure  # the callback's: a failure is reported once, the watch goes on
-        if state.unavailable is not None:
-            ring.turn_off(state.unavailable)  # said in the evidence of each alarm it would have judged
-        self.paused = False  # while a remedy is watched: a snapshot of a run not yet known to be healthy is no base
-        # ``snapshot_every="auto"``: the interval is lengthened from what the first snapshots cost (one process
-        # only: under DDP the ranks must snapshot at the same steps, and the interval asked for stays)
-        self.cadence = SnapshotCadence(ring.every) if adaptive and distributed.world_size() == 1 else None
-        self._last_snapshot: tuple[int, float] | None = None  # (step, clock) at the end of the latest one timed
-        #: while the cadence measures: (step, clock) at the end of every step since the latest snapshot, so that a
-        #: snapshot is timed as what its whole step costs over an ordinary one (cache effects and all)
-        self._step_ends: list[tuple[int, float]] | None = [] if self.cadence is not None else None
-        self.start_step = 0  # the first step of this fit (its starting state is snapshotted before it)
-        self.keep = ring.keep
-
-    def start(self, global_step: int) -> None:
-        """The fit starts (or resumes) at ``global_step``: a snapshot of the state before its first step, so that an
-        episode at that very step has a state to replay from and to roll back to."""
-        ring = self.ring
-        self.start_step = global_step
-        if not ring.enabled:
-            return
-        try:
-            ring.after_step(global_step - 1, self.state, due=True)
-        except Exception as err:  # noqa: BLE001 - a failed snapshot costs the control, never the run
-            self._failed(err)
-            return
-        if not ring.enabled:
-            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
-                     "loss trend still separates divergence from overflow.")
-
-    def _failed(self, err: Exception) -> None:
-        """A snapshot failed: the ring is off for the run with the real reason, and the failure reported once."""
-        self.ring.turn_off(f"the snapshot ring is off for this run: a snapshot failed ({type(err).__name__}: {err})")
-        if self.on_failure is not None:
-            self.on_failure("a snapshot for the FP32 trajectory control", err)
-
-    def note_step(self, step: int, batches: Sequence[Any], quiet: bool, known: bool = True) -> None:
-        """Optimizer step ``step`` is over: keep its batches, and take a snapshot when one is due (only while nothing
-        is in progress, ``quiet``: a snapshot of a faulty state is no control). Until a healthy loss level is
-        ``known``, the fit's starting state is the only one known to be healthy: no snapshot may push it out of the
-        ring (the losses since are not read yet, and may be climbing)."""
-        ring = self.ring
-        if not ring.enabled:
-            return
-        try:
-            ring.add_batches(step, batches)
-            if quiet and not self.paused and step % ring.every == 0:  # due (the ring's rule, checked here: per step)
-                held = ring.snapshots
-                keep_start = not known and bool(held) and held[0].step == self.start_step - 1
-                ring.keep = self.keep + 1 if keep_start else self.keep  # the start state, and the newest as ever
-                if not keep_start or len(held) < ring.keep:
-                    if self.cadence is None or self.cadence.decided:
-                        ring.after_step(step, self.state)
-                    else:
-                        self._timed_snapshot(step)
-        except Exception as err:  # noqa: BLE001 - the step is still taken in by the ledger: never drop it
-            self._failed(err)
-            return
-        if not ring.enabled:  # the budget turned it off just now (``say`` says a line once)
-            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
-                     "loss trend still separates divergence from overflow.")
-            return
-        ends = self._step_ends
-        if ends is not None:  # the cadence is measuring (the first few snapshots' spans only)
-            ends.append((step, time.perf_counter()))
-            if len(ends) > 4 * ring.every:  # no snapshot for long (a stretch of trouble): the newest suffice
-                del ends[:-ring.every]
-
-    def note_run(self, steps: Sequence[int], batches: Sequence[Any]) -> None:
-        """:meth:`note_step` for a run of clean steps taken in later (their steps and batches, in order): the batches
-        kept. The core defers no step a snapshot is due at, and none while the cadence measures (its clock
-        is read at each step's end), so keeping the batches is all :meth:`note_step` would do for them."""
-        ring = self.ring
-        if not ring.enabled:
-            return
-        try:
-            ring.add_run(steps, batches)
-        except Exception as err:  # noqa: BLE001 - as note_step
-            self._failed(err)
-            return
-        if not ring.enabled:
-            self.say(f"{ring.reason}. The FP32 control falls back to replaying the faulty batch alone, and the "
-                     "loss trend still separates divergence from overflow.")
-
-    @property
-    def defer_limit(self) -> int | None:
-        """For the core's deferral: the interval the next snapshot is due at a multiple of, 0 when clean steps may
-        not be deferred at all (the cadence is measuring: each step's end is timed), None when no snapshot is
-        taken."""
-        ring = self.ring
-        if not ring.enabled:
-            return None
-        if self._step_ends is not None:
-            return 0
-        return ring.every
-
-    def _timed_snapshot(self, step: int) -> None:
-        """A snapshot that is due, timed for the cadence, which sets the interval (once, said once).
-
-        What a snapshot costs is what its step takes over an ordinary step of the same span: the step from the end
-        of the one before it to the end of the snapshot, less the fastest of the span's steps (the copy's own time
-        when that is more; load from elsewhere only adds time, so the fastest step is the ordinary one's best
-        estimate, and the cadence keeps the lowest of these costs). Timing the copy alone, cache-warm, reads
-        several times lower than a snapshot step costs in the run: the copy and its bookkeeping run once in many
-        steps, from a cold cache. A snapshot without an ordinary step measured before it (the first of the run)
-        only starts the span. The healthy step the copy is set against is the median of the span's ordinary steps
-        (at most the span's mean): a few steps that load from elsewhere stretched to several times the rest would
-        otherwise raise the mean, and shorten the interval, on a busy machine."""
-        assert self.cadence is not None
-        ring, last, ends = self.ring, self._last_snapshot, self._step_ends or []
-        start = time.perf_counter()
-        ring.after_step(step, self.state)
-        end = time.perf_counter()
-        if not ring.enabled:
-            return
-        ordinary = [t1 - t0 for (s0, t0), (s1, t1) in zip(ends, ends[1:]) if s1 == s0 + 1]
-        before = ends[-1][1] if ends and ends[-1][0] == step - 1 else None
-        self._step_ends = []  # the next span starts with this step (note_step adds its end)
-        if before is None or not ordinary:
-            self._last_snapshot = None
-            return
-        copy_s = max(end - start, (end - before) - min(ordinary))
-        self._last_snapshot = (step, end)
-        span = (end - last[1], step - last[0]) if last is not None else (None, 0)
-        per_step = ring.step_batch_bytes  # the most one step's batches held: the memory bound
-        room = (ring.budget_bytes - ring.bytes_per_snapshot) // per_step if per_step else None
-        said = self.cadence.observe(copy_s, *span, room_steps=room, step_s=statistics.median(ordinary))
-        if self.cadence.decided:
-            ring.every = self.cadence.every
-            # the bound on held steps follows the interval (as the ring sets it from the one it was made with): a
-            # longer interval under the old bound let every snapshot go before the next was due
-            ring.max_held_steps = max(ring.max_held_steps, ring.every * (self.keep + 2))
-            self._step_ends = None  # measured: no clock on the steps from here on
-        if said is not None:
-            self.say(said)
-
-    def window(self, snapshot_step: int, onset: int, alarm_step: int) -> tuple[list[tuple[int, Any]], int | None]:
-        """The steps the interventions replay: from the snapshot through the alarm's step, and at least
-        ``replay_past`` steps past the onset (past the alarm, the window's own batches again, in order); a window
-        longer than a third of the replay-step cap ends there (or ``replay_past`` past the onset, if later).
-        Returns the steps and the first repeated one (None: none)."""
-        held = self.ring.batches(snapshot_step + 1, alarm_step)
-        past = max(onset, snapshot_step + 1) + self.replay_past
-        # through the alarm's step at least (what the run itself saw), but never so long that the cap leaves room
-        # for fewer than three replays of it
-        end = max(past, min(alarm_step, snapshot_step + max(1, self.replay_steps // 3)))
-        # the cap leaves room for the two replays every verdict needs (nothing changed, FP32) at least
-        end = min(end, snapshot_step + max(1, self.replay_steps // 2))
-        steps = [(s, b) for s, b in held if s <= end]
-        repeated = None
-        source = list(steps)
-        k = 0
-        while source and steps[-1][0] < end:
-            nxt = steps[-1][0] + 1
-            repeated = nxt if repeated is None else repeated
-            steps.append((nxt, source[k % len(source)][1]))
-            k += 1
-        return steps, repeated
-
-    def _no_snapshot(self, before: int, onset: int) -> str:
-        """Why this rank holds no snapshot from before step ``before``."""
-        return self.ring.reason or self.ring.dropped or (
-            f"no snapshot from before step {before} (the update before the onset at step {onset}) is held; one is "
-            f"taken every {self.ring.every} steps")
-
-    def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
-              rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
-        """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
-        the healthy level from before the onset, or None when there was none (the FP32 run is then judged by its
-        own shape). Three replays from the newest snapshot from before the step whose update may have done the
-        damage: FP32, the run's own precision, and the run's own precision with the learning rate lowered (the
-        counterfactual: does a lower LR train clean?). ``rename=False``: evidence only (a finite divergence,
-        already named by its loss). Where every rank replayed (``agree``), the gravest verdict stands; among
-        equally grave ones, a rank at fault's (its batches are the ones that went wrong), and the evidence names
-        the rank."""
-        ev = dict(diagnosis.evidence)
-        unavailable = self.state.replay_unavailable or self.state.fp32_unavailable
-        if unavailable is not None:  # the same on every rank: none of them gathers below
-            ev["trajectory_control"] = f"not run: {unavailable}"
-            return replace(diagnosis, evidence=ev), None
-        before = max(diagnosis.step - 1, 0)
-        snapshot = self.ring.newest_before(before) if self.ring.enabled else None
-        stale = snapshot.stale(self.state) if snapshot is not None else None
-        if snapshot is not None and stale is None and [len(g) for g in snapshot.groups] != [
-                len(o.param_groups) for o in self.state.optimizers]:
-            # a param group was added since (a backbone unfrozen): a replay from it would train the new group from
-            # the snapshot's step on, which the run did not; no verdict on the run can be drawn from it
-            ev["trajectory_control"] = (f"not run: the optimizers gained a param group after the snapshot of step "
-                                        f"{snapshot.step}, so a replay from it would train that group from there on, "
-                                        "as the run did not")
-            return replace(diagnosis, evidence=ev), None
-        if stale is not None:  # a frozen parameter changed in place: no snapshot that left it out is valid now
-            self.ring.turn_off(f"the snapshot ring is off for this run: {stale}")
-            snapshot = None
-        if snapshot is not None and not agree and distributed.world_size() > 1:
-            if sharding.replay_needs_all_ranks(self.state.root):
-                ev["trajectory_control"] = (f"not run: the model is sharded, so a replay talks to every rank, and "
-                                            f"{_APART}: a replay on this rank alone would wait for the others")
-                return replace(diagnosis, evidence=ev), None
-            if self.state.split:
-                ev["trajectory_control"] = (f"not run: each rank holds part of the snapshot, so a restore talks to "
-                                            f"every rank, and {_APART}: a restore on this rank alone would wait for "
-                                            "the others")
-                return replace(diagnosis, evidence=ev), None
-            # a replay on this rank alone has no gradient all-reduce: its trajectory is not the run's (the other
-            # ranks' gradients, a NaN among them, are missing), so no verdict on the run can be drawn from it
-            ev["trajectory_control"] = (f"not run: {_APART}, and a replay on this rank alone would train on its own "
-                                        "gradients without the other ranks' (no all-reduce), so its trajectory "
-                                        "could not stand for the run's")
-            return replace(diagnosis, evidence=ev), None
-        disagreed = None
-        if agree and distributed.world_size() > 1:
-            # every rank replays together, so every rank must start from the same snapshot: each ring keeps and
-            # drops snapshots on its own budget, and a restore of a split snapshot broadcasts entry by entry
-            # (with each rank's reason where it holds none: every rank then says the same)
-            pairs = distributed.gather((None, self._no_snapshot(before, diagnosis.step)) if snapshot is None
-                                       else (snapshot.step, None))
-            held = [step for step, _ in pairs]
-            if set(held) == {None}:
-                disagreed = protocol.said_alike([why for _, why in pairs])
-            elif len(set(held)) > 1:
-                snapshot = None
-                disagreed = (f"the ranks do not hold the same snapshot from before step {before} (steps by rank: "
-                             f"{held}), and a replay from different states would not meet in its collectives")
-        if snapshot is not None and distributed.world_size() == 1:
-            dirty = _data_steps(self.ring.batches(snapshot.step + 1, alarm_step))
-            if dirty:  # (one process only: under several, whether to replay is every rank's decision alike)
-                snapshot = None
-                disagreed = (f"the batch{'es' if len(dirty) > 1 else ''} of step{'s' if len(dirty) > 1 else ''} "
-                             f"{', '.join(str(s) for s in dirty)} hold{'' if len(dirty) > 1 else 's'} NaN/inf, which "
-                             "FP32 training from the snapshot would take in: a replay would show the data's fault, not "
-                             "whether reduced precision is at fault")
-        local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
-        if snapshot is None:
-            reason = disagreed or self._no_snapshot(before, diagnosis.step)
-            ev["trajectory_control"] = f"not run: {reason}"
-        else:
-            # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
-            # rank there (distributed.Lockstep), so that every rank reaches the gather below
-            sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
-            # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
-            # every rank; the ranks meet once per replay (protocol.Meeting), after every check of the replay and of
-            # its restore and right before the first broadcast. A rank whose preparation failed, or whose last replay
-            # raised, enters that meeting to say so: every rank stops there, and every rank reaches the gather below
-            split = agree and distributed.world_size() > 1 and self.state.split and not sharded
-
-            def lockstep() -> Any:
-                return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
-
-            error: str | None = None
-            state = self.state
-
-            together = agree and distributed.world_size() > 1
-            told = False  # this rank's error was said at a meeting every rank entered (every rank stopped there)
-
-            def before_each() -> bool:
-                """Before each intervention's replay, the ranks that replay together meet (protocol.meet): one that
-                failed since says so there, and every rank stops at that meeting, so the next replay's restore and
-                the interventions' agreements are entered by every rank or by none."""
-                nonlocal error, told
-                if told or not together:
-                    return error is not None
-                try:
-                    stop = protocol.meet(error)
-                except protocol.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
-                    error, stop = f"ReplayAborted: {err}", True
-                told = stop
-                return stop
-
-            try:
-                steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
-                if steps[-1][0] < diagnosis.step:
-                    raise _CapTooSmall(f"not run: the {diagnosis.step - snapshot.step} steps from the snapshot after step "
-                                       f"{snapshot.step} to the onset at step {diagnosis.step} do not fit twice in the "
-                                       f"replay-step cap of {self.replay_steps} (Thresholds.replay_steps)")
-                alone = distributed.world_size() == 1  # ranks stop together only where each replay runs to its end
-
-                def replay(**options: Any) -> Any:
-                    nonlocal error, told
-                    options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
-                    limit = options.pop("limit", None)  # a replay shortened to the cap (the lower LR's, after a rise)
-                    use = steps if limit is None else steps[:limit]
-                    # a split snapshot's restore meets once, after every check and before its first broadcast
-                    # (protocol.Meeting); a sharded replay meets at each micro-batch (Lockstep.next)
-                    meeting, lock = protocol.Meeting(split), None
-                    try:
-                        with lockstep() as lock, meeting:
-                            return replay_trajectory(state, snapshot, use, ready=meeting.ready,
-                                                     before_micro_batch=lock.next if lock else None, **options)
-                    except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
-                        error = f"{type(err).__name__}: {err}"
-                        told = isinstance(err, protocol.ReplayAborted) or meeting.failed or bool(lock and lock.told)
-                        return None
-
-                facts = facts_of(diagnosis)
-                nothing_nonfinite = _replay_went_nonfinite(facts.replay) if facts.replay is not None else False
-                # which replays run must be every rank's alike (their collectives meet): under several ranks only the
-                # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
-                forward = nothing_nonfinite or (alone and ev.get("first_nonfinite_step") is not None)
-                located = owning_module(state.module, facts.replay.module if facts.replay is not None else None)
-                owner = owning_module(state.module, diagnosis.location) if located is None else None
-                unlocated = "the fault was not located in a module"
-                if owner is not None and forward:  # a forward fault titled with a parameter: its owning module
-                    located = owner
-                elif owner is not None:  # a gradient fault: the loss scale reaches it, and the cap is kept for that
-                    unlocated = (f"the fault is in the gradients of {diagnosis.location}, not in a forward output of "
-                                 f"{owner}: a lower loss scale is what reaches it")
-                together = agree and distributed.world_size() > 1
-                runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
-                                       bf16=self.bf16, before_each=before_each,
-                                       agree=(lambda clean: all(distributed.gather(clean))) if together else
-                                       (lambda clean: clean))
-                with compat.uncompiled(state.module):
-                    report = runner.run(
-                        module=state.module, located=located,
-                        forward=forward,
-                        onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
-                            _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
-                        scale_hint=_number(ev.get("safe_scale")),
-                        scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev),
-                        lr_rose=_lr_rise(ev) is not None, unlocated=unlocated,
-                        fp32_fails=lambda nothing, fp32: judge_trajectory(
-                            fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
-                            TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
-                if error is not None:
-                    raise InvestigationError(error)
-                fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
-                if fp32t is None or amp is None:  # stopped with another rank, whose own error is the one said
-                    raise InvestigationError("ReplayAborted: the replays stopped before the FP32 control, with "
-                                             "another rank's")
-                fp32 = fp32t.result
-                verdict = judge_trajectory(fp32, amp.result, loss_level, self.divergence_ratio)
-                # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
-                # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
-                verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes},
-                                  fp32_reference=fp32_reference(fp32.losses, level=loss_level,
-                                                                margin=self.fall_margin))
-                lower_t = report.get(Intervention.LOWER_LR)
-                lower = lower_t.result if lower_t is not None else TrajectoryResult("amp", snapshot.step, [], [],
-                                                                                     [], True)
-                lower_verdict = judge_lower_lr(lower, report.lr_factor, full=fp32, margin=self.lr_cause_margin)
-                local = (verdict, lower_verdict, trains_down(fp32), report)
-            except _CapTooSmall as err:  # the same on every rank: a reason, not a failure
-                local = err
-            except InvestigationError as err:  # a replay's own error, as it was raised
-                local = str(err)
-            except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
-                local = f"{type(err).__name__}: {err}"
-        gathered = distributed.gather(local) if agree else [local]
-        ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
-        # the rank whose replay raised first, before those that stopped with it (distributed.Lockstep)
-        failed = sorted((r for _, r in ranked if isinstance(r, str)), key=lambda e: e.startswith("ReplayAborted"))
-        if failed:
-            raise InvestigationError(f"the trajectory replay failed: {failed[0]}")
-        capped = next((r for _, r in ranked if isinstance(r, _CapTooSmall)), None)
-        if capped is not None:
-            ev["trajectory_control"] = str(capped)
-            return replace(diagnosis, evidence=ev), None
-        verdicts = [(rank, r) for rank, r in ranked if isinstance(r, tuple)]
-        if not verdicts:
-            return replace(diagnosis, evidence=ev), None
-        judged_on, (verdict, lower, fp32_down, report) = min(
-            verdicts, key=lambda rv: (_VERDICT_ORDER.index(rv[1][0].kind), rv[0] not in fault_ranks, rv[0]))
-        if agree and len(gathered) > 1:
-            ev["trajectory_rank"] = judged_on
-        ev["trajectory_verdict"] = verdict.kind
-        ev.update({f"trajectory_{k}": v for k, v in verdict.evidence.items()
-                   if k not in ("loss_level", "divergence_ratio")})
-        ev.update(lower_lr_verdict=lower.kind, lower_lr_reason=lower.reason, lower_lr_factor=lower.factor,
-                  lower_lr_losses=lower.evidence["losses"], lower_lr_skipped=lower.evidence["skipped"],
-                  lower_lr_margin=lower.evidence["margin"])
-        facts = replace(facts_of(diagnosis), trajectory=verdict, lower_lr=lower)
-        if not rename:
-            ev["trajectory_reason"] = verdict.reason
-            return replace(diagnosis, evidence=ev, advice=advise(diagnosis.finding, ev), facts=facts), None
-        batch_verdict = ev.pop("control_verdict", None)
-        control = facts_of(diagnosis).control
-        if batch_verdict is not None and control is not None and control.verdict is not ControlVerdict.NOT_RUN:
-            ev["batch_control_verdict"] = batch_verdict
-        ev["control_verdict"] = verdict.reason
-        if verdict.kind is TrajectoryKind.AMP_CONFIRMED and control is not None \
-                and control.verdict is ControlVerdict.AMP_FAULT and batch_verdict is not None:
-            # both controls blame AMP: the single-batch verdict stands as said, the trajectory's sentence beside it
-            ev["control_verdict"] = ev.pop("batch_control_verdict", batch_verdict)
-            ev["trajectory_reason"] = verdict.reason
-        finding = _RENAMED_BY.get(verdict.kind, diagnosis.finding)
-        if verdict.kind is TrajectoryKind.AMP_CONFIRMED and lower.kind is LowerLrKind.LR_IS_THE_CAUSE \
-                and not fp32_down:
-            # FP32 at the full LR stays finite but does not train; the same steps at a lower LR fall decisively and
-            # end well under it: the LR. An inconclusive lower-LR replay renames nothing: the AMP verdict stands
-            finding = Finding.FP32_UNSTABLE
-            ev["control_verdict"] = (f"FP32 training from the snapshot after step {snapshot.step if snapshot else '?'}"
-                                     f" stays finite but its loss does not fall, and {lower.reason}: not an AMP "
-                                     "fault")
-        location = diagnosis.location
-        finding, location = self._by_interventions(report, verdict, diagnosis, ev, finding, location)
-        facts = replace(facts, interventions=report)
-        renamed = finding if finding is not diagnosis.finding else None
-        if renamed is not None and finding not in AMP_BLAMING:
-            supersede_amp_evidence(ev, diagnosis.finding)
-        return replace(diagnosis, finding=finding, location=location, evidence=ev, advice=advise(finding, ev),
-                       facts=facts), renamed
-
-    def _by_interventions(self, report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
-                          ev: dict[str, Any], finding: Finding, location: str | None) -> tuple[Finding, str | None]:
-        """What cured decides (:func:`~lightning_ampwatch.interventions.decide`): the finding, its location and
-        reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place."""
-        ev["interventions"] = report.evidence()
-        ev["tried"] = report.headline()  # the panel's one line per intervention
-        a, b = report.window
-        if report.safe_scale is not None:
-            ev["safe_scale"] = report.safe_scale
-            ev["safe_scale_from"] = (f"the largest loss scale that replayed steps {a}-{b} from the snapshot without a "
-                                     "skip" + ("" if report.safe_scale_bounded else (
-                                         f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
-                                         "replay-step cap)")))
-            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
-                # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
-                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
-        elif report.safe_scale_tried:
-            ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
-            low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
-            if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
-                # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
-                ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
-            ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
-                                     f"replayed steps {a}-{b} without a skip")
-        ev.pop("pattern_before_replay", None)
-        fp32_failed = verdict.kind in (TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES)
-        facts = facts_of(diagnosis)
-        located = location if finding not in _BACKWARD else (facts.replay.module if facts.replay else None)
-        nothing = report.get(Intervention.NOTHING)
-        decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(ev),
-                          batch_nonfinite=bool(ev.get("nonfinite_where")),
-                          forward=bool(nothing is not None and nothing.nonfinite) or (
-                              facts.replay is not None and _replay_went_nonfinite(facts.replay)),
-                          onset=diagnosis.step, fp32_cured=not fp32_failed)
-        if decision is None:
-            return finding, location
-        if decision.finding is Finding.NOT_REPRODUCED and verdict.kind is not TrajectoryKind.NOT_REPRODUCED:
-            return finding, location
-        if decision.finding is finding:  # the replays confirm it: the control's verdict stands, theirs beside it
-            ev["trajectory_reason"] = decision.reason
-        else:
-            ev["control_verdict"] = decision.reason
-        if decision.cofactors:
-            ev["cofactors"] = list(decision.cofactors)
-        if decision.finding is not Finding.GRADIENT_OVERFLOW:
-            ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
-        return decision.finding, decision.location or location
-
-
 #: Findings a param group added at a far higher LR just before the onset is looked at before.
 _RISE_FIRST = {Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GROWTH_OVERFLOW}
 #: A new param group counts as an LR rise when its LR is at least this many times the others' largest.
@@ -1128,48 +585,3 @@ def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | 
                     "lr_change_step": point}
     return None
 
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _lower_lr_factor(ev: dict[str, Any]) -> float:
-    """The lower-LR intervention's factor: a tenth, or after a known rise of more than 10x, the factor that undoes
-    it (the counterfactual "without the rise")."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
-    if before is not None and after is not None and after > 0 and 0 < before < after:
-        return min(LOWER_LR_FACTOR, before / after)
-    return LOWER_LR_FACTOR
-
-
-def _lr_cap(ev: dict[str, Any]) -> float | None:
-    """After a rise of more than 10x, the LR before it: the lower-LR intervention then replays the window with no LR
-    above it (the counterfactual "without the rise", as ``reduce_lr``'s ceiling would run it). None otherwise."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
-    if before is not None and after is not None and 0 < before and after > before / LOWER_LR_FACTOR:
-        return before
-    return None
-
-
-def _lr_rise(ev: dict[str, Any]) -> str | None:
-    """The LR rise before the onset the machine noted, in words ("0.0006 -> 0.0018 at step 8"), or None."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
-    if before is None or after is None or not after > before:
-        return None
-    at = ev.get("lr_change_step")
-    return f"{before:.3g} -> {after:.3g}" + (f" at step {at}" if isinstance(at, int) else "")
-
-
-#: Evidence that only means something for a finding that blames reduced precision: once the finding is renamed to
-#: one that does not, it moves under ``superseded_amp_evidence``, so that no one reads it as the diagnosis.
-AMP_ONLY_EVIDENCE = ("pattern", "safe_scale", "safe_scale_from", "scale_history", "onset_scale", "skip_rate",
-                     "window", "growth_steps", "span", "batch_control_verdict", "growth_interval", "growth_factor",
-                     "backoff_factor")
-
-
-def supersede_amp_evidence(ev: dict[str, Any], was: Finding) -> None:
-    """Move the evidence of the AMP finding ``was`` (its overflow pattern, its safe scale, the single-batch verdict
-    that blamed AMP) under ``superseded_amp_evidence``, in place."""
-    moved = {k: ev.pop(k) for k in AMP_ONLY_EVIDENCE if k in ev}
-    if moved:
-        ev["superseded_amp_evidence"] = {"was": was.value, **moved}

@@ -90,7 +90,7 @@ class Facts:
     """What is known about one diagnosis beyond its evidence, typed: the FP32 controls' verdicts, the rollback,
     the remedy and its recovery. Carried with the diagnosis (never serialised: the evidence is its public face)."""
 
-    replay: Any = None  # investigate.ReplayRecord: where the replay of the faulty step located it, its numbers
+    replay: Any = None  # replays.ReplayRecord: where the replay of the faulty step located it, its numbers
     control: ControlResult | None = None  # the single-batch FP32 control
     trajectory: TrajectoryVerdict | None = None  # the FP32 trajectory control (it stands over ``control``)
     lower_lr: LowerLrVerdict | None = None  # the same window at the run's precision with the LR lowered

@@ -31,7 +31,7 @@ from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.interventions import Intervention
 from lightning_ampwatch.remedies.policy import REMEDY_OF, RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
-from lightning_ampwatch.trajectory import replay_trajectory
+from lightning_ampwatch.trajectory.replay import replay_trajectory
 from lightning_ampwatch.machine import DIVERGENCE_FINDINGS, LevelAt, Thresholds
 from lightning_ampwatch.verdicts import (AMP_BLAMING, fp32_reference, judge_decisive_fall, judge_recovery,
                                         judge_tracking)

@@ -4,7 +4,7 @@ A snapshot's price is one host copy of the weights and optimizer state (and the 
 paid once per interval; a healthy step pays its share of it. :class:`SnapshotCadence` takes the first few
 snapshots' costs against the steps between them and, once, lengthens the interval so that the snapshots cost at
 most ``fraction`` of the training time they span. It never shortens the interval below the one the user asked
-for. Its caller (``investigate.TrajectoryControl``) measures a snapshot's cost as what its whole step takes over
+for. Its caller (``trajectory.control.TrajectoryControl``) measures a snapshot's cost as what its whole step takes over
 the fastest ordinary step of its span: the copy alone, timed cache-warm, reads several times lower than a snapshot
 step costs in a run, where the copy and its bookkeeping run once in many steps, from a cold cache.
 
