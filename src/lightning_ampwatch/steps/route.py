@@ -91,7 +91,10 @@ class StepRoute:
     # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
     # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
     # Measured again once the route moved out of the front into this class (the adapter calls ``watcher.route.X``
-    # where it called ``watcher.X``: no call added): ROUTE_FIGURES.
+    # where it called ``watcher.X``: an attribute read, no call added), ``overhead.py --quick`` before and after,
+    # interleaved, four runs each, load 2.7 to 3.0: 12 calls on an ordinary step before and after
+    # (``step_counts.py``); the ordinary step 5.9 to 6.3 us before, 6.0 to 6.4 us after; a log step adds 474 to
+    # 527 us before, 466 to 521 us after (over its budget of 400 before the move as after it).
     def take_lean(self, host: Any, steps_done: int) -> bool:
         """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
         framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
