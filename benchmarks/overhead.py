@@ -487,7 +487,7 @@ def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningMo
     if on and watcher.disabled:
         watcher.disabled = False
         watcher._attach_guards()
-        ledger.start(host, watcher._judge_every)
+        ledger.start(host, watcher.route.judge_every)
         if watch not in callbacks:
             callbacks.append(watch)
     elif not on and not watcher.disabled:
@@ -509,14 +509,14 @@ def cadence_settled(watch: AmpWatch) -> bool:
     control = watcher.trajectory
     cadence = getattr(control, "cadence", None)
     snapshots = cadence is None or cadence.decided or not control.ring.enabled
-    log_cadence = watcher._log_cadence
+    log_cadence = watcher.route.log_cadence
     return snapshots and (log_cadence is None or log_cadence.decided)
 
 
 def judge_interval(watch: AmpWatch) -> int:
     """The steps between two log steps that do the log step's work: the framework's log interval, or the longer one
     the log cadence chose (the other log steps log the metrics only)."""
-    return int(watch.watcher._judge_every or LOG_EVERY_N_STEPS)
+    return int(watch.watcher.route.judge_every or LOG_EVERY_N_STEPS)
 
 
 def watch_snapshots(watch: AmpWatch) -> tuple[int, list[tuple[int, int]]]:

@@ -117,18 +117,18 @@ def _startup_overflow_loop(config: WatchConfig, tmp_path: Path) -> RunWatcher:
     watcher.begin_training()
     data = torch.utils.data.DataLoader(regression_data(n=8 * 48), batch_size=8)
     for batch_idx, (x, y) in enumerate(data):
-        watcher.batch_start()
+        watcher.route.batch_start()
         with host.forward_context():
             loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
         scaled = scaler.scale(loss)
-        watcher.before_backward(scaled)
+        watcher.route.before_backward(scaled)
         scaled.backward()
-        watcher.before_optimizer_step(optimizer)
+        watcher.route.before_optimizer_step(optimizer)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
         host.steps += 1
-        watcher.batch_end((x, y), batch_idx)
+        watcher.route.batch_end((x, y), batch_idx)
     watcher.finish()
     return watcher
 

@@ -1,7 +1,7 @@
 """Clean steps taken in later: a healthy step's machine, timeline and snapshot-ring bookkeeping waits for the next
 log step (or anything else that reads them) and is handed over as one run. What users see must be what they saw
 with one hand-over per step: the run methods against their one-step originals, and whole fits with the deferral
-on and off (``core.MAX_DEFERRED = 0`` defers nothing), compared diagnosis by diagnosis and byte by byte."""
+on and off (``steps.route.MAX_DEFERRED = 0`` defers nothing), compared diagnosis by diagnosis and byte by byte."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_ampwatch import AmpWatch, core, steps
+from lightning_ampwatch import AmpWatch, steps
+from lightning_ampwatch.steps import route
 from lightning_ampwatch.steps import CleanRuns
 from lightning_ampwatch.machine import AmpStateMachine
 from lightning_ampwatch.scenarios import SCENARIOS, build_trainer
@@ -162,7 +163,7 @@ def _fit(name: str, root: Path, defer: bool, monkeypatch: pytest.MonkeyPatch, ru
     """The scenario's fit, watched; what a user sees of it: diagnoses, remedies, the machine's checkpointed state,
     the timeline file, the event log's records. ``host_tape=False``: the losses kept as unread tensors, as on an
     accelerator (the CPU takes each one's value as it comes)."""
-    monkeypatch.setattr(core, "MAX_DEFERRED", core.MAX_DEFERRED if defer else 0)
+    monkeypatch.setattr(route, "MAX_DEFERRED", route.MAX_DEFERRED if defer else 0)
     monkeypatch.setattr(steps.losses, "HOST_TAPE_DEVICES", steps.losses.HOST_TAPE_DEVICES if host_tape else frozenset())
     _count_hand_overs(monkeypatch, runs)
     scenario = SCENARIOS[name]
@@ -213,7 +214,7 @@ def test_no_log_step_still_hands_clean_steps_over_and_the_end_takes_the_rest(
     """``log_every_n_steps`` past the fit's length: no log step comes, and the deferral is capped
     (``MAX_DEFERRED``); the fit's end takes in what is left, so the machine counts every step."""
     runs: list[int] = []
-    monkeypatch.setattr(core, "MAX_DEFERRED", 16)
+    monkeypatch.setattr(route, "MAX_DEFERRED", 16)
     _count_hand_overs(monkeypatch, runs)
     import lightning.pytorch as pl
 

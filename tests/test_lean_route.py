@@ -166,7 +166,7 @@ def test_manual_optimization_keeps_every_hook(tmp_path: Path) -> None:
     calls = HookCalls(watch)
     trainer = make_trainer(tmp_path, [watch, calls], "fp16", max_steps=12)
     trainer.fit(Manual(), DataLoader(regression_data(n=512), batch_size=32))
-    assert not watch.watcher.lean_route if watch.watcher.ledger is not None else True
+    assert not watch.watcher.route.lean if watch.watcher.ledger is not None else True
     # backward and the optimizer step stay callable (their calls are how a manual step is seen)
     assert all(flags[3:] == (True, True) for _, flags in calls.callable)
     assert watch.machine is not None and watch.machine.steps_seen == 12

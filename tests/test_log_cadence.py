@@ -18,7 +18,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_ampwatch import AmpWatch, core
+from lightning_ampwatch import AmpWatch
+from lightning_ampwatch.steps import route
 from lightning_ampwatch.steps.cadence import LOG_CADENCE_AFTER, LOG_FRACTION, LOG_MAX_INTERVAL, LogCadence
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.timeline import TIMELINE_NAME
@@ -88,13 +89,13 @@ def test_the_cadence_checks_its_arguments(kwargs: dict[str, Any]) -> None:
 
 
 class ScriptedClock(pl.Callback):
-    """The log cadence's clock (``core._clock``) scripted: each batch takes 1 ms, each reading of the clock 0.1 ms.
+    """The log cadence's clock (``route._clock``) scripted: each batch takes 1 ms, each reading of the clock 0.1 ms.
     A timed log step reads it twice, so its work takes 0.1 ms against steps of 1.01 ms: 0.1 / (0.25% x 1.01) = 39.6
     steps, so every 40 steps instead of every 10."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.now = 0.0
-        monkeypatch.setattr(core, "_clock", self._read)
+        monkeypatch.setattr(route, "_clock", self._read)
 
     def _read(self) -> float:
         now = self.now

@@ -222,9 +222,6 @@ MAX_CLASS_LINES = 450
 #: The exceptions, each with the reason it may stay for now. An entry whose module or class got under the limit
 #: must go too (``test_every_size_exception_is_still_needed``).
 LONG_MODULES: dict[str, str] = {
-    "lightning_ampwatch.core": "RunWatcher keeps the per-step route the per-step owner (steps/) leaves in the front: "
-                               "the lean route, its express lane and the log step, kept for the figures measured "
-                               "beside RunWatcher.lean",
     "lightning_ampwatch.machine.machine": "the pure state machine, held by its property test, with each optimizer's "
                                           "own skips and safe scale (two optimizers through one scaler): not yet split",
     "lightning_ampwatch.fabric": "FabricWatch with its host and the hooks it patches into a Fabric loop: one adapter, "
@@ -233,8 +230,6 @@ LONG_MODULES: dict[str, str] = {
                                     "not yet split",
 }
 LONG_CLASSES: dict[str, str] = {
-    "lightning_ampwatch.core.RunWatcher": "as lightning_ampwatch.core: the lean route, its express lane and the log "
-                                          "step are still its own",
     "lightning_ampwatch.steps.ledger.StepLedger": "close keeps a healthy step's bookkeeping inline and the express "
                                                   "lane repeats it: every call on an ordinary step counts against its "
                                                   "budget of 25 (steps/ledger.py's docstring)",

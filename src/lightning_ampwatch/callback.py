@@ -34,11 +34,11 @@ from lightning_ampwatch.trajectory.state import TrainState
 #: hook Lightning dispatches to a callback costs a profiler context and a call, per step, whether the hook does
 #: anything or not (about 2 us on a 2-core CPU, more than AmpWatch's own work in most of its hooks).
 #: Why the hooks are idled on the instance at all: the figures measured against one route are beside
-#: ``RunWatcher.lean`` (core.py).
+#: ``StepRoute.take_lean`` (steps/route.py).
 IDLE_STEP_HOOKS = ("on_after_backward", "on_before_zero_grad")
-#: Per-step hooks AmpWatch needs only at times, in the order of ``RunWatcher.wanted_calls``: idle (``None``) while the
+#: Per-step hooks AmpWatch needs only at times, in the order of ``StepRoute.wanted_calls``: idle (``None``) while the
 #: watcher wants no call there. ``on_train_batch_start``: an RNG state to keep, a probe to arm. On the lean route
-#: (``RunWatcher.lean``): ``on_before_backward`` while the recipe guard reads the loss's graph (the first backward),
+#: (``StepRoute.take_lean``): ``on_before_backward`` while the recipe guard reads the loss's graph (the first backward),
 #: ``on_before_optimizer_step`` while a probe is armed.
 WANTED_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step")
 _ABSENT = object()
@@ -273,7 +273,7 @@ class AmpWatch(Callback):
         # were before the fit (the instance's own attribute, or _ABSENT for the class's method; empty: not managed)
         self._idled: list[str] = []
         self._saved_hooks: dict[str, Any] = {}
-        self._wanted_seen: Any = None  # the watcher's ``wanted_calls`` the hooks were last set from
+        self._wanted_seen: Any = None  # the route's ``wanted_calls`` the hooks were last set from
         self._lean = False  # the lean route: the loss and the step count handed over at the batch's end
         compat.carry_spawn_results(AmpWatch, AmpWatch._spawn_results, AmpWatch._take_spawn_results)
 
@@ -340,39 +340,41 @@ class AmpWatch(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         watcher = self.watcher
         watcher.begin_training()
-        self._lean = bool(self._saved_hooks) and self._host is not None and watcher.lean(
+        self._lean = bool(self._saved_hooks) and self._host is not None and watcher.route.take_lean(
             self._host, compat.optimizer_steps_done(trainer))
         self._sync_hooks()
 
-    # The per-step hooks call straight through: the watcher's calls catch their own failures.
+    # The per-step hooks call straight through to the watcher's route (``watcher.route``: an attribute read, no call
+    # added), whose calls catch their own failures.
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self.watcher.wants_batch_start:
-            self.watcher.batch_start()
+        route = self.watcher.route
+        if route.wants_batch_start:
+            route.batch_start()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self.watcher.before_backward(loss)
+        self.watcher.route.before_backward(loss)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        self.watcher.before_optimizer_step(optimizer)
+        self.watcher.route.before_optimizer_step(optimizer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        watcher = self.watcher
+        route = self.watcher.route
         if self._lean:  # Lightning's own detached copy of the loss, and its count of optimizer steps
             loss = outputs.get("loss") if isinstance(outputs, dict) else None
-            if loss is not None and watcher.express(loss, batch, batch_idx):
+            if loss is not None and route.express(loss, batch, batch_idx):
                 return  # a healthy step in one call (nothing about the hooks can have changed)
-            watcher.batch_end(batch, batch_idx, loss, compat.optimizer_steps_done(trainer))
+            route.batch_end(batch, batch_idx, loss, compat.optimizer_steps_done(trainer))
         else:
-            watcher.batch_end(batch, batch_idx)
-        if watcher.wanted_calls is not self._wanted_seen:  # (see _sync_hooks)
+            route.batch_end(batch, batch_idx)
+        if route.wanted_calls is not self._wanted_seen:  # (see _sync_hooks)
             self._sync_hooks()
 
     @override
@@ -422,10 +424,9 @@ class AmpWatch(Callback):
 
     def _sync_hooks(self) -> None:
         """Each hook of ``WANTED_STEP_HOOKS`` callable exactly while the watcher wants that call
-        (``RunWatcher.wanted_calls``), ``None`` on the instance otherwise. Checked after every batch, where the
+        (``StepRoute.wanted_calls``), ``None`` on the instance otherwise. Checked after every batch, where the
         wishes change, and at train start."""
-        watcher = self.watcher
-        self._wanted_seen = wanted = watcher.wanted_calls
+        self._wanted_seen = wanted = self.watcher.route.wanted_calls
         for name, on in zip(WANTED_STEP_HOOKS, wanted):
             saved = self._saved_hooks.get(name)
             if saved is None:

@@ -13,18 +13,21 @@ An adapter (``AmpWatch`` for Lightning, ``FabricWatch`` for Fabric) owns a :clas
    investigations, guards, treatment, reporters), reapplies restored remedies, checks the recipe set-up.
 3. ``watcher.begin_training()``: once the scaler's own checkpointed state is loaded (Lightning:
    ``on_train_start``; Fabric: right after ``start``). One read of the scaler.
-4. Per batch (every micro-batch, including accumulation):
+4. Per batch (every micro-batch, including accumulation), on ``route = watcher.route`` (the per-step owner's
+   :class:`~lightning_ampwatch.steps.route.StepRoute`, made per run: read it from the watcher at each call):
 
-   - ``watcher.batch_start()`` — before the forward (only needed if ``watcher.wants_batch_start``; cheap);
-   - ``watcher.before_backward(loss)`` — the tensor backward runs from: under a GradScaler the *scaled* loss
+   - ``route.batch_start()`` — before the forward (only needed if ``route.wants_batch_start``; cheap);
+   - ``route.before_backward(loss)`` — the tensor backward runs from: under a GradScaler the *scaled* loss
      (``scaler.scale(loss)``; the ledger divides by the scale it mirrors, and the recipe guards step over the
      scaler's multiplication at the top of its graph), otherwise the loss. Never read on a healthy step;
-   - ``watcher.before_optimizer_step(optimizer)`` — each raw optimizer, before it steps (or the scaler steps it);
-   - ``watcher.batch_end(batch, batch_idx)`` — after the batch, once the optimizer step (if any), the scaler's
+   - ``route.before_optimizer_step(optimizer)`` — each raw optimizer, before it steps (or the scaler steps it);
+   - ``route.batch_end(batch, batch_idx)`` — after the batch, once the optimizer step (if any), the scaler's
      update and the step-interval schedulers are done, with ``host.global_step`` already counting that step.
      This is the optimizer-step boundary: steps are taken in, log steps run (every ``host.log_every``
      optimizer steps), and remedies and rollbacks are applied here. ``(batch, batch_idx)`` is what a replay
-     hands ``host.step_loss`` again: keep it as the loss function takes it.
+     hands ``host.step_loss`` again: keep it as the loss function takes it. An adapter whose framework hands the
+   batch's loss and its count of optimizer steps to the batch's end may take the lean route
+   (``route.take_lean``) and its express lane (``route.express``).
 
 5. ``watcher.finish()`` at the end of training (Lightning: ``on_fit_end``), then ``watcher.close()``
    (always, also after an exception: removes every hook and patch; never raises).
@@ -48,21 +51,20 @@ ranks together.
 ``hold_lr_on_skip`` is the adapter's to install (the config carries the flag): how schedulers are stepped is
 the framework's business; :meth:`RunWatcher.last_step_skipped` answers whether to hold them.
 
-Who changes what: only the watcher feeds the machine, the timeline and the trajectory control (from the records
-the ledger returns for every step). What follows an alarm (investigation, decision, remedy, outcome, publication)
-is the episode owner's (:class:`~lightning_ampwatch.episode.Episodes`, whose journal ``diagnoses`` is): it decides,
-and hands the watcher typed actions (publish, roll back, apply, realign its view, stop) that the watcher applies
-(:meth:`RunWatcher._act`), the one place where an episode changes the run.
+Who changes what: only the route (:class:`~lightning_ampwatch.steps.route.StepRoute`) feeds the machine, the
+timeline and the trajectory control (from the records the ledger returns for every step). What follows an alarm
+(investigation, decision, remedy, outcome, publication) is the episode owner's
+(:class:`~lightning_ampwatch.episode.Episodes`, whose journal ``diagnoses`` is): it decides, and hands the watcher
+typed actions (publish, roll back, apply, realign its view, stop) that the watcher applies (:meth:`RunWatcher._act`),
+the one place where an episode changes the run. The watcher itself keeps the lifecycle (building the rooms each run,
+the fit's end, ``close``), failure containment, and applying those actions.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from time import perf_counter as _clock  # the log cadence's clock (a name of its own: tests script it)
 from typing import Any, Callable, TypeVar
-
-import torch
 
 from lightning_ampwatch import distributed
 from lightning_ampwatch.config import WatchConfig
@@ -77,7 +79,8 @@ from lightning_ampwatch.remedies.treatment import Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
-from lightning_ampwatch.steps import LOSS_RING_MAX_STEPS, ClosedStep, LogCadence, StepLedger
+from lightning_ampwatch.steps import StepLedger
+from lightning_ampwatch.steps.route import StepRoute
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.trajectory.control import TrajectoryControl
@@ -85,8 +88,6 @@ from lightning_ampwatch.trajectory.ring import SnapshotRing
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
-#: The most clean steps taken in later at once (a run with no log steps still hands them over this often).
-MAX_DEFERRED = 64
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -120,7 +121,8 @@ def _known_cause(err: Exception) -> str | None:
 
 
 class RunWatcher(WatchState):
-    """Owns the rooms of one watched run and routes every step through them (see the module docstring)."""
+    """Owns the rooms of one watched run: builds them, contains their failures and applies the episode's actions;
+    every step goes through :attr:`route` (see the module docstring)."""
 
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
@@ -145,33 +147,19 @@ class RunWatcher(WatchState):
                                    fall_margin=config.thresholds.fall_margin,  # type: ignore[union-attr]
                                    track_tolerance=config.thresholds.track_tolerance)  # type: ignore[union-attr]
         # the episode owner: alarm, investigation, decision, remedy, outcome, publication (``diagnoses`` is its journal)
-        self.episodes = Episodes(self, self.treatment, act=self._act, probe_changed=self._sync_investigations)
+        # the per-step owner's route: the adapter's per-step calls, the express lane, the log step, the deferral
+        self.route = StepRoute(self)
+        self.episodes = Episodes(self, self.treatment, act=self._act, probe_changed=self.route.sync_investigations)
         self.world_size = 1
-        self._log_every = 0
-        # the log step's work runs every ``_judge_every`` steps while the run is quiet (a multiple of ``_log_every``,
-        # lengthened once by the log cadence when that work would take more than its share of a fast step)
-        self._judge_every = 0
-        self._log_cadence: LogCadence | None = None
-        self._timeline: Any = None  # the reporters' timeline (None: not written), looked up once per run
-        # What the investigations want from the per-step calls, as plain attributes refreshed whenever their state
-        # can change (:meth:`_sync_investigations`): read on every step, so no property chain there.
-        self.wants_batch_start = False  # an adapter calls ``batch_start`` only while this is True
-        self._probing = False  # a live probe is armed for this training step
-        # The lean route (:meth:`lean`): the adapter hands each batch's loss and the framework's count of optimizer
-        # steps to ``batch_end``, and calls ``before_backward`` / ``before_optimizer_step`` only while wanted.
-        self.lean_route = False
-        #: what the adapter reads after each batch to know which per-step calls are wanted (``batch_start``,
-        #: ``before_backward``, ``before_optimizer_step``): a new tuple whenever one of them may have changed (compared
-        #: by identity, one compare per batch)
-        self.wanted_calls: tuple[bool, bool, bool] = (False, True, True)
-        self._steps_done = -1  # the lean route: the framework's optimizer-step count at the last batch end
-        self._lane_failed = False  # the express lane raised once: closed for the rest of the run
+        #: the reporters' timeline, None when none is written (the route and the episode record steps in it)
+        self.timeline: Any = None
         self.disabled = False
         self._failures: set[str] = set()
         self._said: set[str] = set()
         # what this rank says to the others outside an anomaly's own agreement: the relay to rank zero, whether the
-        # ranks still meet anomalies together, and the bystander this rank becomes if its watch switches off
-        self._ranks = distributed.CrossRank(1)
+        # ranks still meet anomalies together, and the bystander this rank becomes if its watch switches off (the
+        # route and the episode owner read it)
+        self.ranks = distributed.CrossRank(1)
 
     @property
     def applied(self) -> list[AppliedRemedy]:
@@ -196,19 +184,9 @@ class RunWatcher(WatchState):
         return getattr(self.reporters, "event_log", None)
 
     @property
-    def ranks(self) -> distributed.CrossRank:
-        """What this rank says to the others outside an anomaly's own agreement (the episode reads it)."""
-        return self._ranks
-
-    @property
-    def timeline(self) -> Any:
-        """The reporters' timeline, None when none is written (the episode records resolved steps in it)."""
-        return self._timeline
-
-    @property
     def log_every(self) -> int:
         """The framework's log interval in optimizer steps (0: no log step)."""
-        return self._log_every
+        return self.route.log_every
 
     def caught_up(self) -> "RunWatcher":
         """The watcher with every clean step taken in (the ledger's :meth:`~StepLedger.settle`): what an adapter reads
@@ -234,45 +212,6 @@ class RunWatcher(WatchState):
         optimizers excepted), for an adapter's ``hold_lr_on_skip``."""
         return self.ledger is not None and self.ledger.last_step_skipped()
 
-    def _sync_investigations(self) -> None:
-        """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
-        arm or finish a probe; never on a healthy step)."""
-        investigations = self.investigations
-        self.wants_batch_start = bool(not self.disabled and investigations is not None
-                                      and investigations.wants_batch_start)
-        self._probing = investigations is not None and investigations.probing
-        self._sync_wanted()
-
-    def _sync_wanted(self) -> None:
-        """The per-step calls the adapter must make (see :attr:`wanted_calls`)."""
-        lean = self.lean_route and not self.disabled
-        self.wanted_calls = (self.wants_batch_start, not lean or self.guards.wants_loss, not lean or self._probing)
-
-    # Why the lean route and its express lane stay beside the full route (one route would be simpler to follow):
-    # Measured for issue 29 (the toy, ``benchmarks/step_counts.py`` and the hooks' timer of
-    # ``benchmarks/overhead.py``, the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the
-    # cadences have decided: with the lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7
-    # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
-    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. Measured again once the clean-step
-    # batching moved into the ledger (``steps.CleanRuns``; ``overhead.py --quick`` with and without the fast paths,
-    # interleaved, load 3 to 5): the fast paths 12 calls and 7.2 to 8.8 us, one route 24 calls and 12.8 to 25.0 us.
-    # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
-    # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
-    def lean(self, host: Host, steps_done: int) -> bool:
-        """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
-        framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
-        skipped ones included (Lightning's automatic optimization), in one process (a DDP rank whose watch switched
-        itself off keeps its place through ``before_optimizer_step``), without DeepSpeed (whose engine decides
-        what a step is). Then ``before_backward`` is wanted only while the recipe guard reads the loss's graph (the
-        first backward) and ``before_optimizer_step`` only while a probe is armed: two framework hooks fewer per
-        step. ``steps_done``: the framework's count of optimizer steps now. Returns whether the route is taken."""
-        ledger = self.ledger
-        self.lean_route = bool(not self.disabled and ledger is not None and self.world_size == 1
-                               and ledger.precision.engine is None and getattr(host, "automatic", False))
-        self._steps_done = steps_done
-        self._sync_wanted()
-        return self.lean_route
-
     # ------------------------------------------------------------------ lifecycle
 
     @_guarded
@@ -290,12 +229,12 @@ class RunWatcher(WatchState):
             info = host.precision()  # a restored bf16 fallback swapped the plugin
             self.machine.reconfigure(mode=info.mode)
         self.world_size = host.world_size
-        self._ranks = distributed.CrossRank(self.world_size, config.on_unrecoverable)
+        self.ranks = distributed.CrossRank(self.world_size, config.on_unrecoverable)
         self.machine.divergence_opens_episode = self.world_size == 1
         self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
                                    verbose=config.verbose, precision=info.mode.value, device=host.device,
                                    world_size=self.world_size, remedies=config.remedies, say=self._say)
-        self._timeline = self.reporters.timeline
+        self.timeline = self.reporters.timeline
         if loaded is not None:
             self.reporters.carry_over(self.diagnoses)
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
@@ -308,7 +247,7 @@ class RunWatcher(WatchState):
         self.investigations = Investigations(
             investigator, self.machine, window=thresholds.window, world_size=self.world_size,
             capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
-        self._sync_investigations()
+        self.route.sync_investigations()
         if info.note:
             self.say_once(info.note)
         self._attach_guards()
@@ -323,23 +262,22 @@ class RunWatcher(WatchState):
         """The scaler's checkpointed state is loaded by now: mirror it (one read per run)."""
         host, ledger = self.host, self.ledger
         assert host is not None and ledger is not None
-        self._log_every = self._judge_every = max(int(host.log_every), 0)
-        ledger.start(host, self._log_every)
+        route = self.route
+        route.begin(max(int(host.log_every), 0), self.world_size)
+        ledger.start(host, route.log_every)
         self.machine.optimizer_names = ledger.optimizer_names  # type: ignore[union-attr]  # (several optimizers)
-        # one process only: under DDP the log step is where the ranks meet, so every rank must run it at once
-        self._log_cadence = LogCadence(self._log_every) if self._log_every and self.world_size == 1 else None
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
         # who takes the clean steps the ledger holds back, in runs (after the trajectory control: the order the
         # steps' own route feeds them in)
-        machine, timeline = self.machine, self._timeline
+        machine, timeline = self.machine, self.timeline
         ledger.runs.hand_to("machine", lambda steps, _, scales, grews, lrss:
                             machine.observe_clean_run(steps, scales, grews, lrss))  # type: ignore[union-attr]
         if timeline is not None:
             ledger.runs.hand_to("timeline", lambda steps, _, scales, __, lrss:
                                 timeline.record_clean_run(steps, scales, lrss))
-        self._plan_deferral()
+        route.plan_deferral()
 
     def _start_trajectory(self) -> None:
         """The snapshot ring and what a replay drives (again after a remedy swaps the precision)."""
@@ -370,206 +308,6 @@ class RunWatcher(WatchState):
         mirror = self.ledger.mirror if self.ledger is not None else None
         return mirror.scale if mirror is not None else 1.0
 
-    # ------------------------------------------------------------------ the per-step calls
-    # They catch their own failures inline rather than through ``_guarded``: on a healthy step they run a few
-    # dozen bytecodes, and an extra wrapper call would be a good part of that.
-
-    def batch_start(self) -> None:
-        """Before a batch's forward: the RNG state (for an exact replay), or a live probe waiting to be armed."""
-        investigations, host = self.investigations, self.host
-        if self.disabled or investigations is None or host is None or not investigations.wants_batch_start:
-            return
-        try:
-            investigations.batch_start(host.module, host.device)
-            self._sync_investigations()
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("batch_start", err)
-
-    def before_backward(self, loss: torch.Tensor) -> None:
-        if self.disabled or self.ledger is None:
-            return
-        try:
-            if not self.lean_route:  # (the lean route takes the loss at the batch's end)
-                self.ledger.backward(loss)
-            guards = self.guards
-            if guards.wants_loss:
-                guards.on_before_backward(loss)
-                if self.lean_route and not guards.wants_loss:
-                    self._sync_wanted()  # checked: the adapter need not call here any more
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("before_backward", err)
-
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        ledger = self.ledger
-        if self.disabled or ledger is None:
-            if self._ranks.bystander is not None:
-                self._ranks.bystander.optimizer_step()
-            return
-        try:
-            if not self.lean_route:  # (the lean route learns of the step from the framework's count, at batch end)
-                several = ledger.optimizer_ids is not None  # several optimizers: which one steps (one scaler's skips
-                index = ledger.optimizer_index(optimizer) if several else None  # are each one's own)
-                if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
-                    quiet = self.machine.quiet  # type: ignore[union-attr]
-                    self._take_closed(ledger.close(self.host, quiet, split=True), quiet)
-                if several:
-                    ledger.optimizer = index
-                ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
-            if self._probing:
-                self.investigations.optimizer_step(optimizer)  # type: ignore[union-attr]
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("before_optimizer_step", err)
-
-    def batch_end(self, batch: Any, batch_idx: int, loss: Any = None, steps_done: int = -1) -> None:
-        """A batch is over. On the lean route (:meth:`lean`) the adapter also hands its loss (None: no backward ran)
-        and the framework's count of optimizer steps so far: one more than at the last batch, a step was taken."""
-        ledger = self.ledger
-        if self.disabled or ledger is None:
-            if self._ranks.bystander is not None:
-                self._ranks.bystander.batch_end()
-            return
-        try:
-            if self.lean_route:
-                if loss is not None:
-                    ledger.add_loss(loss)
-                if steps_done != self._steps_done:  # an optimizer step ran in this batch (or was skipped by the scaler)
-                    self._steps_done = steps_done
-                    ledger.stepped = True  # (optimizer_step_begins, less what the lean route never has: DeepSpeed's
-                    # boundary, a second optimizer's split)
-            investigations = self.investigations
-            # what a replay needs of this batch (``Investigations.micro_batch``, inline: one is made every batch)
-            rng = investigations.batch_rng if investigations is not None else None
-            micro_batch: Any = (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)
-            if self._probing:
-                ledger.keep_batch(micro_batch)
-                micro_batch = None
-                for diagnosis in investigations.finish_probe():  # type: ignore[union-attr]  # the armed step is over
-                    self.episodes.emit(diagnosis)
-                self._sync_investigations()
-            if not ledger.stepped:
-                if micro_batch is not None:
-                    ledger.keep_batch(micro_batch)
-                return  # mid-accumulation: no optimizer step in this batch
-            # the machine's quiet, read once: closing a step leaves the machine as it is
-            quiet = self.machine.quiet  # type: ignore[union-attr]
-            closed = ledger.close(self.host, quiet, micro_batch)
-            if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
-                self._take_closed(closed, quiet)
-            log_every = self._log_every
-            if log_every and ledger.step_index % log_every == 0:
-                self._log_step()
-            treatment = self.treatment
-            if treatment.due or treatment.watch is not None:  # an optimizer-step boundary: safe to change the run
-                self._at_step_boundary()
-        except AmpWatchError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("batch_end", err)
-        finally:
-            self._open_lane()
-
-    def express(self, loss: Any, batch: Any, batch_idx: int) -> bool:
-        """The lean route's express lane: a healthy batch end in one call, with no framework count to read. Taken
-        when the batch ran one optimizer step, which the scaler took, and nothing but its bookkeeping is due (the
-        ledger's :meth:`StepLedger.express`; the lane is opened, up to a step, at the end of every other batch end:
-        :meth:`_open_lane`). Returns False, having changed nothing, otherwise: the adapter then calls
-        :meth:`batch_end` with the framework's count, as for any batch. ``loss``: the batch's (unscaled) loss."""
-        ledger = self.ledger
-        if ledger is None or self._probing or self.disabled:
-            return False
-        try:
-            investigations = self.investigations
-            rng = investigations.batch_rng if investigations is not None else None
-            if ledger.express(loss, (batch, batch_idx) if rng is None else (batch, batch_idx, *rng)):
-                self._steps_done += 1  # (the framework counted this step: one optimizer step per batch here)
-                return True
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("express", err)
-            self._lane_failed = True  # the usual way from now on
-            ledger.express_until = 0
-        return False
-
-    def _open_lane(self) -> None:
-        """After a batch end: up to which step the express lane may take the next batches (none unless the lean
-        route is taken and the machine is quiet with no remedy due or watched; the ledger adds its own limits).
-        Nothing the lane takes changes any of this. On the lean route the machine changes only inside a batch end
-        (and at the fit's end), a remedy becomes due only through the episode owner's ``emit``, which closes the
-        lane, and a probe is checked at each lane call."""
-        ledger, machine, treatment = self.ledger, self.machine, self.treatment
-        if ledger is None or not self.lean_route:  # (the full route: never opened)
-            return
-        try:
-            if (not self._lane_failed and not self.disabled and machine is not None and machine.quiet
-                    and not treatment.due and treatment.watch is None):
-                ledger.open_lane(self._log_every)
-                return
-        except Exception as err:  # noqa: BLE001
-            self.internal_failure("the express lane", err)
-        ledger.express_until = 0
-
-    def _log_step(self) -> None:
-        """A framework log step: the log step's work (:meth:`_at_log_step`), or, on the steps the log cadence passes
-        over while the run is quiet, only the metrics (:meth:`_at_metrics_step`). Timed while the cadence measures."""
-        ledger, machine, treatment = self.ledger, self.machine, self.treatment
-        assert ledger is not None and machine is not None
-        step = ledger.step_index
-        quiet = machine.quiet and treatment.watch is None and not treatment.due and not ledger.in_flight
-        if step % self._judge_every and quiet:
-            self._at_metrics_step()
-            return
-        cadence = self._log_cadence
-        if cadence is None or cadence.decided or not quiet:
-            self._at_log_step()
-            return
-        start = _clock()
-        self._at_log_step()
-        said = cadence.observe(step, start, _clock())
-        if cadence.decided:
-            self._judge_every = cadence.interval
-            ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
-            if said:
-                self.say_once(said)
-            self._plan_deferral()
-
-    def _at_metrics_step(self) -> None:
-        """A log step whose work the log cadence passes over: the ``ampwatch/*`` metrics from host values only (the
-        interval's counts, the scale the host mirrors); no read, no loss level, no timeline write."""
-        ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
-        assert ledger is not None and reporters is not None and machine is not None and host is not None
-        steps, skipped, nonfinite = ledger.take_log_counts()
-        reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite)  # one process: no tensor
-        mirror = ledger.mirror
-        reporters.log_metrics(host, (), skipped_total=machine.skipped_total,
-                              scale=None if mirror is None else mirror.scale, send=host.log_metrics)
-
-    def _at_log_step(self) -> None:
-        """Once per ``log_every`` optimizer steps: resolve what is in flight, one packed read, log, flush."""
-        ledger, reporters, machine, host = self.ledger, self.reporters, self.machine, self.host
-        assert ledger is not None and reporters is not None and machine is not None and host is not None
-        self.episodes.take(ledger.drain_at_log_step(host))
-        steps, skipped, nonfinite = ledger.take_log_counts()
-        ranks = self._ranks
-        metrics = reporters.metric_tensors(host, steps=steps, skipped=skipped, nonfinite=nonfinite,
-                                           signals=ranks.signals())
-        scale, values = ledger.read_at_log_step(metrics)  # the one device-to-host read of the log step
-        relayed: list[Diagnosis] = []
-        if values and self.world_size > 1:  # what another rank reached alone reaches rank zero; a rank switched off
-            relayed = ranks.at_log_step(values, ledger)
-            for diagnosis in relayed:
-                self.episodes.publish_relayed(diagnosis)
-            relayed = self.episodes.publish_reconciled() + relayed
-            self.episodes.note_agreement()
-        machine.note_losses(ledger.take_unnoted())
-        self.episodes.take_divergences()  # the losses just read may show a finite divergence
-        reporters.log_metrics(host, values, skipped_total=machine.skipped_total, scale=scale, send=host.log_metrics)
-        loss = ledger.last_loss  # read just now with the others; a step with no loss read records none
-        reporters.flush(None if loss is None else lambda: loss)
-        self._plan_deferral()
-        if ranks.end_due:  # a rank asked to end the run (on_unrecoverable, an alarm it judged alone): every rank, here
-            said = ranks.end_if_due(host, relayed)
-            if said is not None:
-                self.say_once(said, key=f"end:{ledger.step_index}")
-
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
         self.caught_up()  # every clean step taken in: the relayed diagnoses below are dated after them
@@ -579,7 +317,7 @@ class RunWatcher(WatchState):
         # watch is off or whose end-of-run work just failed (skipping it would leave the others waiting in it)
         relayed: list[Diagnosis] = []
         try:
-            relayed = self._ranks.at_end()
+            relayed = self.ranks.at_end()
             for diagnosis in relayed:
                 self.episodes.publish_relayed(diagnosis)
             relayed = self.episodes.publish_reconciled() + relayed
@@ -588,10 +326,10 @@ class RunWatcher(WatchState):
         if not self.disabled:
             self._summarize()
         self.close()
-        if self._ranks.end_due:  # a rank asked to end the run after the last log step: "raise" is carried out here,
+        if self.ranks.end_due:  # a rank asked to end the run after the last log step: "raise" is carried out here,
             if self.config.on_unrecoverable == "raise":  # on every rank at once ("stop": the run is over anyway)
-                self._ranks.end_if_due(None, relayed, when="at the end of the fit")
-            self._ranks.end_due = False
+                self.ranks.end_if_due(None, relayed, when="at the end of the fit")
+            self.ranks.end_due = False
 
     @_guarded
     def _finish(self) -> None:
@@ -602,9 +340,9 @@ class RunWatcher(WatchState):
         if self.investigations is not None:
             for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
                 self.episodes.emit(diagnosis)
-            self._sync_investigations()
+            self.route.sync_investigations()
         if self.treatment.due or self.treatment.watch is not None:
-            self._at_step_boundary()
+            self.route.at_step_boundary()
         self.episodes.finish()  # a remedy still watched: its outcome stays unknown, and the record says why
 
     @_guarded
@@ -629,82 +367,13 @@ class RunWatcher(WatchState):
                 self.internal_failure("clean-up", err)
         # What holds the framework, the model or snapshots goes: the watcher pickles after a run, and small
         self.investigations = None
-        self._sync_investigations()
+        self.route.sync_investigations()
         self.trajectory = None
-        self._timeline = None
+        self.timeline = None
         self.treatment.forget_states()
         self.host = None
 
-    # ------------------------------------------------------------------ steps -> machine -> diagnoses
-
-    def _take_closed(self, closed: ClosedStep | None, quiet: bool) -> None:
-        """The one route of every step: its batches to the trajectory control, then a clean step to the machine
-        and the timeline at once, or the steps resolved now through the episode owner's ``take``. ``quiet``: the
-        machine's, as read before the step was closed (closing it changes nothing in the machine)."""
-        if closed is None:
-            return
-        machine, ledger = self.machine, self.ledger
-        assert machine is not None and ledger is not None
-        control = self.trajectory
-        if control is not None:  # every rank snapshots at the same steps: under DDP what the ranks agree on decides
-            if self.world_size == 1:
-                control.note_step(closed.step, closed.batches, quiet, machine.has_reference)
-            else:
-                control.note_step(closed.step, closed.batches, machine.quiet_agreed, True)
-        if closed.clean:
-            machine.observe_clean(closed.step, closed.scale, closed.grew, closed.lrs, closed.loss)
-            timeline = self._timeline
-            if timeline is not None:
-                if closed.loss is None:
-                    timeline.record_clean(closed.step, closed.scale, closed.lrs)
-                else:
-                    timeline.record_step(closed.step, skipped=False, loss=closed.loss, loss_finite=True,
-                                         lrs=closed.lrs)
-            if ledger.unnoted:  # the ring of held losses was full: read just now
-                machine.note_losses(ledger.take_unnoted())
-                self.episodes.take_divergences()
-        elif closed.resolved:
-            self.episodes.take(closed.resolved)
-        self._plan_deferral()
-
-    # ------------------------------------------------------------------ clean steps taken in later
-
-    def _plan_deferral(self) -> None:
-        """Up to which step the ledger may defer clean steps: the next snapshot that may be due (a multiple of the
-        ring's interval, taken by the full route), at most ``MAX_DEFERRED`` steps on; none while the cadence times
-        every step or a remedy is watched (every step is a step boundary then)."""
-        ledger = self.ledger
-        if ledger is None:
-            return
-        control = self.trajectory
-        runs = ledger.runs
-        runs.keep_batches = control is not None and control.ring.enabled  # nothing else reads a clean step's batches
-        step = ledger.step_index  # the next step to be closed
-        treatment = self.treatment
-        if self.disabled or treatment.watch is not None or treatment.due:
-            runs.until = step
-            return
-        # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
-        judge_every = self._judge_every
-        stretched = judge_every != self._log_every and MAX_DEFERRED and judge_every > MAX_DEFERRED
-        limit = step + (judge_every if stretched else MAX_DEFERRED)
-        if control is not None:
-            every = control.defer_limit
-            if every is not None:
-                if every <= 0:
-                    runs.until = step
-                    return
-                due = -(-step // every) * every  # the first multiple of ``every`` at or after ``step``
-                if due < limit:
-                    limit = due
-        runs.until = limit
-
     # ------------------------------------------------------------------ the episode's actions, applied
-
-    def _at_step_boundary(self) -> None:
-        """An optimizer-step boundary with a remedy due or watched: the episode decides; the deferral follows."""
-        self.episodes.at_step_boundary()
-        self._plan_deferral()
 
     def _act(self, action: Action) -> Any:
         """Apply what the episode owner decided (:mod:`lightning_ampwatch.episode`), and answer with what was done:
@@ -801,11 +470,11 @@ class RunWatcher(WatchState):
                 watch, machine = self.treatment.watch, self.machine
                 left = None if watch is None or machine is None else \
                     self.treatment.recovery_steps - (machine.steps_seen - watch.steps_before)
-                self._ranks.bystander = distributed.Bystander(
-                    self._ranks, ledger, self.reporters, self.host, ledger.step_index, self._log_every,
+                self.ranks.bystander = distributed.Bystander(
+                    self.ranks, ledger, self.reporters, self.host, ledger.step_index, self.route.log_every,
                     stepped=stepped, judge_at=None if left is None or left < 1 else ledger.step_index + left)
             self.disabled = True
-            self.wants_batch_start = False
+            self.route.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",
                           RuntimeWarning, stacklevel=3)
 

@@ -224,7 +224,7 @@ class FabricWatch:
         host = self._need_host()
         host.in_step = True
         try:
-            self.watcher.batch_end(batch, host.next_batch_index())
+            self.watcher.route.batch_end(batch, host.next_batch_index())
         finally:
             host.in_step = False
             host.micro_batches += 1
@@ -258,12 +258,12 @@ class FabricWatch:
         watcher = self.watcher
         host.in_step = True
         try:
-            watcher.before_optimizer_step(host.optimizers[0])
+            watcher.route.before_optimizer_step(host.optimizers[0])
             self.steps += 1
             host.accumulated(host.micro_batches + 1)
             if host.loop_lrs is not None:
                 host.loop_lrs.step_index = self.steps - 1  # what a snapshot taken after this step keeps
-            watcher.batch_end(batch, host.next_batch_index())  # raises only AmpWatchError (on_unrecoverable)
+            watcher.route.batch_end(batch, host.next_batch_index())  # raises only AmpWatchError (on_unrecoverable)
         finally:
             host.in_step = False
             host.micro_batches = 0
@@ -700,7 +700,7 @@ class FabricHost:
             treatment.replay_episode = False  # a rerun trains on the batches it holds: not the episode's
 
     def batch_over(self) -> None:
-        """After ``watcher.batch_end``: the next forward is the next micro-batch's."""
+        """After ``watcher.route.batch_end``: the next forward is the next micro-batch's."""
         self.inputs_overflowed = None
         self._batch_started = False
         self.backward_seen = False
@@ -736,9 +736,9 @@ class FabricHost:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not self._batch_started and self.in_loop:
             self._batch_started = True
-            watcher = self._watch.watcher
-            if watcher.wants_batch_start:
-                watcher.batch_start()  # catches its own failures
+            route = self._watch.watcher.route
+            if route.wants_batch_start:
+                route.batch_start()  # catches its own failures
 
     # ------------------------------------------------------------------ hold_lr_on_skip
 
@@ -784,7 +784,7 @@ class FabricHost:
         if getattr(self._fabric.strategy.precision, "scaler", None) is None:
             if not self.lrs_noted:
                 self.note_lrs()
-            self._watch.watcher.before_backward(loss)
+            self._watch.watcher.route.before_backward(loss)
             self.backward_seen = True
         else:
             self.say_once("watch.step() got a loss, but fabric.backward() was not called since the last step; "
@@ -815,7 +815,7 @@ class _WatchedBackward:
                 watcher.internal_failure("fabric.backward", err)
         scaler = getattr(self.plugin, "scaler", None)
         if scaler is None:
-            watcher.before_backward(tensor)
+            watcher.route.before_backward(tensor)
             return self.original(tensor, *args, **kwargs)
         seen = _ScaledLoss(scaler, watcher)
         scaler.__dict__["scale"] = seen
@@ -846,7 +846,7 @@ class _ScaledLoss:
         out = type(self.scaler).scale(self.scaler, outputs)
         if not self.seen and isinstance(out, Tensor):
             self.seen = True
-            self.watcher.before_backward(out)
+            self.watcher.route.before_backward(out)
         return out
 
 

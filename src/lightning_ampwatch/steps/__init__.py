@@ -9,7 +9,9 @@ One small class per module, imported one way (each module only from those above 
   :class:`SnapshotCadence`);
 - :mod:`.optimizers`: which optimizer a step belongs to, where several step through one scaler
   (:func:`optimizer_index`, :func:`describe_optimizers`);
-- :mod:`.ledger`: the ledger itself (:class:`StepLedger`), which takes each step in.
+- :mod:`.ledger`: the ledger itself (:class:`StepLedger`), which takes each step in;
+- :mod:`.route`: the route of every step (:class:`StepRoute`): the adapter's per-step calls, the lean route and its
+  express lane, the log step, and how far the ledger may hold clean steps back.
 """
 
 from lightning_ampwatch.steps.cadence import LogCadence, SnapshotCadence
@@ -23,9 +25,10 @@ from lightning_ampwatch.steps.losses import (
     LossRing,
 )
 from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
+from lightning_ampwatch.steps.route import MAX_DEFERRED, StepRoute
 
 __all__ = [
     "BATCHES_KEPT_AFTER_TRIM", "BATCHES_KEPT_MAX", "HOST_TAPE_DEVICES", "LOSS_RING_MAX_STEPS", "LOSS_RING_STEPS",
-    "RECENT_LOSSES", "CleanRuns", "ClosedStep", "LogCadence", "LossRing", "OpenStep", "ResolvedStep",
-    "SnapshotCadence", "StepLedger",
+    "MAX_DEFERRED", "RECENT_LOSSES", "CleanRuns", "ClosedStep", "LogCadence", "LossRing", "OpenStep",
+    "ResolvedStep", "SnapshotCadence", "StepLedger", "StepRoute",
 ]

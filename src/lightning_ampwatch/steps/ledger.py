@@ -263,7 +263,7 @@ class StepLedger:
     # ------------------------------------------------------------------ the per-step path
 
     # Why the express lane stays (it repeats what ``add_loss`` then ``close`` do for a healthy step, inline): the
-    # figures measured against one route are beside ``RunWatcher.lean`` (core.py).
+    # figures measured against one route are beside ``StepRoute.take_lean`` (steps/route.py).
     def open_lane(self, log_every: int) -> None:
         """Set :attr:`express_until`: the steps :meth:`express` may take from now on, given the core's leave (a quiet
         machine, nothing due). None while an earlier micro-batch's loss or batch waits, a step is in flight, a clean
