@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, Measured
+
 
 class Finding(str, Enum):
     """A class in the AMP failure taxonomy. The value equals the name, so it survives JSON."""
@@ -48,40 +50,6 @@ class Finding(str, Enum):
         return _SUMMARIES[self]
 
     def __str__(self) -> str:  # "GRADIENT_OVERFLOW", not "Finding.GRADIENT_OVERFLOW"
-        return self.value
-
-
-class GradientPattern(str, Enum):
-    """Which shape of skipped steps made a gradient-overflow alarm; written to the evidence as ``pattern``."""
-
-    STARTUP = "startup"  # skips in a row from the first step: the initial scale is too high
-    BURST = "burst"  # several skips close together, not all in a row
-    COLLAPSE = "collapse"  # skips in a row after a healthy start: the scale halves again and again
-    PERSISTENT = "persistent"  # a steady skip rate over the window
-    UNSCALED_OVERFLOW = "unscaled_overflow"  # still skipping below a scale of 1: the gradients overflow unscaled
-    GROWTH_OVERFLOW = "growth_overflow"  # each growth of the scale is followed by a skip
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class DivergencePattern(str, Enum):
-    """Which shape of the loss made a divergence alarm (``FP32_UNSTABLE`` or ``LR_SCHEDULE``); ``pattern``."""
-
-    FINITE_DIVERGENCE = "finite_divergence"  # far above its healthy level and staying there, no skip, no NaN
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class LrEvent(str, Enum):
-    """Which rise of the learning rate set an episode off; written to the evidence as ``lr_event``."""
-
-    WARMUP_END = "warmup_end"  # a warmup that climbed over many steps just peaked
-    LR_INCREASE = "lr_increase"  # a single rise
-    PARAM_GROUP_ADDED = "param_group_added"  # a new param group, at an LR far above the others' (a backbone unfrozen)
-
-    def __str__(self) -> str:
         return self.value
 
 
@@ -154,11 +122,15 @@ class Diagnosis:
     facts: Any = field(default=None, compare=False, repr=False)
     """The typed records behind the evidence (:class:`lightning_ampwatch.records.Facts`), for the decisions that
     follow; never serialised: a diagnosis read back from JSON has none."""
+    measured: Measured = field(init=False, compare=False, repr=False)
+    """The measurements decisions read (:class:`lightning_ampwatch.measured.Measured`), made with the diagnosis from
+    its evidence (and made again whenever the diagnosis is made again with other evidence)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.finding, Finding):
             object.__setattr__(self, "finding", Finding(self.finding))
         object.__setattr__(self, "evidence", _jsonable(dict(self.evidence)))
+        object.__setattr__(self, "measured", Measured.read_back(self.evidence))
 
     @property
     def is_alarm(self) -> bool:
