@@ -11,6 +11,7 @@ from lightning_ampwatch import Diagnosis, Finding
 from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, LrRise, Measured, Tried
 from lightning_ampwatch.remedies.policy import ladder_for
 from lightning_ampwatch.remedies.base import RemedyName
+from lightning_ampwatch.taxonomy import advise
 
 
 def lr_alarm() -> Diagnosis:
@@ -67,3 +68,12 @@ def test_values_that_are_not_measurements_are_not_read_as_such() -> None:
 def test_a_tried_remedy_is_published_as_the_entry_it_is_read_back_from() -> None:
     entry = {"remedy": "lower_init_scale", "outcome": "not_recovered", "reason": "it skipped again"}
     assert Measured.read_back({"remedies_tried": [entry]}).remedies_tried[0].entry() == entry
+
+
+def test_an_lr_rise_is_published_as_the_entries_it_is_read_back_from_and_said_from_the_record() -> None:
+    rise = LrRise(LrEvent.WARMUP_END, 0.0006, 0.0018, 8)
+    d = Diagnosis(Finding.LR_SCHEDULE, 10, evidence=rise.entries())
+    assert d.evidence == {"lr_event": "warmup_end", "lr_before": 0.0006, "lr_after": 0.0018, "lr_change_step": 8}
+    assert d.measured.lr == rise and rise.words() == "0.0006 -> 0.0018 at step 8"
+    assert LrRise(LrEvent.LR_INCREASE, 0.1, 0.01, 3).words() is None  # a fall is no rise
+    assert "right after warmup reached its peak (0.0006 -> 0.0018)" in advise(Finding.LR_SCHEDULE, d.evidence)

@@ -38,7 +38,7 @@ from lightning_ampwatch.replays import (
     replay_went_nonfinite,
     supersede_amp_evidence,
 )
-from lightning_ampwatch.measured import Measured
+from lightning_ampwatch.measured import LrRise, Measured
 from lightning_ampwatch.taxonomy import (
     Diagnosis,
     Finding,
@@ -586,7 +586,6 @@ def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | 
             continue
         old, new = max(before), max(after[len(before):])
         if old > 0 and new >= ADDED_GROUP_RATIO * old:
-            return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
-                    "lr_change_step": point}
+            return LrRise(LrEvent.PARAM_GROUP_ADDED, old, new, point).entries()
     return None
 

@@ -92,6 +92,17 @@ class LrRise:
             return self.before, self.after
         return None
 
+    def entries(self) -> dict[str, Any]:
+        """The evidence entries this rise is published as (read back by :meth:`Measured.read_back`)."""
+        return {"lr_event": self.event, "lr_before": self.before, "lr_after": self.after,
+                "lr_change_step": self.step}
+
+    def words(self) -> str | None:
+        """The rise in words ("0.0006 -> 0.0018 at step 8"), or None where the LR did not measurably go up."""
+        if self.before is None or self.after is None or not self.after > self.before:
+            return None
+        return f"{self.before:.3g} -> {self.after:.3g}" + (f" at step {self.step}" if self.step is not None else "")
+
 
 @dataclass(frozen=True)
 class Tried:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Mapping
 
-from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, Measured
+from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, LrRise, Measured
 
 
 class Finding(str, Enum):
@@ -152,7 +152,7 @@ class Diagnosis:
                     f"episode began{after}, so the skip may have been its first sign, not dynamic scaling doing its "
                     "job")
         full = self.evidence.get("precision") == "fp32"  # a run without reduced precision: AMP is not in it
-        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
+        if self.finding is Finding.FP32_UNSTABLE and self.measured.finite_divergence:
             return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
                     "the optimisation is diverging" + ("" if full else ", not AMP"))
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
@@ -335,12 +335,12 @@ def _divergence(ev: Mapping[str, Any]) -> str:
 
 
 def _advice_lr(ev: Mapping[str, Any]) -> str:
-    before, after = ev.get("lr_before"), ev.get("lr_after")
-    kind = ev.get("lr_event")  # an LrEvent, or its value once read back from JSON
-    what = "warmup reached its peak" if kind == LrEvent.WARMUP_END else "the learning rate rose"
-    if kind == LrEvent.PARAM_GROUP_ADDED:
-        at = f" ({after:.3g}, the others at most {before:.3g})" if isinstance(before, (int, float)) and \
-            isinstance(after, (int, float)) else ""
+    # made from the typed record of the rise (the pattern for a sentence made from a record, not from keys)
+    rise = Measured.read_back(ev).lr or LrRise()
+    before, after, kind = rise.before, rise.after, rise.event
+    what = "warmup reached its peak" if kind is LrEvent.WARMUP_END else "the learning rate rose"
+    if kind is LrEvent.PARAM_GROUP_ADDED:
+        at = f" ({after:.3g}, the others at most {before:.3g})" if before is not None and after is not None else ""
         return _divergence(ev) + (
             f"The failure began right after a param group was added at a far higher learning rate{at} (a "
             "backbone unfrozen, say BackboneFinetuning's backbone_initial_lr). Give the new group a learning rate "
@@ -349,7 +349,7 @@ def _advice_lr(ev: Mapping[str, Any]) -> str:
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
         "instability visible sooner."
-        if isinstance(before, (int, float)) and isinstance(after, (int, float))
+        if before is not None and after is not None
         else f"The failure began right after {what}. Lower the peak learning rate or lengthen the warmup."
     )
 

@@ -525,10 +525,7 @@ def _lr_cap(lr: LrRise | None) -> float | None:
 
 def _lr_rise(lr: LrRise | None) -> str | None:
     """The LR rise before the onset the machine noted, in words ("0.0006 -> 0.0018 at step 8"), or None."""
-    before, after = _rise(lr)
-    if lr is None or before is None or after is None or not after > before:
-        return None
-    return f"{before:.3g} -> {after:.3g}" + (f" at step {lr.step}" if lr.step is not None else "")
+    return None if lr is None else lr.words()
 
 
 def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
