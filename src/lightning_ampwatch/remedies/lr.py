@@ -59,7 +59,7 @@ def _rise(diagnosis: Diagnosis) -> tuple[float, float] | None:
 
 
 def _earlier_rungs(diagnosis: Diagnosis) -> int:
-    return sum(1 for t in diagnosis.measured.remedies_tried or () if t.remedy == RemedyName.REDUCE_LR)
+    return diagnosis.measured.earlier_lr_rungs
 
 
 def _again(diagnosis: Diagnosis) -> bool:
