@@ -445,8 +445,6 @@ ALLOWED_EVIDENCE_READS: dict[tuple[str, str, str], str] = {
     ("lightning_ampwatch.remedies.treatment", "Treatment.relapse", "old.evidence.get('recovery')"):
         _PUBLISHED + " (the earlier recovery's numbers, kept under the relapse's; the outcome is decided by "
                      "the new alarm itself)",
-    ("lightning_ampwatch.remedies.data", "SkipBatch.apply", "diagnosis.evidence.get('nonfinite_where')"):
-        _PUBLISHED + " (the remedy's details quote where the batch was bad)",
     ("lightning_ampwatch.investigate", "Investigator.apply", "ev.pop('input_where', None)"):
         _PUBLISHED + " (moved into the sentence that says why the input range was not the fault)",
     ("lightning_ampwatch.investigate", "Investigator.apply", "ev.pop('input_absmax', 0)"):

@@ -129,7 +129,7 @@ class Measured:
     weights_lost: bool = False  # the weights hold non-finite values (no scaler skipped the faulty step)
     remedies_tried: tuple[Tried, ...] | None = None  # the rungs tried before this one (None: this is the first)
     lr_tried: tuple[float | None, ...] | None = None  # the LRs an earlier reduce_lr rung set (None: none)
-    nonfinite_batch: bool = False  # the batch itself held non-finite values (``nonfinite_where``)
+    nonfinite_where: str | None = None  # where the batch itself held non-finite values (``nonfinite_where``)
     input_where: str | None = None  # where in the batch the values too large for float16 sit (``input_where``)
     first_nonfinite_step: int | None = None  # the first step whose loss went non-finite
     scale: float | None = None  # the loss scale at the faulty step
@@ -142,6 +142,11 @@ class Measured:
     def finite_divergence(self) -> bool:
         """The loss climbed and stays up, finite (a divergence alarm, judged from the run's own losses)."""
         return self.pattern is DivergencePattern.FINITE_DIVERGENCE
+
+    @property
+    def nonfinite_batch(self) -> bool:
+        """The batch itself held non-finite values."""
+        return bool(self.nonfinite_where)
 
     @property
     def earlier_lr_rungs(self) -> int:
@@ -180,7 +185,7 @@ class Measured:
             remedies_tried=tuple(Tried(t.get("remedy"), t.get("outcome"), t.get("reason"))
                                  for t in tried if isinstance(t, Mapping)) if isinstance(tried, list) else None,
             lr_tried=tuple(_number(v) for v in lr_tried) if isinstance(lr_tried, list) else None,
-            nonfinite_batch=bool(evidence.get("nonfinite_where")),
+            nonfinite_where=evidence.get("nonfinite_where"),
             input_where=evidence.get("input_where") if "input_where" in evidence else None,
             first_nonfinite_step=_int(evidence.get("first_nonfinite_step")),
             scale=_number(evidence.get("scale")),
