@@ -1,6 +1,6 @@
 """Typed records of what an investigation and a treatment established: every decision reads a field of these,
-never a sentence. A finding's own measurements are ``diagnosis.measured`` (:mod:`.measured`, re-exported here). The sentences and numbers users see (``Diagnosis.evidence``) are made from them where a record is
-published.
+never a sentence. A finding's own measurements are ``diagnosis.measured`` (:mod:`.measured`, re-exported here).
+The sentences and numbers users see (``Diagnosis.evidence``) are made from them where a record is published.
 
 Pure Python (no torch, no Lightning). The verdict enums live with the verdict functions (:mod:`.verdicts`) and the
 vocabulary in :mod:`.taxonomy`; they are re-exported here so that one import names every record type.

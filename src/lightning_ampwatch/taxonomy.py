@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+# the patterns and LR events live with the typed measurements; re-exported here, where they were first named
 from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, LrRise, Measured
 
 

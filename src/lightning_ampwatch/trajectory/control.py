@@ -401,7 +401,8 @@ class TrajectoryControl:
                         scale_hint=_number(diagnosis.measured.safe_scale),
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
                         repeated_from=repeated_from, lr_factor=_lower_lr_factor(diagnosis.measured.lr),
-                        lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None, unlocated=unlocated,
+                        lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None,
+                        unlocated=unlocated,
                         fp32_fails=lambda nothing, fp32: judge_trajectory(
                             fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
                             TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
