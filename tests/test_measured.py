@@ -32,11 +32,15 @@ def test_the_record_holds_each_measurement_typed() -> None:
 def test_a_record_read_back_from_the_event_log_has_the_same_measurements() -> None:
     for d in (lr_alarm(), Diagnosis(Finding.GRADIENT_OVERFLOW, 3, evidence={
             "pattern": GradientPattern.COLLAPSE, "safe_scale": 1024.0, "scale": 8.0, "onset_scale": 65536.0,
+            "init_scale": 65536.0,
             "nonfinite_where": "batch[0]", "first_nonfinite_step": 4})):
         back = Diagnosis.from_dict(json.loads(d.to_json()))
         assert back.measured == d.measured
     assert back.measured.pattern is GradientPattern.COLLAPSE and back.measured.safe_scale == 1024.0
     assert back.measured.nonfinite_batch and back.measured.first_nonfinite_step == 4
+    assert back.measured.init_scale == back.measured.onset_scale == 65536.0 and back.measured.scale == 8.0
+    # the advice is said from the same record: the safe scale, below the scale in use
+    assert "GradScaler(init_scale=2**10) instead of 2**16" in advise(Finding.GRADIENT_OVERFLOW, back.evidence)
 
 
 def test_the_record_follows_the_evidence_it_is_made_again_with() -> None:

@@ -133,6 +133,7 @@ class Measured:
     input_where: str | None = None  # where in the batch the values too large for float16 sit (``input_where``)
     first_nonfinite_step: int | None = None  # the first step whose loss went non-finite
     scale: float | None = None  # the loss scale at the faulty step
+    init_scale: float | None = None  # the loss scale the run started at
     onset_scale: float | None = None  # the loss scale where the skips began
     withdrawn_by: str | None = None  # for a withdrawn call: the alarm's finding that took it back
     fault_ranks: tuple[int, ...] | None = None  # the ranks the fault was found on (set where the ranks merged)
@@ -189,6 +190,7 @@ class Measured:
             input_where=evidence.get("input_where") if "input_where" in evidence else None,
             first_nonfinite_step=_int(evidence.get("first_nonfinite_step")),
             scale=_number(evidence.get("scale")),
+            init_scale=_number(evidence.get("init_scale")),
             onset_scale=_number(evidence.get("onset_scale")),
             withdrawn_by=withdrawn_by if isinstance(withdrawn_by, str) else None,
             fault_ranks=tuple(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else None,

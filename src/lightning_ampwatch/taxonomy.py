@@ -252,15 +252,18 @@ def _number(value: object) -> float | None:
 def advised_init_scale(ev: Mapping[str, Any]) -> float | None:
     """The measured safe scale, only when it is below the scale the run started at or failed at: advice (and a
     remedy) must never recommend the value already in use. None when no lower scale is known."""
-    safe = _number(ev.get("safe_scale"))
-    in_use = [v for v in (_number(ev.get("init_scale")), _number(ev.get("onset_scale"))) if v is not None]
+    m = Measured.read_back(ev)
+    safe = _number(m.safe_scale)
+    in_use = [v for v in (_number(m.init_scale), _number(m.onset_scale)) if v is not None]
     if safe is None or safe <= 0 or (in_use and safe >= max(in_use)):
         return None
     return safe
 
 
 def _advice_gradient(ev: Mapping[str, Any]) -> str:
-    if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW:
+    # made from the typed record of the measurements (as _advice_lr): the pattern, the scales
+    m = Measured.read_back(ev)
+    if m.pattern is GradientPattern.UNSCALED_OVERFLOW:
         return (
             "Even a loss scale below 1 does not stop the overflow, so the gradients themselves are too large for "
             "float16 and no scaler setting can help. Fix the operation that makes them: a log-softmax or "
@@ -269,7 +272,7 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
             "where the hardware supports it."
         )
     safe = advised_init_scale(ev)
-    init = _number(ev.get("init_scale"))
+    init = _number(m.init_scale)
     if safe is not None and ev.get("loss_scaler") == "deepspeed":
         power_text = str(math.floor(math.log2(safe)))  # DeepSpeed takes the scale as a power of two
         instead = f" instead of {format_pow2(init)}" if init is not None else ""
@@ -287,14 +290,14 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
             f"scaler=GradScaler(init_scale={format_pow2(safe)})). "
             "If skips continue, clip gradients (Lightning's gradient_clip_val unscales first)."
         )
-    held = _number(ev.get("safe_scale"))
+    held = _number(m.safe_scale)
     if held is not None and held > 0:
         return (
             f"Steps went through at a scale of {format_pow2(held)} before these skips began, so a lower starting "
             "scale would not have prevented them: the gradients grew during training. Check what changed (the "
             "learning rate, the batches) and clip gradients after unscaling (Lightning's gradient_clip_val does)."
         )
-    onset = _number(ev.get("onset_scale")) or init
+    onset = _number(m.onset_scale) or init
     lower = f"below the {format_pow2(onset)} the skips began at" if onset is not None else \
         "for example torch.amp.GradScaler(init_scale=2**10)"
     return (
