@@ -402,3 +402,148 @@ def test_the_collective_check_leaves_the_protocol_and_plain_calls_alone() -> Non
                      "distributed.gather(x)\nax.scatter(xs, ys)\nfunctools.reduce(f, xs)")
     assert collective_calls({"lightning_ampwatch.example": tree}) == []
     assert collective_calls({"lightning_ampwatch.protocol": _modules()["lightning_ampwatch.protocol"]}) == []
+
+
+# ------------------------------------------------------------------------------ decisions read typed fields
+
+#: The publication side: the modules that make the sentences and numbers users read, from the evidence. Every other
+#: module decides, and reads what a finding measured from its typed record (``diagnosis.measured``,
+#: ``lightning_ampwatch.measured.Measured``; ``facts_of(diagnosis)``; a replay's ``ReplayRecord`` fields), never from
+#: the evidence. ``measured`` itself is the one reader of the evidence's keys (``Measured.read_back``).
+PUBLICATION_MODULES = frozenset({
+    "lightning_ampwatch.reporters", "lightning_ampwatch.summary", "lightning_ampwatch.report",
+    "lightning_ampwatch.cli", "lightning_ampwatch.taxonomy", "lightning_ampwatch.measured",
+})
+#: Names a module gives its working copy of a diagnosis's evidence (``ev = dict(diagnosis.evidence)``).
+EVIDENCE_NAMES = frozenset({"ev", "evidence"})
+
+_PUBLISHED = ("publication: rewrites an evidence entry users read (the decision it follows was taken on typed "
+              "fields); no branch of the finding, the remedy or the outcome hangs on it")
+_MACHINE_SCRATCH = ("the machine's evidence under construction: the pattern functions hand the onset and the scale "
+                    "history back in the dict they fill (``onset`` is popped before the diagnosis is made); to go "
+                    "when the pattern functions return a typed result (machine.py is over its size limit already)")
+#: Reads of the evidence left in the deciding modules, each with why: (module, function, the expression).
+ALLOWED_EVIDENCE_READS: dict[tuple[str, str, str], str] = {
+    ("lightning_ampwatch.machine.machine", "AmpStateMachine._classify", "ev.pop('onset', obs.step)"):
+        _MACHINE_SCRATCH,
+    ("lightning_ampwatch.machine.machine", "AmpStateMachine._optimizer_pattern", "'scale_history' in ev"):
+        _MACHINE_SCRATCH,
+    ("lightning_ampwatch.distributed", "named_with_rank", "ev.get(key)"):
+        _PUBLISHED + " (where in the batch the fault sits, named with the rank it was found on)",
+    ("lightning_ampwatch.distributed", "named_with_rank", "ev[key]"):
+        _PUBLISHED + " (the same entry, put into the advice's words)",
+    ("lightning_ampwatch.episode", "Episodes._fold", "record.evidence.get('alarms_during_episode', [])"):
+        _PUBLISHED + " (the alarms seen during a watched episode, one more appended)",
+    ("lightning_ampwatch.remedies.treatment", "Treatment.end_for",
+     "original.evidence.get('alarms_during_episode', [])"):
+        _PUBLISHED + " (the alarms seen during a watched episode, one more appended)",
+    ("lightning_ampwatch.remedies.treatment", "Treatment.relapse", "old.evidence.get('recovery')"):
+        _PUBLISHED + " (the earlier recovery's numbers, kept under the relapse's; the outcome is decided by "
+                     "the new alarm itself)",
+    ("lightning_ampwatch.investigate", "Investigator.apply", "ev.pop('input_where', None)"):
+        _PUBLISHED + " (moved into the sentence that says why the input range was not the fault)",
+    ("lightning_ampwatch.investigate", "Investigator.apply", "ev.pop('input_absmax', 0)"):
+        _PUBLISHED + " (moved into the sentence that says why the input range was not the fault)",
+    ("lightning_ampwatch.investigate", "Investigations.investigate", "'loss_reference' not in refined.evidence"):
+        _PUBLISHED + " (the healthy reference is said once: added where the evidence does not say it yet)",
+    ("lightning_ampwatch.investigate", "Investigations.investigate", "ev.get('control_verdict')"):
+        _PUBLISHED + " (the single-batch control's sentence re-worded for a param group added at a high LR)",
+    ("lightning_ampwatch.investigate", "Investigations.investigate", "ev['control_verdict']"):
+        _PUBLISHED + " (the same sentence)",
+    ("lightning_ampwatch.replays", "supersede_amp_evidence", "k in ev"):
+        _PUBLISHED + " (an AMP finding's entries moved under superseded_amp_evidence once it is renamed)",
+    ("lightning_ampwatch.replays", "supersede_amp_evidence", "ev.pop(k)"):
+        _PUBLISHED + " (the same move)",
+    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "ev.pop('control_verdict', None)"):
+        _PUBLISHED + " (the single-batch control's sentence kept beside the trajectory's; which verdict stands is "
+                     "decided on facts_of(diagnosis).control and the typed TrajectoryVerdict)",
+    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge",
+     "ev.pop('batch_control_verdict', batch_verdict)"):
+        _PUBLISHED + " (the same sentence, put back where both controls blame AMP)",
+    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['losses']"):
+        _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
+    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['skipped']"):
+        _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
+    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['margin']"):
+        _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
+}
+
+
+def _is_evidence(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "evidence") or (
+        isinstance(node, ast.Name) and node.id in EVIDENCE_NAMES)
+
+
+def evidence_reads(trees: dict[str, ast.Module]) -> list[tuple[str, str, str, int]]:
+    """``(module, function, expression, line)`` for every read of a diagnosis's evidence outside
+    :data:`PUBLICATION_MODULES`: ``x.evidence.get(...)``, ``x.evidence[...]`` (read, not written), ``k in x.evidence``
+    (and ``not in``), and ``x.evidence.pop(...)`` whose value is used; the same on a working copy named ``ev`` or
+    ``evidence``. Writing the evidence (``ev[k] = v``, ``.update``, a ``.pop`` as a statement) is not a read."""
+    out = []
+    for module, tree in trees.items():
+        if module in PUBLICATION_MODULES:
+            continue
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+        def where(node: ast.AST) -> str:
+            names = []
+            up = parents.get(node)
+            while up is not None:
+                if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.append(up.name)
+                up = parents.get(up)
+            return ".".join(reversed(names)) or "<module>"
+
+        for node in ast.walk(tree):
+            hit = False
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_evidence(node.func.value):
+                hit = node.func.attr == "get" or (node.func.attr == "pop" and not isinstance(parents.get(node),
+                                                                                              ast.Expr))
+            elif isinstance(node, ast.Subscript):
+                hit = isinstance(node.ctx, ast.Load) and _is_evidence(node.value)
+            elif isinstance(node, ast.Compare):
+                hit = any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) and any(
+                    _is_evidence(c) for c in node.comparators)
+            if hit:
+                out.append((module, where(node), ast.unparse(node), node.lineno))
+    return out
+
+
+def test_decisions_read_typed_fields_not_the_evidence() -> None:
+    found = [(m, f, e, line) for m, f, e, line in evidence_reads(_modules()) if (m, f, e) not in ALLOWED_EVIDENCE_READS]
+    assert found == [], ("a deciding module reads the evidence: read the typed record (diagnosis.measured, "
+                         "facts_of(diagnosis), the ReplayRecord), adding the field to lightning_ampwatch/measured.py "
+                         "(Measured.read_back) if it is not there; or, for a publication-side rewrite of an entry, "
+                         "add it to ALLOWED_EVIDENCE_READS with the reason")
+
+
+def test_every_allowed_evidence_read_is_still_made() -> None:
+    made = {(m, f, e) for m, f, e, _ in evidence_reads(_modules())}
+    assert [key for key in ALLOWED_EVIDENCE_READS if key not in made] == []
+
+
+@pytest.mark.parametrize("module, line", [
+    ("lightning_ampwatch.remedies.policy", "def f(d):\n    return d.evidence.get('pattern')"),
+    ("lightning_ampwatch.episode", "def f(d):\n    return d.evidence['safe_scale']"),
+    ("lightning_ampwatch.distributed", "def f(d):\n    return 'fault_ranks' in d.evidence"),
+    ("lightning_ampwatch.trajectory.control", "def f(d):\n    return 'lr_tried' not in d.evidence"),
+    ("lightning_ampwatch.investigate", "def f(d):\n    ev = dict(d.evidence)\n    return ev.get('pattern')"),
+    ("lightning_ampwatch.machine.machine", "def f(ev):\n    return ev.pop('onset')"),
+    ("lightning_ampwatch.remedies.treatment", "def f(d):\n    return d.evidence.pop('x', None) or 1"),
+    # a read added beside an allowed one, in the same function
+    ("lightning_ampwatch.distributed", "def named_with_rank(ev):\n    return ev.get('pattern')"),
+])
+def test_the_evidence_check_catches_a_new_read(module: str, line: str) -> None:
+    trees = _modules()
+    before = {(m, f, e) for m, f, e, _ in evidence_reads(trees)}
+    trees[module].body.extend(ast.parse(line).body)
+    added = {(m, f, e) for m, f, e, _ in evidence_reads(trees)} - before
+    assert len(added) == 1 and not added & set(ALLOWED_EVIDENCE_READS)
+
+
+def test_the_evidence_check_leaves_writes_and_the_publication_side_alone() -> None:
+    writes = ast.parse("def f(d):\n    ev = dict(d.evidence)\n    ev['x'] = 1\n    ev.pop('y', None)\n"
+                       "    d.evidence.update(z=2)\n    return replace(d, evidence={**ev, 'w': 3})")
+    assert evidence_reads({"lightning_ampwatch.remedies.policy": writes}) == []
+    reads = ast.parse("def f(d):\n    return d.evidence.get('pattern')")
+    assert evidence_reads({"lightning_ampwatch.reporters": reads}) == []

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from lightning_ampwatch import sharding
 from lightning_ampwatch.machine import BatchStats
 from lightning_ampwatch.protocol import ReplayAborted, gather, meet, rank, world_size
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding
 
 #: Diagnoses a rank holds for rank zero between two exchanges (the oldest go first past it).
 RELAY_MAX = 32
@@ -164,7 +164,7 @@ def reconcile(by_rank: Sequence[Sequence[Diagnosis]]) -> list[Diagnosis]:
 
 def _finite_divergence(diagnosis: Diagnosis) -> bool:
     """A rank's own finite divergence (its losses climbed, finite): no gradient reduction carries it anywhere."""
-    return diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value
+    return diagnosis.measured.finite_divergence
 
 
 #: The evidence that says where in a batch a fault sits: named with the rank when several ranks' batches are seen
@@ -231,13 +231,13 @@ class CrossRank:
         own losses, also under a scaler), so that every rank publishes the same findings; never one rank zero is
         told of (``reported_from_rank``)."""
         return (self.world_size > 1 and (not agreed or _finite_divergence(diagnosis)) and diagnosis.is_alarm
-                and not diagnosis.withdrawn and "reported_from_rank" not in diagnosis.evidence)
+                and not diagnosis.withdrawn and diagnosis.measured.reported_from_rank is None)
 
     def hold(self, diagnosis: Diagnosis, agreed: bool) -> None:
         """A published diagnosis that rank zero may not have reached itself is held for it: every one where the ranks
         judge alone (``agreed`` False), and a rank's own finite divergence where they agree."""
         if self.world_size > 1 and not diagnosis.withdrawn and (
-                not agreed or diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value):
+                not agreed or _finite_divergence(diagnosis)):
             self.relay.hold(diagnosis)
 
     def signals(self) -> tuple[float, float, float]:
@@ -272,11 +272,11 @@ class CrossRank:
             return None
         self.end_due = False
         # the finding every rank published for it (reconciled), else this rank's own alarm, else one relayed
-        own = next((d for d in relayed if d.is_alarm and d.remedy is None and "fault_ranks" in d.evidence
-                    and "reported_from_rank" in d.evidence), None) or self.end_asked
+        own = next((d for d in relayed if d.is_alarm and d.remedy is None and d.measured.fault_ranks is not None
+                    and d.measured.reported_from_rank is not None), None) or self.end_asked
         if own is None:
             own = next((d for d in relayed if d.is_alarm and d.remedy is None), None)
-        on = rank() if own is None or "reported_from_rank" not in own.evidence else own.evidence["reported_from_rank"]
+        on = rank() if own is None or own.measured.reported_from_rank is None else own.measured.reported_from_rank
         what = (f"{own.finding.value} at step {own.step} was judged on rank {on} alone" if own is not None else
                 "another rank judged an unrecoverable alarm alone (rank zero reports it)")
         if self.on_unrecoverable == "raise":

@@ -28,7 +28,7 @@ from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies import REGISTRY, Effect
 from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
 from lightning_ampwatch.steps import ResolvedStep
-from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, DivergencePattern, Finding, withdrawn_by
+from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding, withdrawn_by
 from lightning_ampwatch.trajectory.replay import retrain
 
 # ------------------------------------------------------------------------------------------------ the actions
@@ -163,7 +163,7 @@ class Episodes:
                         renamed_alarm = (diagnosis.finding.value, refined.finding)
                     diagnosis = refined
                 elif diagnosis.withdrawn and renamed_alarm is not None \
-                        and diagnosis.evidence.get("withdrawn_by") == renamed_alarm[0]:
+                        and diagnosis.measured.withdrawn_by == renamed_alarm[0]:
                     diagnosis = withdrawn_by(diagnosis, renamed_alarm[1])  # the alarm as it was published
                 if diagnosis.is_alarm and not treatment.wants(diagnosis):  # (a treated one is seen in _treat)
                     relapsed = treatment.relapse(diagnosis)
@@ -207,7 +207,7 @@ class Episodes:
             diagnosis = replace(diagnosis, evidence={**diagnosis.evidence, "judged_alone": (
                 f"{run.ranks.why_alone}: this rank judged it alone, with no replay that needs every rank and no "
                 "remedy")})
-        if run.world_size > 1 and diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
+        if run.world_size > 1 and diagnosis.measured.finite_divergence:
             self.publish(diagnosis)
         elif self.treatment.folds(diagnosis) or self.treatment.wants(diagnosis):
             # held for the step boundary: a remedy on its ladder, or an AMP alarm during a divergence (part of it)
@@ -458,4 +458,4 @@ class Episodes:
         """Whether every rank reached this alarm at the same step (one process; or the ranks agree, and it is no
         rank's own finite divergence), so that each can act on it at once."""
         return self.run.world_size == 1 or (
-            self.agreed and diagnosis.evidence.get("pattern") != DivergencePattern.FINITE_DIVERGENCE.value)
+            self.agreed and not diagnosis.measured.finite_divergence)

@@ -38,9 +38,9 @@ from lightning_ampwatch.replays import (
     replay_went_nonfinite,
     supersede_amp_evidence,
 )
+from lightning_ampwatch.measured import LrRise, Measured
 from lightning_ampwatch.taxonomy import (
     Diagnosis,
-    DivergencePattern,
     Finding,
     GradientPattern,
     LrEvent,
@@ -145,9 +145,9 @@ class Investigator:
         )
         finding = control.finding
         ev["control_verdict"] = control.reason
-        where = str(ev.get("input_where")).rsplit(": ", 1)[-1]  # ("rank 1: batch[0]" under DDP)
-        if finding is Finding.INPUT_RANGE and isinstance(ev.get("reduced_precision_inputs"), list) \
-                and where not in ev["reduced_precision_inputs"]:
+        where = str(diagnosis.measured.input_where).rsplit(": ", 1)[-1]  # ("rank 1: batch[0]" under DDP)
+        if finding is Finding.INPUT_RANGE and record.reduced_precision_inputs is not None \
+                and where not in record.reduced_precision_inputs:
             # the large values never enter a float16 op (a target used in a float32 loss): not an input-range fault
             finding = Finding.FORWARD_OVERFLOW if replay_went_nonfinite(record) and record.module is not None \
                 else Finding.GRADIENT_OVERFLOW
@@ -158,7 +158,7 @@ class Investigator:
             ev["loss_level"] = loss_level
             if record.loss_level_origin is not LevelOrigin.HEALTHY:
                 ev["loss_level_from"] = record.loss_level_origin.words
-        finding = _gradient_scale_evidence(finding, ev)
+        finding = _gradient_scale_evidence(finding, ev, diagnosis.measured, record)
         if batch is not None and batch.nonfinite:
             ev.setdefault("nonfinite_where", batch.nonfinite_where)
         if finding is Finding.DATA_NONFINITE:
@@ -199,12 +199,15 @@ class Investigator:
             entered = tracer.entered() if tracer is not None and amp.error is None else None
             if entered is not None:
                 ev["reduced_precision_inputs"] = entered
+                out.reduced_precision_inputs = list(entered)
             if amp.error is not None:  # a sharded replay failed on some rank: every rank says so, and goes no further
                 ev["replay"] = f"failed: {amp.error}"
                 if self.control:
                     ev["fp32_control"] = f"not run: {amp.error}"
                 return out
             ev.update(_replay_evidence(amp, "replay"))
+            out.loss, out.grads_finite, out.grad_absmax = amp.loss, amp.grads_finite, amp.grad_absmax
+            out.unscaled_grads_finite = amp.unscaled_grads_finite if amp.grad_scale != 1.0 else None
             out.module = amp.first_nonfinite_module
             if amp.nonfinite_outside_modules:
                 out.module = self.outside_modules() if self.outside_modules is not None else \
@@ -278,30 +281,32 @@ class ReducedInputs(torch.overrides.TorchFunctionMode):
 SAFE_SCALE_MARGIN = 2.0
 
 
-def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any]) -> Finding:
+def _gradient_scale_evidence(finding: Finding, ev: dict[str, Any], measured: Measured,
+                             record: ReplayRecord) -> Finding:
     """What the replay's gradients say about the loss scale. Gradients that overflow at scale 1 are an
     ``unscaled_overflow``: no loss scale helps, whatever the scaler's history suggested. Otherwise the largest
     power of two that keeps the largest gradient under float16's maximum (with a margin) is the measured safe
     scale, in place of the scaler's history, which only knows the scales that once held: the gradients may have
     grown since (after an LR rise, say). A start-up streak judged when it ended keeps the scale the scaler settled
     at, measured on these very weights; one decided early (to be remedied at once) has none yet and takes the
-    measured one."""
-    if finding in BACKWARD and (ev.get("replay_unscaled_grads_finite") is False or (
-            ev.get("replay_grads_finite") is False and ev.get("scale") == 1.0)):
-        if ev.get("pattern") not in (None, GradientPattern.UNSCALED_OVERFLOW.value):
-            ev["pattern_before_replay"] = ev["pattern"]  # for the interventions, should a lower scale hold
+    measured one. ``measured``: the diagnosis's own measurements; ``record``: the replay's. Evidence written in
+    ``ev``."""
+    if finding in BACKWARD and (record.unscaled_grads_finite is False or (
+            record.grads_finite is False and measured.scale == 1.0)):
+        if measured.pattern not in (None, GradientPattern.UNSCALED_OVERFLOW):
+            ev["pattern_before_replay"] = measured.pattern.value  # for the interventions, should a lower scale hold
         ev["pattern"] = GradientPattern.UNSCALED_OVERFLOW.value
         ev.pop("safe_scale", None)
         return Finding.GRADIENT_OVERFLOW
-    absmax = ev.get("replay_grad_absmax")
-    settled = ev.get("pattern") == GradientPattern.STARTUP and "safe_scale" in ev
-    wanted = "safe_scale" in ev or finding is Finding.GRADIENT_OVERFLOW
+    absmax = record.grad_absmax
+    settled = measured.pattern is GradientPattern.STARTUP and measured.safe_scale_sought
+    wanted = measured.safe_scale_sought or finding is Finding.GRADIENT_OVERFLOW
     if wanted and not settled and isinstance(absmax, (int, float)) and 0 < absmax < math.inf:
-        ev["safe_scale"] = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
+        safe = 2.0 ** math.floor(math.log2(FP16_MAX / absmax)) / SAFE_SCALE_MARGIN
+        ev["safe_scale"] = safe
         ev["safe_scale_from"] = f"the replay's largest unscaled gradient ({absmax:.4g}), with a {SAFE_SCALE_MARGIN:g}x margin"
-        replayed_at = ev.get("scale")
-        if ev.get("replay_grads_finite") is False and isinstance(replayed_at, (int, float)) \
-                and 0 < replayed_at <= ev["safe_scale"]:
+        replayed_at = measured.scale
+        if record.grads_finite is False and replayed_at is not None and 0 < replayed_at <= safe:
             # the replay overflowed at this very scale: an intermediate gradient (in a model computing wholly in
             # float16, DeepSpeed's) was larger than any parameter's, so the parameters' say nothing safe above it
             ev["safe_scale"] = 2.0 ** math.floor(math.log2(replayed_at)) / 2
@@ -433,7 +438,7 @@ class Investigations:
         divergence is named by its losses: it gets the trajectory replays as evidence only. ``agree``: the ranks
         meet this alarm together (default: under a scaler; not once a rank's watch switched itself off)."""
         agree = scaler_active if agree is None else agree
-        if diagnosis.evidence.get("pattern") == DivergencePattern.FINITE_DIVERGENCE.value:
+        if diagnosis.measured.finite_divergence:
             return self.investigate_divergence(diagnosis, step.opened.step, trajectory), None
         if self.investigator is None:
             return diagnosis, None
@@ -581,7 +586,6 @@ def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | 
             continue
         old, new = max(before), max(after[len(before):])
         if old > 0 and new >= ADDED_GROUP_RATIO * old:
-            return {"lr_event": LrEvent.PARAM_GROUP_ADDED.value, "lr_before": old, "lr_after": new,
-                    "lr_change_step": point}
+            return LrRise(LrEvent.PARAM_GROUP_ADDED, old, new, point).entries()
     return None
 

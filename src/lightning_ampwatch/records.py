@@ -1,6 +1,6 @@
 """Typed records of what an investigation and a treatment established: every decision reads a field of these,
-never a sentence. The sentences and numbers users see (``Diagnosis.evidence``) are made from them where a record is
-published.
+never a sentence. A finding's own measurements are ``diagnosis.measured`` (:mod:`.measured`, re-exported here).
+The sentences and numbers users see (``Diagnosis.evidence``) are made from them where a record is published.
 
 Pure Python (no torch, no Lightning). The verdict enums live with the verdict functions (:mod:`.verdicts`) and the
 vocabulary in :mod:`.taxonomy`; they are re-exported here so that one import names every record type.
@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Sequence
 
+from lightning_ampwatch.measured import LrRise, Measured, Tried
 from lightning_ampwatch.taxonomy import Diagnosis, GradientPattern, LrEvent
 from lightning_ampwatch.verdicts import (
     ControlResult,
@@ -29,9 +30,9 @@ from lightning_ampwatch.verdicts import (
 
 __all__ = [
     "ControlResult", "ControlVerdict", "Facts", "Fp32Reference", "GradientPattern", "LevelOrigin", "LowerLrKind",
-    "LowerLrVerdict", "LrEvent",
+    "LowerLrVerdict", "LrEvent", "LrRise", "Measured",
     "Outcome", "Recovery", "Rollback",
-    "RollbackKind", "TrajectoryKind", "TrajectoryVerdict", "Unverified", "facts_of", "with_facts",
+    "RollbackKind", "TrajectoryKind", "TrajectoryVerdict", "Tried", "Unverified", "facts_of", "with_facts",
 ]
 
 

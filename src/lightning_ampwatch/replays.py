@@ -32,6 +32,12 @@ class ReplayRecord:
     loss_level: float | None = None  # the investigating rank's healthy loss level (else its first loss)
     loss_level_origin: LevelOrigin = LevelOrigin.HEALTHY  # which of the two ``loss_level`` is
     error: str | None = None  # the replay failed on this rank
+    # the replay at the run's own precision, as measured (the evidence's ``replay_*`` entries say the same)
+    loss: float | None = None  # its loss (``replay_loss``)
+    grads_finite: bool | None = None  # its gradients, at the scale it ran with (``replay_grads_finite``)
+    unscaled_grads_finite: bool | None = None  # unscaled, where that scale was not 1 (``replay_unscaled_grads_finite``)
+    grad_absmax: float | None = None  # its largest unscaled parameter gradient (``replay_grad_absmax``)
+    reduced_precision_inputs: list[str] | None = None  # the batch's entries seen entering a reduced-precision op
 
 
 class InvestigationError(RuntimeError):
@@ -40,7 +46,7 @@ class InvestigationError(RuntimeError):
 
 def replay_went_nonfinite(record: ReplayRecord) -> bool:
     """Whether the replay at the run's own precision went non-finite: a module's output, or the loss."""
-    loss = record.evidence.get("replay_loss")
+    loss = record.loss
     return record.module is not None or (isinstance(loss, float) and not math.isfinite(loss))
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+# the patterns and LR events live with the typed measurements; re-exported here, where they were first named
+from lightning_ampwatch.measured import DivergencePattern, GradientPattern, LrEvent, LrRise, Measured
+
 
 class Finding(str, Enum):
     """A class in the AMP failure taxonomy. The value equals the name, so it survives JSON."""
@@ -48,40 +51,6 @@ class Finding(str, Enum):
         return _SUMMARIES[self]
 
     def __str__(self) -> str:  # "GRADIENT_OVERFLOW", not "Finding.GRADIENT_OVERFLOW"
-        return self.value
-
-
-class GradientPattern(str, Enum):
-    """Which shape of skipped steps made a gradient-overflow alarm; written to the evidence as ``pattern``."""
-
-    STARTUP = "startup"  # skips in a row from the first step: the initial scale is too high
-    BURST = "burst"  # several skips close together, not all in a row
-    COLLAPSE = "collapse"  # skips in a row after a healthy start: the scale halves again and again
-    PERSISTENT = "persistent"  # a steady skip rate over the window
-    UNSCALED_OVERFLOW = "unscaled_overflow"  # still skipping below a scale of 1: the gradients overflow unscaled
-    GROWTH_OVERFLOW = "growth_overflow"  # each growth of the scale is followed by a skip
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class DivergencePattern(str, Enum):
-    """Which shape of the loss made a divergence alarm (``FP32_UNSTABLE`` or ``LR_SCHEDULE``); ``pattern``."""
-
-    FINITE_DIVERGENCE = "finite_divergence"  # far above its healthy level and staying there, no skip, no NaN
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class LrEvent(str, Enum):
-    """Which rise of the learning rate set an episode off; written to the evidence as ``lr_event``."""
-
-    WARMUP_END = "warmup_end"  # a warmup that climbed over many steps just peaked
-    LR_INCREASE = "lr_increase"  # a single rise
-    PARAM_GROUP_ADDED = "param_group_added"  # a new param group, at an LR far above the others' (a backbone unfrozen)
-
-    def __str__(self) -> str:
         return self.value
 
 
@@ -154,11 +123,15 @@ class Diagnosis:
     facts: Any = field(default=None, compare=False, repr=False)
     """The typed records behind the evidence (:class:`lightning_ampwatch.records.Facts`), for the decisions that
     follow; never serialised: a diagnosis read back from JSON has none."""
+    measured: Measured = field(init=False, compare=False, repr=False)
+    """The measurements decisions read (:class:`lightning_ampwatch.measured.Measured`), made with the diagnosis from
+    its evidence (and made again whenever the diagnosis is made again with other evidence)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.finding, Finding):
             object.__setattr__(self, "finding", Finding(self.finding))
         object.__setattr__(self, "evidence", _jsonable(dict(self.evidence)))
+        object.__setattr__(self, "measured", Measured.read_back(self.evidence))
 
     @property
     def is_alarm(self) -> bool:
@@ -180,7 +153,7 @@ class Diagnosis:
                     f"episode began{after}, so the skip may have been its first sign, not dynamic scaling doing its "
                     "job")
         full = self.evidence.get("precision") == "fp32"  # a run without reduced precision: AMP is not in it
-        if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("pattern") == "finite_divergence":
+        if self.finding is Finding.FP32_UNSTABLE and self.measured.finite_divergence:
             return ("the loss climbed far above where it was healthy and stays there, with no skip and no NaN: "
                     "the optimisation is diverging" + ("" if full else ", not AMP"))
         if self.finding is Finding.FP32_UNSTABLE and self.evidence.get("diverged_first") is True:
@@ -279,15 +252,18 @@ def _number(value: object) -> float | None:
 def advised_init_scale(ev: Mapping[str, Any]) -> float | None:
     """The measured safe scale, only when it is below the scale the run started at or failed at: advice (and a
     remedy) must never recommend the value already in use. None when no lower scale is known."""
-    safe = _number(ev.get("safe_scale"))
-    in_use = [v for v in (_number(ev.get("init_scale")), _number(ev.get("onset_scale"))) if v is not None]
+    m = Measured.read_back(ev)
+    safe = _number(m.safe_scale)
+    in_use = [v for v in (_number(m.init_scale), _number(m.onset_scale)) if v is not None]
     if safe is None or safe <= 0 or (in_use and safe >= max(in_use)):
         return None
     return safe
 
 
 def _advice_gradient(ev: Mapping[str, Any]) -> str:
-    if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW:
+    # made from the typed record of the measurements (as _advice_lr): the pattern, the scales
+    m = Measured.read_back(ev)
+    if m.pattern is GradientPattern.UNSCALED_OVERFLOW:
         return (
             "Even a loss scale below 1 does not stop the overflow, so the gradients themselves are too large for "
             "float16 and no scaler setting can help. Fix the operation that makes them: a log-softmax or "
@@ -296,7 +272,7 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
             "where the hardware supports it."
         )
     safe = advised_init_scale(ev)
-    init = _number(ev.get("init_scale"))
+    init = _number(m.init_scale)
     if safe is not None and ev.get("loss_scaler") == "deepspeed":
         power_text = str(math.floor(math.log2(safe)))  # DeepSpeed takes the scale as a power of two
         instead = f" instead of {format_pow2(init)}" if init is not None else ""
@@ -314,14 +290,14 @@ def _advice_gradient(ev: Mapping[str, Any]) -> str:
             f"scaler=GradScaler(init_scale={format_pow2(safe)})). "
             "If skips continue, clip gradients (Lightning's gradient_clip_val unscales first)."
         )
-    held = _number(ev.get("safe_scale"))
+    held = _number(m.safe_scale)
     if held is not None and held > 0:
         return (
             f"Steps went through at a scale of {format_pow2(held)} before these skips began, so a lower starting "
             "scale would not have prevented them: the gradients grew during training. Check what changed (the "
             "learning rate, the batches) and clip gradients after unscaling (Lightning's gradient_clip_val does)."
         )
-    onset = _number(ev.get("onset_scale")) or init
+    onset = _number(m.onset_scale) or init
     lower = f"below the {format_pow2(onset)} the skips began at" if onset is not None else \
         "for example torch.amp.GradScaler(init_scale=2**10)"
     return (
@@ -363,12 +339,12 @@ def _divergence(ev: Mapping[str, Any]) -> str:
 
 
 def _advice_lr(ev: Mapping[str, Any]) -> str:
-    before, after = ev.get("lr_before"), ev.get("lr_after")
-    kind = ev.get("lr_event")  # an LrEvent, or its value once read back from JSON
-    what = "warmup reached its peak" if kind == LrEvent.WARMUP_END else "the learning rate rose"
-    if kind == LrEvent.PARAM_GROUP_ADDED:
-        at = f" ({after:.3g}, the others at most {before:.3g})" if isinstance(before, (int, float)) and \
-            isinstance(after, (int, float)) else ""
+    # made from the typed record of the rise (the pattern for a sentence made from a record, not from keys)
+    rise = Measured.read_back(ev).lr or LrRise()
+    before, after, kind = rise.before, rise.after, rise.event
+    what = "warmup reached its peak" if kind is LrEvent.WARMUP_END else "the learning rate rose"
+    if kind is LrEvent.PARAM_GROUP_ADDED:
+        at = f" ({after:.3g}, the others at most {before:.3g})" if before is not None and after is not None else ""
         return _divergence(ev) + (
             f"The failure began right after a param group was added at a far higher learning rate{at} (a "
             "backbone unfrozen, say BackboneFinetuning's backbone_initial_lr). Give the new group a learning rate "
@@ -377,7 +353,7 @@ def _advice_lr(ev: Mapping[str, Any]) -> str:
         f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
         "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
         "instability visible sooner."
-        if isinstance(before, (int, float)) and isinstance(after, (int, float))
+        if before is not None and after is not None
         else f"The failure began right after {what}. Lower the peak learning rate or lengthen the warmup."
     )
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_ampwatch.machine.state import LrPoint, LrRise, MachineState
 from lightning_ampwatch.machine.vocabulary import Thresholds
-from lightning_ampwatch.taxonomy import LrEvent
+import lightning_ampwatch.measured as measured
+from lightning_ampwatch.measured import LrEvent
 
 
 def record_lr(s: MachineState, t: Thresholds, step: int, lrs: tuple[float, ...]) -> None:
@@ -43,9 +44,8 @@ def lr_event(s: MachineState, t: Thresholds, onset: int, now_lr: float | None = 
     stopped = rise is not None and (now_lr is None or now_lr <= rise.top_lr)
     if (rise is not None and stopped and rise.points >= 2 and onset - t.lr_lookback - 1 <= rise.top_step < onset
             and rise.top_lr >= t.warmup_ratio * rise.start_lr):
-        return {"lr_event": LrEvent.WARMUP_END, "lr_before": rise.start_lr, "lr_after": rise.top_lr,
-                "lr_change_step": rise.top_step, "lr_ramp_start": rise.start_lr,
-                "lr_ramp_start_step": rise.start_step}
+        return {**measured.LrRise(LrEvent.WARMUP_END, rise.start_lr, rise.top_lr, rise.top_step).entries(),
+                "lr_ramp_start": rise.start_lr, "lr_ramp_start_step": rise.start_step}
     start = onset - t.lr_lookback - 1
     in_force = [p for p in s.lr_history if p.step < start][-1:]  # the LR at the window's start
     window = [LrPoint(start, p.lr) for p in in_force]
@@ -62,8 +62,7 @@ def lr_event(s: MachineState, t: Thresholds, onset: int, now_lr: float | None = 
     if best is None or best[0] < 1 + t.lr_rise:
         return None
     _, lo, hi = best
-    ev: dict[str, Any] = {"lr_event": LrEvent.LR_INCREASE, "lr_before": lo.lr, "lr_after": hi.lr,
-                          "lr_change_step": hi.step}
+    ev: dict[str, Any] = measured.LrRise(LrEvent.LR_INCREASE, lo.lr, hi.lr, hi.step).entries()
     if rise is not None and rise.points >= 2 and rise.start_lr < lo.lr and rise.top_step >= lo.step:
         # the rise is the end of a longer ramp: where that began is its own field, not the LR before
         ev.update(lr_ramp_start=rise.start_lr, lr_ramp_start_step=rise.start_step)

@@ -26,7 +26,7 @@ class SkipBatch(Remedy):
         if not finite:
             raise RemedyError(f"the weights still hold non-finite values: no state from before step {diagnosis.step} "
                               "could be rolled back to")
-        return {"skipped_batch_step": diagnosis.step, "where": diagnosis.evidence.get("nonfinite_where")}
+        return {"skipped_batch_step": diagnosis.step, "where": diagnosis.measured.nonfinite_where}
 
     def describe(self, details: Mapping[str, Any]) -> str:
         where = details.get("where")

@@ -29,43 +29,42 @@ def _lr_factor(diagnosis: Diagnosis) -> float:
     """Back to the level before the rise that set the fault off, when the evidence says what it was; else half,
     or a tenth for a run that diverges at full precision. A rung after an earlier ``reduce_lr`` that did not
     recover compounds with it: the rollback before it brought the earlier learning rate back."""
-    before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
-    if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after > 0 and 0 < before < after:
-        factor = min(max(before / after, MIN_RISE_FACTOR), LR_FACTOR)
+    rise = _rise(diagnosis)
+    if rise is not None:
+        factor = min(max(rise[0] / rise[1], MIN_RISE_FACTOR), LR_FACTOR)
     else:
         factor = UNSTABLE_LR_FACTOR if diagnosis.finding is Finding.FP32_UNSTABLE else LR_FACTOR
-    if isinstance(diagnosis.evidence.get("lr_tried"), list):
+    if diagnosis.measured.lr_tried is not None:
         return factor  # compounded on the learning rate already tried, in apply
-    tried = diagnosis.evidence.get("remedies_tried")
-    earlier = sum(1 for t in tried if isinstance(t, dict) and t.get("remedy") == RemedyName.REDUCE_LR) \
-        if isinstance(tried, list) else 0
-    return factor ** (1 + earlier)
+    return factor ** (1 + _earlier_rungs(diagnosis))
 
 
 def _below_tried(ctx: RemedyContext, diagnosis: Diagnosis) -> float:
     """How far below the current learning rate the one an earlier rung already tried lies (1: not below, or none
     tried). A rollback restores the snapshot's learning rate, so a rung after it must start from what was tried,
     not from what the rollback put back."""
-    tried = diagnosis.evidence.get("lr_tried")
-    if not isinstance(tried, list) or not tried:
+    tried = diagnosis.measured.lr_tried
+    if not tried:
         return 1.0
     current = [float(g["lr"]) for opt in ctx.trainer.optimizers for g in opt.param_groups]
-    ratios = [t / c for t, c in zip(tried, current) if isinstance(t, (int, float)) and c > 0 and 0 < t < c]
+    ratios = [t / c for t, c in zip(tried, current) if t is not None and c > 0 and 0 < t < c]
     return min(ratios) if ratios else 1.0
 
 
 def _rise(diagnosis: Diagnosis) -> tuple[float, float] | None:
-    """The LR rise that set the fault off, (before, after), when the evidence says what it was."""
-    before, after = diagnosis.evidence.get("lr_before"), diagnosis.evidence.get("lr_after")
-    if isinstance(before, (int, float)) and isinstance(after, (int, float)) and 0 < before < after:
-        return float(before), float(after)
-    return None
+    """The LR rise that set the fault off, (before, after), when it was measured."""
+    lr = diagnosis.measured.lr
+    rose = lr.rose if lr is not None else None
+    return None if rose is None else (float(rose[0]), float(rose[1]))
 
 
 def _earlier_rungs(diagnosis: Diagnosis) -> int:
-    tried = diagnosis.evidence.get("remedies_tried")
-    return sum(1 for t in tried if isinstance(t, dict) and t.get("remedy") == RemedyName.REDUCE_LR) \
-        if isinstance(tried, list) else 0
+    return diagnosis.measured.earlier_lr_rungs
+
+
+def _again(diagnosis: Diagnosis) -> bool:
+    """A rung after an earlier ``reduce_lr`` on the same episode."""
+    return diagnosis.measured.lr_tried is not None or _earlier_rungs(diagnosis) > 0
 
 
 def _scale(ctx: RemedyContext, factor: float) -> None:
@@ -155,12 +154,13 @@ class ReduceLr(Remedy):
                 compat.held_last_lr(config.scheduler)
             details["lr_after"] = _lrs(ctx)
             details["ceiling"] = list(held.caps)
-        if isinstance(diagnosis.evidence.get("lr_before"), (int, float)):
-            details["back_to"] = diagnosis.evidence["lr_before"]  # the LR just before the rise
+        measured = diagnosis.measured
+        if measured.lr is not None and measured.lr.before is not None:
+            details["back_to"] = measured.lr.before  # the LR just before the rise
         if earlier_caps is not None:
             details["compounded_on"] = earlier_caps  # the ceiling the earlier rung held
-        elif isinstance(diagnosis.evidence.get("lr_tried"), list):
-            details["compounded_on"] = diagnosis.evidence["lr_tried"]  # what the earlier rung had set
+        elif measured.lr_tried is not None:
+            details["compounded_on"] = measured.lr_tried_entry()  # what the earlier rung had set
         return details
 
     @staticmethod
@@ -173,18 +173,17 @@ class ReduceLr(Remedy):
         earlier = ReduceLr._earlier_ceiling(ctx, diagnosis, current)
         if earlier is not None:
             return [LR_FACTOR * cap for cap in earlier]
-        again = isinstance(diagnosis.evidence.get("lr_tried"), list) or _earlier_rungs(diagnosis) > 0
+        again = _again(diagnosis)
         top = _ceiling_top(*rise)
         if again:  # no ceiling held by the earlier rung: half what it set, and at most the level before the rise
-            tried = [float(t) for t in diagnosis.evidence.get("lr_tried") or []
-                     if isinstance(t, (int, float)) and t > 0]
+            tried = [float(t) for t in diagnosis.measured.lr_tried or () if t is not None and t > 0]
             top = LR_FACTOR * min(top, max(tried)) if tried else top * LR_FACTOR ** _earlier_rungs(diagnosis)
         return _spread(ctx, current, top)
 
     @staticmethod
     def _earlier_ceiling(ctx: RemedyContext, diagnosis: Diagnosis, current: Sequence[float]) -> list[float] | None:
         """For a rung after one that did not recover: the ceiling that one held (None: a first rung, or none held)."""
-        if not (isinstance(diagnosis.evidence.get("lr_tried"), list) or _earlier_rungs(diagnosis) > 0):
+        if not _again(diagnosis):
             return None
         held = LrCeiling.installed(ctx.lightning_module)
         return list(held.caps) if held is not None and len(held.caps) == len(current) else None

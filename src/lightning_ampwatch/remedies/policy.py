@@ -79,9 +79,9 @@ def ladder_for(diagnosis: Diagnosis) -> tuple[RemedyName, ...]:
     if measured is not None:
         return measured
     ladder = LADDERS.get(diagnosis.finding, ())
-    if diagnosis.finding is Finding.DATA_NONFINITE and diagnosis.evidence.get("weights_lost") is None:
+    if diagnosis.finding is Finding.DATA_NONFINITE and not diagnosis.measured.weights_lost:
         return ()  # the scaler skipped the step: the weights never saw the batch, nothing to undo
-    pattern = diagnosis.evidence.get("pattern")
+    pattern = diagnosis.measured.pattern
     if diagnosis.finding is Finding.GRADIENT_OVERFLOW and pattern == GradientPattern.UNSCALED_OVERFLOW:
         ladder = tuple(r for r in ladder if r is not RemedyName.LOWER_INIT_SCALE)  # the gradients overflow unscaled
     if diagnosis.finding is Finding.FORWARD_OVERFLOW and not diagnosis.location:

@@ -36,7 +36,7 @@ class LowerInitScale(Remedy):
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         scaler = require_scaler(ctx)
         before = float(scaler.get_scale())
-        safe = diagnosis.evidence.get("safe_scale") or ctx.safe_scale
+        safe = diagnosis.measured.safe_scale or ctx.safe_scale
         target = _pow2_floor(float(safe)) if isinstance(safe, (int, float)) and safe > 0 else _pow2_floor(before / 2)
         target = min(target, _pow2_floor(before)) if before > 0 else target
         interval_before = int(scaler.get_growth_interval())

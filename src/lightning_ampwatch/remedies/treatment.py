@@ -29,6 +29,7 @@ from lightning_ampwatch.records import (
 )
 from lightning_ampwatch.remedies.base import AppliedRemedy, Effect, RemedyName
 from lightning_ampwatch.interventions import Intervention
+from lightning_ampwatch.measured import Tried
 from lightning_ampwatch.remedies.policy import REMEDY_OF, RemedyPolicy, ladder_for
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 from lightning_ampwatch.trajectory.replay import replay_trajectory
@@ -456,8 +457,8 @@ class Treatment:
         """A remedy that did not recover: the same episode, to be treated again from its onset with the next rung
         (the remedies tried so far in its evidence)."""
         d = ended.new
-        tried = [*d.evidence.get("remedies_tried", []),  # type: ignore[misc]
-                 {"remedy": d.remedy, "outcome": d.outcome, "reason": ended.recovery.reason}]
+        tried = [t.entry() for t in (*(d.measured.remedies_tried or ()), Tried(d.remedy, d.outcome,
+                                                                                   ended.recovery.reason))]
         evidence = {k: v for k, v in d.evidence.items() if k not in ("recovery", "remedy_details", "rollback")}
         return replace(d, remedy=None, outcome=None, evidence={**evidence, "remedies_tried": tried},
                        facts=replace(facts_of(d), rollback=None, remedy=None, recovery=None))
@@ -489,8 +490,8 @@ def _last_good_step(diagnosis: Diagnosis) -> int:
     previous step's update left, so that update may be the one that did the damage; and an LR rise that set the
     episode off happened at ``lr_change_step``, earlier still."""
     step = diagnosis.step - 1
-    lr_change = diagnosis.evidence.get("lr_change_step")
-    return min(step, lr_change) if isinstance(lr_change, int) else step
+    lr_change = diagnosis.measured.lr.step if diagnosis.measured.lr is not None else None
+    return min(step, lr_change) if lr_change is not None else step
 
 
 def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,

@@ -20,6 +20,7 @@ import torch
 from lightning_ampwatch import compat, distributed, protocol, sharding
 from lightning_ampwatch.interventions import Intervention, InterventionReport, Interventions, decide
 from lightning_ampwatch.machine import Thresholds
+from lightning_ampwatch.measured import LrRise
 from lightning_ampwatch.records import ControlVerdict, facts_of
 from lightning_ampwatch.remedies.precision import bf16_supported
 from lightning_ampwatch.replays import (
@@ -377,7 +378,7 @@ class TrajectoryControl:
                 nothing_nonfinite = replay_went_nonfinite(facts.replay) if facts.replay is not None else False
                 # which replays run must be every rank's alike (their collectives meet): under several ranks only the
                 # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
-                forward = nothing_nonfinite or (alone and ev.get("first_nonfinite_step") is not None)
+                forward = nothing_nonfinite or (alone and diagnosis.measured.first_nonfinite_step is not None)
                 located = owning_module(state.module, facts.replay.module if facts.replay is not None else None)
                 owner = owning_module(state.module, diagnosis.location) if located is None else None
                 unlocated = "the fault was not located in a module"
@@ -395,12 +396,13 @@ class TrajectoryControl:
                     report = runner.run(
                         module=state.module, located=located,
                         forward=forward,
-                        onset_scale=_number(ev.get("onset_scale")) or _number(ev.get("scale")) or (
+                        onset_scale=_number(diagnosis.measured.onset_scale) or _number(diagnosis.measured.scale) or (
                             _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
-                        scale_hint=_number(ev.get("safe_scale")),
+                        scale_hint=_number(diagnosis.measured.safe_scale),
                         scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(ev), lr_cap=_lr_cap(ev),
-                        lr_rose=_lr_rise(ev) is not None, unlocated=unlocated,
+                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(diagnosis.measured.lr),
+                        lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None,
+                        unlocated=unlocated,
                         fp32_fails=lambda nothing, fp32: judge_trajectory(
                             fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
                             TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
@@ -499,37 +501,40 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _lower_lr_factor(ev: dict[str, Any]) -> float:
+def _rise(lr: LrRise | None) -> tuple[float | None, float | None]:
+    """The measured LR before and after the rise, as floats (None where not measured)."""
+    return (None, None) if lr is None else (_number(lr.before), _number(lr.after))
+
+
+def _lower_lr_factor(lr: LrRise | None) -> float:
     """The lower-LR intervention's factor: a tenth, or after a known rise of more than 10x, the factor that undoes
     it (the counterfactual "without the rise")."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    before, after = _rise(lr)
     if before is not None and after is not None and after > 0 and 0 < before < after:
         return min(LOWER_LR_FACTOR, before / after)
     return LOWER_LR_FACTOR
 
 
-def _lr_cap(ev: dict[str, Any]) -> float | None:
+def _lr_cap(lr: LrRise | None) -> float | None:
     """After a rise of more than 10x, the LR before it: the lower-LR intervention then replays the window with no LR
     above it (the counterfactual "without the rise", as ``reduce_lr``'s ceiling would run it). None otherwise."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
+    before, after = _rise(lr)
     if before is not None and after is not None and 0 < before and after > before / LOWER_LR_FACTOR:
         return before
     return None
 
 
-def _lr_rise(ev: dict[str, Any]) -> str | None:
+def _lr_rise(lr: LrRise | None) -> str | None:
     """The LR rise before the onset the machine noted, in words ("0.0006 -> 0.0018 at step 8"), or None."""
-    before, after = _number(ev.get("lr_before")), _number(ev.get("lr_after"))
-    if before is None or after is None or not after > before:
-        return None
-    at = ev.get("lr_change_step")
-    return f"{before:.3g} -> {after:.3g}" + (f" at step {at}" if isinstance(at, int) else "")
+    return None if lr is None else lr.words()
 
 
 def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, diagnosis: Diagnosis,
                       ev: dict[str, Any], finding: Finding, location: str | None) -> tuple[Finding, str | None]:
     """What cured decides (:func:`~lightning_ampwatch.interventions.decide`): the finding, its location and
-    reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place."""
+    reason, the co-factors; the safe scale is the one measured over the window. Evidence written in place (the
+    measurements read are ``diagnosis``'s: ``ev`` is its evidence with the trajectory control's added)."""
+    measured = diagnosis.measured
     ev["interventions"] = report.evidence()
     ev["tried"] = report.headline()  # the panel's one line per intervention
     a, b = report.window
@@ -539,15 +544,15 @@ def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, di
                                  "skip" + ("" if report.safe_scale_bounded else (
                                      f" among those tried ({format_pow2(2 * report.safe_scale)} was not: the "
                                      "replay-step cap)")))
-        if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value:
+        if measured.pattern is GradientPattern.UNSCALED_OVERFLOW:
             # the single step's gradients overflowed at scale 1, but a lower scale ran the whole window clean
-            ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+            ev["pattern"] = (measured.pattern_before_replay or GradientPattern.STARTUP).value
     elif report.safe_scale_tried:
         ev.pop("safe_scale", None)  # measured: no scale tried held, whatever one step suggested
         low = [s for s, ok in report.safe_scale_tried if not ok and s <= 1.0]
-        if ev.get("pattern") == GradientPattern.UNSCALED_OVERFLOW.value and not low:
+        if measured.pattern is GradientPattern.UNSCALED_OVERFLOW and not low:
             # "no scaler setting can help" only where replays at scales of 1 and below were measured to fail
-            ev["pattern"] = ev.pop("pattern_before_replay", GradientPattern.STARTUP.value)
+            ev["pattern"] = (measured.pattern_before_replay or GradientPattern.STARTUP).value
         ev["safe_scale_from"] = (f"none: no loss scale tried ({', '.join(format_pow2(s) for s, _ in report.safe_scale_tried)}) "
                                  f"replayed steps {a}-{b} without a skip")
     ev.pop("pattern_before_replay", None)
@@ -555,8 +560,8 @@ def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, di
     facts = facts_of(diagnosis)
     located = location if finding not in BACKWARD else (facts.replay.module if facts.replay else None)
     nothing = report.get(Intervention.NOTHING)
-    decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(ev),
-                      batch_nonfinite=bool(ev.get("nonfinite_where")),
+    decision = decide(report, finding=finding, located=located, lr_rise=_lr_rise(measured.lr),
+                      batch_nonfinite=measured.nonfinite_batch,
                       forward=bool(nothing is not None and nothing.nonfinite) or (
                           facts.replay is not None and replay_went_nonfinite(facts.replay)),
                       onset=diagnosis.step, fp32_cured=not fp32_failed)
@@ -570,8 +575,8 @@ def _by_interventions(report: InterventionReport, verdict: TrajectoryVerdict, di
         ev["control_verdict"] = decision.reason
     if decision.cofactors:
         ev["cofactors"] = list(decision.cofactors)
-    if decision.finding is not Finding.GRADIENT_OVERFLOW:
-        ev.pop("safe_scale", None) if decision.finding not in AMP_BLAMING else None
+    if decision.finding is not Finding.GRADIENT_OVERFLOW and decision.finding not in AMP_BLAMING:
+        ev.pop("safe_scale", None)
     return decision.finding, decision.location or location
 
 
