@@ -137,6 +137,22 @@ class Recovery:
     unverified: Unverified | None = None
 
 
+def _still_unwell(values: Sequence[float], finite: Sequence[float], steps: int, skipped: int,
+                  details: dict[str, Any]) -> Recovery | None:
+    """Not recovered, whatever the reference: a loss still non-finite, more than one skip (the scaler may probe
+    once), or a loss still climbing. None: none of these."""
+    if len(finite) < len(values):
+        return Recovery(NOT_RECOVERED, f"{len(values) - len(finite)} of the {len(values)} losses after it are still "
+                                       "non-finite", details)
+    if skipped > 1:
+        return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
+    if climbing(finite):
+        third = max(1, len(finite) // 3)
+        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
+                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
+    return None
+
+
 def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, reference: float | None,
                    reference_from: str) -> Recovery:
     """The outcome of a remedy from the ``steps`` optimizer steps after it: recovered only when at most one of
@@ -147,15 +163,9 @@ def judge_recovery(losses: Sequence[float], *, steps: int, skipped: int, referen
     after = statistics.median(finite) if finite else None
     details: dict[str, Any] = {"steps": steps, "skipped": skipped, "loss_after": after, "loss_before": reference,
                                "loss_before_from": reference_from}
-    if len(finite) < len(losses):
-        return Recovery(NOT_RECOVERED, f"{len(losses) - len(finite)} of the {len(losses)} losses after it are still "
-                               "non-finite", details)
-    if skipped > 1:
-        return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
-    if climbing(finite):
-        third = max(1, len(finite) // 3)
-        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
-                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
+    unwell = _still_unwell(losses, finite, steps, skipped, details)
+    if unwell is not None:
+        return unwell
     if after is None or reference is None or not reference > 0:
         why = reference_from if reference_from.startswith("nothing: ") else "nothing: no loss was read"
         return Recovery(Outcome.NOT_VERIFIED, f"there is no healthy reference to compare the loss with "
@@ -186,15 +196,9 @@ def judge_tracking(losses: Sequence[tuple[int, float]], track: dict[int, float],
     after = statistics.median(finite) if finite else None
     details: dict[str, Any] = {"steps": steps, "skipped": skipped, "loss_after": after, "loss_before": None,
                                "loss_before_from": track_from, "track_tolerance": tolerance}
-    if len(finite) < len(values):
-        return Recovery(NOT_RECOVERED, f"{len(values) - len(finite)} of the {len(values)} losses after it are still "
-                                       "non-finite", details)
-    if skipped > 1:
-        return Recovery(NOT_RECOVERED, f"the scaler still skipped {skipped} of the {steps} steps after it", details)
-    if climbing(finite):
-        third = max(1, len(finite) // 3)
-        return Recovery(NOT_RECOVERED, f"the loss is still climbing after it ({statistics.median(finite[:third]):.4g}"
-                                       f" -> {statistics.median(finite[-third:]):.4g})", details)
+    unwell = _still_unwell(values, finite, steps, skipped, details)
+    if unwell is not None:
+        return unwell
     pairs = [(loss, track[s]) for s, loss in losses if s in track and math.isfinite(track[s]) and track[s] > 0]
     if len(pairs) < 3:  # different steps (a rollback renumbered them): the levels over the judged steps
         ref = [v for v in track.values() if math.isfinite(v)]

@@ -533,18 +533,25 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,
     return None, why
 
 
-def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fall_margin) -> tuple[float, str] | None:
-    """What the remedy's own intervention reached when it cured the replayed window (the run is then judged by
-    whether it tracks its cured replay), only when that replay trained down; None otherwise."""
+def _cured_replay(diagnosis: Diagnosis) -> tuple[Any, Any] | None:
+    """The interventions' report and the replay of the applied remedy's own intervention, where it cured the window;
+    None otherwise (no interventions ran, no remedy, or its replay did not cure)."""
     facts = facts_of(diagnosis)
     report, applied = facts.interventions, facts.remedy
     if report is None or applied is None:
         return None
     kind = next((k for k, r in REMEDY_OF.items() if r is applied.name), None)
     tried = report.get(kind) if kind is not None else None
-    tried = tried if tried is not None and tried.cured else None
-    if tried is None:
+    return (report, tried) if tried is not None and tried.cured else None
+
+
+def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fall_margin) -> tuple[float, str] | None:
+    """What the remedy's own intervention reached when it cured the replayed window (the run is then judged by
+    whether it tracks its cured replay), only when that replay trained down; None otherwise."""
+    cured = _cured_replay(diagnosis)
+    if cured is None:
         return None
+    report, tried = cured
     found = fp32_reference(tried.losses, level=None, margin=margin)  # a decisive fall only: noise verifies nothing
     if found.level is None:
         return None
@@ -555,14 +562,10 @@ def _cured_replay_reference(diagnosis: Diagnosis, margin: float = Thresholds.fal
 def _cured_replay_track(diagnosis: Diagnosis) -> tuple[dict[int, float], str] | None:
     """The remedy's own cured replay of the window, as a reference trajectory (step -> loss) the run must track:
     where the replay neither fell decisively nor had a level to come back to."""
-    facts = facts_of(diagnosis)
-    report, applied = facts.interventions, facts.remedy
-    if report is None or applied is None:
+    cured = _cured_replay(diagnosis)
+    if cured is None:
         return None
-    kind = next((k for k, r in REMEDY_OF.items() if r is applied.name), None)
-    tried = report.get(kind) if kind is not None else None
-    if tried is None or not tried.cured:
-        return None
+    report, tried = cured
     track = {s: v for s, v in zip(tried.result.steps, tried.result.losses) if v is not None and math.isfinite(v)}
     if len(track) < 3:
         return None
