@@ -41,7 +41,7 @@ MEASURED = frozenset({Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Findi
 def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
     """The remedies whose interventions cured the replayed window, least invasive first; where none cured, the
     finding's own rungs that no replay measured to fail. None where no interventions ran."""
-    report = getattr(diagnosis.facts, "interventions", None)
+    report = facts_of(diagnosis).interventions
     if report is None or diagnosis.finding not in MEASURED:
         return None
     cures = tuple(REMEDY_OF[k] for k in report.cures() if k in REMEDY_OF)
@@ -106,7 +106,8 @@ class RemedyPolicy:
         ladder = ladder_for(diagnosis)
         previous = self.rungs.get(diagnosis.finding.value)
         start = 0
-        if measured_ladder(diagnosis) is not None and self.used.get(diagnosis.finding.value):
+        replayed = diagnosis.finding in MEASURED and facts_of(diagnosis).interventions is not None  # (measured_ladder)
+        if replayed and self.used.get(diagnosis.finding.value):
             # the fault came back after a remedy (a relapse, at any later step): the next cure its fresh replays
             # measured that was not applied yet
             used = set(self.used[diagnosis.finding.value])

@@ -279,11 +279,12 @@ class Treatment:
 
     def fp32_reference(self, control: Any, now: int, gather: Callable[[Any], list[Any]] = lambda v: [v]) -> None:
         """A watched remedy with no healthy level to come back to (its episode began before any healthy stretch):
-        replay FP32 training from the newest snapshot before the remedy over the same steps the remedied run took.
-        If that falls decisively (finite, its loss falling by ``Thresholds.fall_margin``), what it reached is a healthy
-        reference; otherwise there is still none, the outcome stays unverified, and its reason says why. ``gather``: every rank's value (several ranks judge a remedy
-        together, under a scaler): a replay runs only where every rank can run the same one, since restoring a
-        split snapshot and a sharded forward talk to every rank."""
+        replay FP32 training from the state the remedy started from (the newest snapshot before it; the fit's start
+        where the scaler skipped every step up to the remedy) over the same steps the remedied run took. Where that
+        replay stays finite, the run is held to it step by step (``judge_tracking``, same batches); otherwise there
+        is still no reference, the outcome stays unverified, and its reason says why. ``gather``: every rank's value
+        (several ranks judge a remedy together, under a scaler): a replay runs only where every rank can run the
+        same one, since restoring a split snapshot and a sharded forward talk to every rank."""
         watch = self.watch
         if watch is None:  # (a remedy is watched on every rank alike; its reference, from each rank's losses, not)
             return
@@ -312,15 +313,14 @@ class Treatment:
                     before_micro_batch=lock.next if lock else None))
         except Exception:  # noqa: BLE001 - no reference, the outcome stays unverified
             return
-        margin = self.fall_margin
-        losses = fp32.losses if fp32.params_finite else [*fp32.losses, math.nan]  # weights gone non-finite: not healthy
-        found = fp32_reference(losses, level=None, margin=margin)
-        replayed = (f"FP32 training from {origin} over the steps the remedied run took ({snapshot.step + 1}-{now - 1})")
         # the run is held to that replay step by step, on the very batches it trained on (its loss on each step
         # against FP32's on the same step: never a window's median against where FP32's fall ended)
         track = {s: v for s, v in zip(fp32.steps, fp32.losses) if v is not None} \
             if fp32.params_finite and all(math.isfinite(v) for v in fp32.losses if v is not None) else None
         if not track:
+            losses = fp32.losses if fp32.params_finite else [*fp32.losses, math.nan]  # weights gone non-finite
+            found = fp32_reference(losses, level=None, margin=self.fall_margin)
+            replayed = f"FP32 training from {origin} over the steps the remedied run took ({snapshot.step + 1}-{now - 1})"
             self.watch = replace(watch, reference_from=(
                 f"nothing: there was no healthy loss level before the episode, and {replayed} {found.why}"))
             return

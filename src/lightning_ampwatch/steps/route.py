@@ -81,20 +81,12 @@ class StepRoute:
                              not lean or self.probing)
 
     # Why the lean route and its express lane stay beside the full route (one route would be simpler to follow):
-    # Measured for issue 29 (the toy, ``benchmarks/step_counts.py`` and the hooks' timer of
-    # ``benchmarks/overhead.py``, the same process, load 1 to 3 on the shared 2-core CPU), an ordinary step once the
-    # cadences have decided: with the lean route, its express lane and the hooks idled, 12 Python calls and 5.7 to 6.7
-    # us; the lean route without the express lane, 24 calls and 10.3 to 10.5 us; one route for every step (no lean
-    # route, no express lane, no hooks idled), 24 calls and 11.7 to 12.0 us. Measured again once the clean-step
-    # batching moved into the ledger (``steps.CleanRuns``; ``overhead.py --quick`` with and without the fast paths,
-    # interleaved, load 3 to 5): the fast paths 12 calls and 7.2 to 8.8 us, one route 24 calls and 12.8 to 25.0 us.
-    # The budget is 25 calls and 8 us: the calls could be met by one route, the time cannot, so the three stay
-    # together (the lean route needs the hooks idled: it is what spares Lightning's calls).
-    # Measured again once the route moved out of the front into this class (the adapter calls ``watcher.route.X``
-    # where it called ``watcher.X``: an attribute read, no call added), ``overhead.py --quick`` before and after,
-    # interleaved, four runs each, load 2.7 to 3.0: 12 calls on an ordinary step before and after
-    # (``step_counts.py``); the ordinary step 5.9 to 6.3 us before, 6.0 to 6.4 us after; a log step adds 474 to
-    # 527 us before, 466 to 521 us after (over its budget of 400 before the move as after it).
+    # measured for issue 29 on the toy (``benchmarks/step_counts.py`` and ``overhead.py --quick``, interleaved runs
+    # on the shared 2-core CPU, load 3 to 5), an ordinary step once the cadences have decided takes, with the lean
+    # route, its express lane and the hooks idled, 12 Python calls and 6.0 to 8.8 us; with one route for every step,
+    # 24 calls and 12.8 to 25.0 us. The budget is 25 calls and 8 us: one route meets the calls, not the time, so the
+    # three stay together (the lean route needs the hooks idled: it is what spares Lightning's calls). The earlier
+    # measurements, route by route, are in git's history of this comment and in ``benchmarks/FINDINGS.md``.
     def take_lean(self, host: Any, steps_done: int) -> bool:
         """Take the lean route from now on, where it holds the same information as the full one: an adapter whose
         framework hands each batch's (unscaled) loss to the batch's end and counts the optimizer steps it runs,
