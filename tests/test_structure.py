@@ -416,6 +416,8 @@ PUBLICATION_MODULES = frozenset({
     "lightning_ampwatch.reporters.rows", "lightning_ampwatch.reporters.panel", "lightning_ampwatch.reporters.loggers",
     "lightning_ampwatch.reporters.unremedied", "lightning_ampwatch.reporters.event_log",
     "lightning_ampwatch.reporters.sinks",
+    # the report's figure (plot), and each finding's fix in words (advice: taxonomy's advise picks it)
+    "lightning_ampwatch.plot", "lightning_ampwatch.advice",
 })
 #: Names a module gives its working copy of a diagnosis's evidence (``ev = dict(diagnosis.evidence)``).
 EVIDENCE_NAMES = frozenset({"ev", "evidence"})
