@@ -185,13 +185,6 @@ def run_title(files: RunFiles) -> str:
     return log_dir.name or str(log_dir)
 
 
-def _complete(timeline: TimelineData) -> bool:
-    """Whether the timeline runs to its fit's end (an end row at or after its last row): its diagnosis markers are
-    then every diagnosis the watch made. A killed run's timeline stops at its last log step."""
-    ends = timeline.of_kind("end")
-    return bool(ends) and bool(timeline.steps) and ends[-1].get("step", -1) >= timeline.steps[-1]
-
-
 def _steps_said(steps: Sequence[int]) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
@@ -275,7 +268,7 @@ def record_gap(files: RunFiles, diagnoses: LoggedDiagnoses, timeline: TimelineDa
         return None
     if state in ("empty", "damaged"):
         return RecordGap(state, why, shows)
-    if timeline is not None and judged and not _complete(timeline):
+    if timeline is not None and judged and not timeline.complete:
         return RecordGap(state, why, shows)
     return None
 

@@ -52,7 +52,7 @@ def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
     ends = timeline.of_kind("end")
     # The exact counters, written at fit end. Its step is the run's last step, which the sampled rows need not
     # hold (a healthy last step is often left out); an end with rows after it belongs to a fit that was resumed.
-    if ends and ends[-1].get("step", -1) >= timeline.steps[-1]:
+    if timeline.complete:
         end = ends[-1]
         precision = end.get("precision", timeline.precision)
         scale = end.get("scale") if precision in (None, "fp16") else None

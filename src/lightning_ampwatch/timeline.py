@@ -355,6 +355,14 @@ class TimelineData:
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
 
+    @property
+    def complete(self) -> bool:
+        """Whether the timeline runs to its fit's end (an end row at or after its last row): its diagnosis markers are
+        then every diagnosis the watch made, and the end row holds the exact counters. A killed run's timeline stops
+        at its last log step; an end with rows after it belongs to a fit that was resumed."""
+        ends = self.of_kind("end")
+        return bool(ends) and bool(self.steps) and ends[-1].get("step", -1) >= self.steps[-1]
+
 
 def _parse_loss(value: Any) -> float | None:
     if value is None:
