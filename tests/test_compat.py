@@ -145,6 +145,7 @@ def test_the_core_imports_no_lightning_anywhere_in_what_it_needs() -> None:
     trees = _modules()
     closure = core_closure(trees)
     assert {"lightning_ampwatch.steps", "lightning_ampwatch.remedies.treatment", "lightning_ampwatch.reporters",
+            "lightning_ampwatch.reporters.sinks", "lightning_ampwatch.reporters.panel",
             "lightning_ampwatch.machine", "lightning_ampwatch.machine.state", "lightning_ampwatch.machine.reference",
             "lightning_ampwatch.machine.lr_history"} <= closure  # the walk does follow the imports
     assert "lightning_ampwatch.callback" not in closure and "lightning_ampwatch.scenarios" not in closure

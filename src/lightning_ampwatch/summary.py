@@ -1,4 +1,5 @@
-"""What happened in a run, in a few lines: the end-of-fit console summary and the episodes of ``ampwatch report``.
+"""What happened in a run, in a few lines: the end-of-fit console summary, and the counters and episodes of
+``ampwatch report`` (read back from the timeline).
 
 Pure Python over plain numbers, diagnoses and a parsed timeline, so the callback and the CLI say the same thing.
 """
@@ -10,7 +11,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from lightning_ampwatch.machine import Thresholds
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, format_pow2
@@ -42,6 +43,43 @@ def counts_line(stats: RunStats) -> str:
     if stats.scale is not None and stats.precision in (None, "fp16"):
         parts.append(f"loss scale {format_pow2(stats.scale)} at the end")
     return ", ".join(parts)
+
+
+def timeline_stats(timeline: TimelineData | None) -> RunStats | None:
+    """Counters for the report header, from the timeline (every anomalous step is in it)."""
+    if timeline is None or not timeline.steps:
+        return None
+    ends = timeline.of_kind("end")
+    # The exact counters, written at fit end. Its step is the run's last step, which the sampled rows need not
+    # hold (a healthy last step is often left out); an end with rows after it belongs to a fit that was resumed.
+    if timeline.complete:
+        end = ends[-1]
+        precision = end.get("precision", timeline.precision)
+        scale = end.get("scale") if precision in (None, "fp16") else None
+        steps, skipped, nonfinite = _fits_counted(ends, timeline.starts)
+        return RunStats(steps=steps, skipped=skipped, nonfinite=nonfinite, scale=scale, precision=precision)
+    # No end (a crash): what the rows say. The last row's scale, not the last one seen: after a bf16 fallback the
+    # rows carry none.
+    fell_back = any(e.get("name") == "bf16_fallback" for e in timeline.of_kind("remedy"))
+    return RunStats(steps=timeline.steps[-1] - timeline.steps[0] + 1, skipped=sum(timeline.skipped),
+                    nonfinite=sum(1 for f in timeline.loss_finite if f is False),
+                    scale=timeline.scales[-1], precision="bf16" if fell_back else timeline.precision)
+
+
+def _fits_counted(ends: Sequence[dict[str, Any]], starts: Sequence[int]) -> tuple[int, int, int]:
+    """The run's counters from its fits' end rows. A fit resumed from a checkpoint counts on from it (its end row
+    holds the whole run's counts); a second ``fit`` of the same watch counts its own steps only (it starts afresh),
+    so its counts are added to the earlier fits'."""
+    steps = skipped = nonfinite = 0
+    for end in ends:
+        step = int(end.get("step", 0))
+        began = max((s for s in starts if s <= step), default=0)
+        counts = (int(end.get("steps", 0)), int(end.get("skipped", 0)), int(end.get("nonfinite", 0)))
+        if counts[0] <= step - began + 1 and began > 0:  # this fit's own steps only: after the earlier fits'
+            steps, skipped, nonfinite = steps + counts[0], skipped + counts[1], nonfinite + counts[2]
+        else:  # the whole run so far (a first fit, or one resumed from a checkpoint)
+            steps, skipped, nonfinite = counts
+    return steps, skipped, nonfinite
 
 
 def judged(d: Diagnosis) -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from lightning_ampwatch.taxonomy import Diagnosis
+
 TIMELINE_NAME = "timeline.jsonl"
 FORMAT_VERSION = 1
 
@@ -190,15 +192,15 @@ class Timeline:
             self._keep(row)
             self._held = None
 
-    def record_diagnosis(self, diagnosis: Any) -> None:
+    def record_diagnosis(self, diagnosis: Diagnosis) -> None:
         """A marker for the plot; the full diagnosis lives in ``diagnoses.jsonl``."""
         if self.path is None:
             return
         event: dict[str, Any] = {"event": "diagnosis", "step": int(diagnosis.step),
-                                 "finding": str(getattr(diagnosis.finding, "value", diagnosis.finding))}
-        if getattr(diagnosis, "location", None):
+                                 "finding": diagnosis.finding.value}
+        if diagnosis.location:
             event["location"] = diagnosis.location
-        if getattr(diagnosis, "remedy", None):
+        if diagnosis.remedy:
             event["remedy"] = diagnosis.remedy
         if self._last_step is not None:
             event["seen_at"] = self._last_step
@@ -353,6 +355,14 @@ class TimelineData:
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == kind]
 
+    @property
+    def complete(self) -> bool:
+        """Whether the timeline runs to its fit's end (an end row at or after its last row): its diagnosis markers are
+        then every diagnosis the watch made, and the end row holds the exact counters. A killed run's timeline stops
+        at its last log step; an end with rows after it belongs to a fit that was resumed."""
+        ends = self.of_kind("end")
+        return bool(ends) and bool(self.steps) and ends[-1].get("step", -1) >= self.steps[-1]
+
 
 def _parse_loss(value: Any) -> float | None:
     if value is None:
@@ -381,12 +391,11 @@ _JSON_ERRORS = {
 
 def json_error(err: ValueError, lineno: int) -> str:
     """Why a line is not JSON, in plain words: the line, the column, and what the parser found there."""
-    msg = getattr(err, "msg", None)
-    if not isinstance(msg, str):
+    if not isinstance(err, json.JSONDecodeError):
         return f"line {lineno} is not valid JSON ({err})"
-    column = getattr(err, "colno", None)
+    msg = err.msg
     what = _JSON_ERRORS.get(msg, msg[:1].lower() + msg[1:])
-    return f"line {lineno} is not valid JSON: at column {column}, {what}"
+    return f"line {lineno} is not valid JSON: at column {err.colno}, {what}"
 
 
 def jsonl_rows(path: Path, row_noun: str, file_noun: str,
