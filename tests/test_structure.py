@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "lightning_ampwatch"
 KNOWN_CYCLES: dict[frozenset[str], str] = {}  # none left: distributed and sharding both import the protocol now
 #: Private attributes of another object read or written on purpose: (module, the expression), with the reason.
 ALLOWED_PRIVATE: dict[tuple[str, str], str] = {
-    ("lightning_ampwatch.guards", "sys._getframe"):
+    ("lightning_ampwatch.call_sites", "sys._getframe"):
         "CPython's frame access (sys._getframe is the documented, public way to read the caller's frame)",
 }
 
