@@ -224,8 +224,6 @@ MAX_CLASS_LINES = 450
 LONG_MODULES: dict[str, str] = {
     "lightning_ampwatch.machine.machine": "the pure state machine, held by its property test, with each optimizer's "
                                           "own skips and safe scale (two optimizers through one scaler): not yet split",
-    "lightning_ampwatch.fabric": "FabricWatch with its host and the hooks it patches into a Fabric loop: one adapter, "
-                                 "not yet split (issue 29 names FabricHost among the large classes)",
     "lightning_ampwatch.reporters": "every sink in one module (panel, event log, timeline, loggers, the summary): "
                                     "not yet split",
 }
