@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import make_trainer
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch import call_sites, recipe_checks
 from lightning_ampwatch import guards as guards_module
 from lightning_ampwatch.guards import (
     PRESCALE_MIN_FACTOR,
@@ -413,13 +414,14 @@ def test_torch_nn_utils_restored_after_fit_and_after_a_failed_fit(tmp_path: Any)
 
 
 def _profile_fit(tmp_path: Any, steps: int) -> tuple[Counter[str], Counter[str]]:
-    """Python functions of guards.py that ran, and the C functions they called, over a healthy fit."""
-    guards_file = guards_module.__file__
+    """Python functions of the guards (guards.py, and the detection it calls: recipe_checks.py, call_sites.py) that
+    ran, and the C functions they called, over a healthy fit."""
+    guards_files = {guards_module.__file__, recipe_checks.__file__, call_sites.__file__}
     python_calls: Counter[str] = Counter()
     c_calls: Counter[str] = Counter()
 
     def profiler(frame: Any, event: str, arg: Any) -> None:
-        if frame.f_code.co_filename != guards_file:
+        if frame.f_code.co_filename not in guards_files:
             return
         if event == "call":
             python_calls[frame.f_code.co_name] += 1

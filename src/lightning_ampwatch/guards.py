@@ -12,29 +12,24 @@ cannot hold under 16-true). Each is found on an event that happens anyway, with 
   per call site (automatic optimization has a single call site: ``training_step``);
 - fit start, for the parameter dtypes and the optimizers' ``eps``.
 
-The detection functions below are pure (a graph, a scaler state or a module in, a verdict out); ``RecipeGuards``
+The detection is pure and lives apart: :mod:`lightning_ampwatch.recipe_checks` (a graph, a scaler state or a module
+in, a verdict out) and :mod:`lightning_ampwatch.call_sites` (the line of user code to name). ``RecipeGuards`` here
 does the attaching, patching, de-duplication and restoring.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib.util
-import inspect
-import linecache
-import os
 import sys
-import textwrap
 import warnings
-from dataclasses import dataclass
-from types import CodeType, FrameType, ModuleType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat
+from lightning_ampwatch.call_sites import CallSite, returned_at, user_call_site
 from lightning_ampwatch.compat import read_per_optimizer_states
 from lightning_ampwatch.machine import PrecisionMode
 
@@ -44,306 +39,32 @@ try:
     _UNSCALED: Any = _OptState.UNSCALED
 except ImportError:  # pragma: no cover - another torch: the slow path (optimizer_stage) still works
     _UNSCALED = object()
+from lightning_ampwatch.recipe_checks import (  # noqa: F401 - PRESCALE_MIN_FACTOR: re-exported, with the checks
+    FLOAT16_SMALLEST_NORMAL,
+    PRESCALE_MIN_FACTOR,
+    analyze_loss,
+    eps_too_small_for_float16,
+    float16_trainable_parameters,
+    optimizer_stage,
+    stepped_by_scaler,
+)
 from lightning_ampwatch.signals import PrecisionInfo, read_scale
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding, advise
 
-# A constant factor of at least this much on the loss reads as a hand-made loss scale (people pick 2**7 and up);
-# smaller factors read as loss weights. A second ``scaler.scale`` is flagged whatever the scale.
-PRESCALE_MIN_FACTOR = 128.0
-
-# Backward nodes of loss ops that autocast always runs in float32 (CPU and CUDA alike). One of them producing
-# float16 means the op ran with autocast off; ops autocast leaves in float16 on some devices are not listed,
-# so a loss computed inside autocast is never flagged.
-AUTOCAST_FP32_LOSS_NODES = frozenset({
-    "MseLossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0", "NllLossBackward0", "NllLoss2DBackward0",
-    "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0", "MultiMarginLossBackward0",
-    "MultilabelMarginLossBackward0",
-})
-
-GRAPH_NODE_BUDGET = 32  # nodes looked at below the loss: the loss ops sit right there, the model lies further down
 CALL_SITE_BUDGET = 64  # distinct backward call sites analysed per fit; past this the backward guard stands down
 CLIP_FUNCTION_NAMES = ("clip_grad_norm_", "clip_grad_value_")  # the deprecated ``clip_grad_norm`` calls the first
 
-# --------------------------------------------------------------------------------------------
-# Where the user's code is: the first frame up the stack that is not torch, Lightning or us.
-# --------------------------------------------------------------------------------------------
 
-_SKIPPED_PACKAGES = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_ampwatch")
-
-
-def _package_dirs(names: Sequence[str]) -> tuple[str, ...]:
-    dirs: list[str] = []
-    for name in names:
-        spec = importlib.util.find_spec(name)
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            dirs.append(os.path.join(os.path.realpath(location), ""))
-            dirs.append(os.path.join(os.path.abspath(location), ""))
-    return tuple(dict.fromkeys(dirs))
-
-
-_SKIPPED_DIRS = _package_dirs(_SKIPPED_PACKAGES)
-# The demo scenarios live in this package but play the part of user code: their lines are what to name.
-_USER_CODE_IN_PACKAGE = frozenset(os.path.join(d, "scenarios.py") for d in _package_dirs(["lightning_ampwatch"]))
-_skip_cache: dict[CodeType, bool] = {}
-
-
-def _is_framework(code: CodeType) -> bool:
-    skip = _skip_cache.get(code)
-    if skip is None:
-        filename = code.co_filename
-        skip = filename.startswith(_SKIPPED_DIRS) and filename not in _USER_CODE_IN_PACKAGE
-        if len(_skip_cache) < 4096:
-            _skip_cache[code] = skip
-    return skip
-
-
-def _display_path(filename: str) -> str:
-    """Relative to the working directory when inside it (what a user clicks on), absolute otherwise."""
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        return filename
-    return filename if rel.startswith(os.pardir) else rel
-
-
-@dataclass(frozen=True)
-class CallSite:
-    """A line in the user's code."""
-
-    filename: str
-    lineno: int
-    function: str
-
-    def __str__(self) -> str:
-        return f"{_display_path(self.filename)}:{self.lineno}"
+class GuardedRun(Protocol):
+    """What the guards read of the run they watch: the adapter's host (:class:`~lightning_ampwatch.host.Host`)."""
 
     @property
-    def code(self) -> str:
-        return linecache.getline(self.filename, self.lineno).strip()
-
-    def evidence(self) -> dict[str, object]:
-        return {"call_site": f"{self} in {self.function}", "code": self.code}
-
-
-def user_call_site(frame: FrameType | None = None) -> tuple[CallSite | None, frozenset[str]]:
-    """The first frame above ``frame`` outside torch/Lightning/AmpWatch, and the framework functions passed on
-    the way (to tell ``LightningModule.clip_gradients`` from a direct ``torch.nn.utils`` call)."""
-    f = frame if frame is not None else sys._getframe(1)
-    passed: set[str] = set()
-    while f is not None:
-        code = f.f_code
-        if not _is_framework(code):
-            return CallSite(code.co_filename, f.f_lineno, code.co_name), frozenset(passed)
-        passed.add(code.co_name)
-        f = f.f_back
-    return None, frozenset(passed)
-
-
-def returned_at(func: Any) -> CallSite | None:
-    """Where ``func`` hands its result back: its one ``return <value>`` statement, else its ``def`` line.
-
-    In automatic optimization no user frame is on the stack at backward time; the loss left the user's code at
-    ``training_step``'s return, so that is the line to name. ``None`` when ``func`` is not user code.
-    """
-    func = inspect.unwrap(getattr(func, "__func__", func))
-    code = getattr(func, "__code__", None)
-    if code is None or _is_framework(code):
-        return None
-    lineno = code.co_firstlineno
-    try:
-        lines, first = inspect.getsourcelines(func)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return CallSite(code.co_filename, lineno, code.co_name)
-    returns = [node.lineno + first - 1 for node in _own_statements(tree.body[0]) if isinstance(node, ast.Return)
-               and node.value is not None and not (isinstance(node.value, ast.Constant) and node.value.value is None)]
-    if len(returns) == 1:
-        lineno = returns[0]
-    return CallSite(code.co_filename, lineno, code.co_name)
-
-
-def _own_statements(function: ast.AST) -> Iterable[ast.AST]:
-    """The nodes of a function body, not descending into functions, lambdas or classes defined inside it."""
-    stack = list(ast.iter_child_nodes(function))
-    while stack:
-        node = stack.pop()
-        yield node
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            stack.extend(ast.iter_child_nodes(node))
-
-
-# --------------------------------------------------------------------------------------------
-# Pure detection: the scaler's per-optimizer state, the loss's autograd graph, the set-up.
-# --------------------------------------------------------------------------------------------
-
-
-def optimizer_stage(scaler: Any, optimizer: Any) -> str:
-    """``READY`` (gradients still scaled), ``UNSCALED`` or ``STEPPED``, from GradScaler's own bookkeeping.
-
-    Read with ``.get``: the scaler's table is a defaultdict, and indexing it would add an entry.
-    """
-    states = compat.per_optimizer_states(scaler)
-    state = states.get(id(optimizer)) if isinstance(states, dict) else None
-    stage = state.get("stage") if isinstance(state, dict) else None
-    return getattr(stage, "name", "READY")
-
-
-def stepped_by_scaler(scaler: Any, optimizer: Any, step_kwargs: Mapping[str, Any]) -> bool:
-    """True while ``scaler.step(optimizer)`` is the caller of ``optimizer.step``.
-
-    The scaler unscales before stepping (stage ``UNSCALED``); optimizers that unscale in their own kernel
-    (fused Adam) are handed ``found_inf``/``grad_scale`` attributes, or a ``grad_scaler`` keyword, instead.
-    """
-    if optimizer_stage(scaler, optimizer) == "UNSCALED":
-        return True
-    if compat.unscales_in_kernel(optimizer):
-        return hasattr(optimizer, "found_inf") or "grad_scaler" in step_kwargs
-    return False
-
-
-@dataclass(frozen=True)
-class LossGraph:
-    """What the autograd graph just below the loss says about how the loss was made."""
-
-    loss_dtype: torch.dtype | None = None
-    float16_loss_op: str | None = None  # an autocast-float32 loss op that ran in float16 (autocast was off)
-    factor: float = 1.0  # constant factors the loss was multiplied by, below the scaler's own
-    second_scale: bool = False  # one of those factors is the scaler's scale tensor itself
+    def global_step(self) -> int:
+        """Optimizer steps taken so far: the step a finding is dated at."""
 
     @property
-    def prescaled(self) -> bool:
-        return self.second_scale or self.factor >= PRESCALE_MIN_FACTOR
-
-
-_output_dtype = compat.node_output_dtype
-
-
-def _same_storage(a: Any, b: Any) -> bool:
-    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.device == b.device and a.data_ptr() == b.data_ptr()
-
-
-def _constant_operand(node: Any) -> tuple[Any, Any] | None:
-    """For ``x * c`` / ``c * x`` / ``x / c`` with ``c`` not requiring grad: ``(c, x's node)``."""
-    nexts = node.next_functions
-    if len(nexts) != 2:
-        return None
-    if nexts[1][0] is None and nexts[0][0] is not None:
-        return compat.saved_operand(node, "other"), nexts[0][0]
-    if nexts[0][0] is None and nexts[1][0] is not None and node.name().startswith("Mul"):
-        return compat.saved_operand(node, "self"), nexts[1][0]
-    return None
-
-
-def _constant_value(const: Any) -> float | None:
-    """A scalar constant's value: free for Python numbers and CPU tensors, one read otherwise (once per site)."""
-    if isinstance(const, (int, float)):
-        return float(const)
-    if isinstance(const, Tensor) and const.numel() == 1 and not const.is_complex():
-        return float(const.detach().reshape(()).float())
-    return None
-
-
-def analyze_loss(scaled_loss: Tensor, scaler: Any = None, scale: Callable[[], float] | None = None) -> LossGraph:
-    """Walk a few nodes of the graph below the loss handed to backward.
-
-    ``scaled_loss`` is what ``on_before_backward`` sees: under a scaler, the user's loss times the scale, so the
-    top multiplication is the scaler's own and is stepped over. Below it, a chain of constant multiplications
-    and divisions gives the factor the user applied (accumulation divides, hand scaling multiplies); a breadth-
-    first look at up to :data:`GRAPH_NODE_BUDGET` nodes finds a float32-only loss op that ran in float16.
-    """
-    node = scaled_loss.grad_fn
-    if node is None:
-        return LossGraph(loss_dtype=scaled_loss.dtype)
-    scale_tensor = compat.scale_tensor(scaler) if scaler is not None else None
-    if scaler is not None and node.name().startswith("ToCopyBackward") and node.next_functions \
-            and node.next_functions[0][0] is not None and node.next_functions[0][0].name().startswith("Mul"):
-        # FSDP1's ShardedGradScaler casts the scaled loss back to the loss's dtype (a float16 loss times its float32
-        # scale is float32): that cast is the scaler's too, not a cast the user made above a hand-made scale
-        node = node.next_functions[0][0]
-    if scaler is not None and node.name().startswith("Mul"):
-        top = _constant_operand(node)
-        if top is not None:
-            node = top[1]
-    loss_dtype = _output_dtype(node)
-
-    factor, second_scale, walker = 1.0, False, node
-    for _ in range(8):
-        name = walker.name()
-        if name.startswith("ToCopyBackward"):
-            walker = walker.next_functions[0][0]
-        elif name.startswith(("MulBackward", "DivBackward")):
-            found = _constant_operand(walker)
-            if found is None:
-                break
-            const, below = found
-            if _same_storage(const, scale_tensor):
-                second_scale = True
-                value = scale() if scale is not None else _constant_value(const)
-            else:
-                value = _constant_value(const)
-            if value is None or value == 0.0:
-                break
-            factor = factor * value if name.startswith("Mul") else factor / value
-            walker = below
-        else:
-            break
-        if walker is None:
-            break
-
-    float16_op = None
-    queue, seen = [node], 0
-    while queue and seen < GRAPH_NODE_BUDGET:
-        current = queue.pop(0)
-        seen += 1
-        if current.name() in AUTOCAST_FP32_LOSS_NODES and _output_dtype(current) == torch.float16:
-            float16_op = current.name()
-            break
-        queue.extend(n for n, _ in current.next_functions if n is not None)
-    return LossGraph(loss_dtype=loss_dtype, float16_loss_op=float16_op, factor=factor, second_scale=second_scale)
-
-
-def float16_trainable_parameters(module: torch.nn.Module) -> tuple[list[str], int]:
-    """Names of trainable float16 parameters, and how many trainable parameters there are (fit start only)."""
-    names, trainable = [], 0
-    for name, param in module.named_parameters():
-        if param.requires_grad:
-            trainable += 1
-            if param.dtype == torch.float16:
-                names.append(compat.user_name(name))
-    return names, trainable
-
-
-FLOAT16_SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
-
-
-@dataclass(frozen=True)
-class EpsProblem:
-    optimizer_index: int
-    optimizer: str
-    param_group: int
-    eps: float
-    eps_in_float16: float
-
-
-def eps_too_small_for_float16(optimizers: Sequence[torch.optim.Optimizer]) -> list[EpsProblem]:
-    """Param groups of float16 parameters whose ``eps`` is below float16's smallest normal number.
-
-    Such an ``eps`` rounds to zero or to a subnormal with a few bits left, so it no longer keeps
-    ``m / (sqrt(v) + eps)`` finite once ``v`` underflows; one problem per optimizer is enough to say.
-    """
-    problems = []
-    for index, optimizer in enumerate(optimizers):
-        for group_index, group in enumerate(optimizer.param_groups):
-            eps = group.get("eps")
-            params = group.get("params") or []
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not params:
-                continue
-            if params[0].dtype != torch.float16 or not 0 <= eps < FLOAT16_SMALLEST_NORMAL:
-                continue
-            held = float(torch.tensor(float(eps), dtype=torch.float16))
-            problems.append(EpsProblem(index, type(optimizer).__name__, group_index, float(eps), held))
-            break
-    return problems
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """The raw torch optimizers, whose step the guards hook and whose ``eps`` they check."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,7 +82,7 @@ class RecipeGuards:
 
     def __init__(self) -> None:
         self._report: Callable[[Diagnosis], None] | None = None
-        self._trainer: Any = None
+        self._trainer: GuardedRun | None = None
         self._scaler: Any = None
         self._scale_reader: Callable[[], float] | None = None
         self._check_loss = False
@@ -385,7 +106,7 @@ class RecipeGuards:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def attach(self, trainer: Any, pl_module: Any, precision_info: PrecisionInfo,
+    def attach(self, trainer: GuardedRun, pl_module: Any, precision_info: PrecisionInfo,
                report_callback: Callable[[Diagnosis], None],
                scale_reader: Callable[[], float] | None = None) -> None:
         """Check the set-up and install the guards. ``scale_reader`` gives the current scale without a device
@@ -458,7 +179,7 @@ class RecipeGuards:
             "scaler": self._scaler is not None,
         })
 
-    def _check_eps(self, pl_module: Any, trainer: Any) -> None:
+    def _check_eps(self, pl_module: Any, trainer: GuardedRun) -> None:
         site = returned_at(getattr(pl_module, "configure_optimizers", None))
         for problem in eps_too_small_for_float16(trainer.optimizers):
             evidence: dict[str, object] = {
@@ -635,7 +356,7 @@ class RecipeGuards:
         self._emit(finding, str(site) if site is not None else None, evidence)
 
     def _emit(self, finding: Finding, location: str | None, evidence: dict[str, object]) -> None:
-        step = int(getattr(self._trainer, "global_step", 0) or 0)
+        step = self._trainer.global_step if self._trainer is not None else 0
         diagnosis = Diagnosis(finding, step, location=location, evidence=evidence, advice=advise(finding, evidence))
         if self._report is not None:
             self._report(diagnosis)
