@@ -1,26 +1,38 @@
 """The taxonomy state machine, as a package whose imports run one way::
 
     vocabulary   what the machine is given (PrecisionMode, Thresholds, Observation, BatchStats)
-    state        what it carries from step to step, and its checkpoint (MachineState and its parts)
+    state        what it carries from step to step, and its checkpoint (MachineState and its parts)   (vocabulary)
     lr_history   the LR's change points and the LR event before an onset          (state, vocabulary)
+    tally        what every step adds to the counts and histories                 (state, vocabulary, lr_history)
     reference    the healthy reference: the loss level, the climb, the level after a rollback
-                                                                                  (state, vocabulary, lr_history)
-    machine      AmpStateMachine: observations in, diagnoses out                  (all of the above)
+                                                                                  (state, vocabulary)
+    overflow     the gradient-overflow patterns, read from the skip history       (state, vocabulary)
+    optimizers   each optimizer's own skips and safe scale, several through one scaler
+                                                                                  (state, vocabulary, overflow)
+    episodes     the episode an alarm opens, its end, the NORMAL_SCALING call     (state, vocabulary)
+    machine      AmpStateMachine: observations in, diagnoses out; keeps the transitions and reads what the
+                 parts return                                                     (all of the above)
 
 Pure Python (no torch, no Lightning). Every public name stays importable from ``lightning_ampwatch.machine``.
 """
 
+from lightning_ampwatch.machine.episodes import DIVERGENCE_FINDINGS, Episodes
 from lightning_ampwatch.machine.lr_history import LR_LOG_KEEP, LR_LOG_MAX, LrLog, lr_event, record_lr
-from lightning_ampwatch.machine.machine import DIVERGENCE_FINDINGS, AmpStateMachine
-from lightning_ampwatch.machine.reference import CLIMBING_RISE, HEALTHY_RISE, SKIP_LOG, HealthyReference, LevelAt, ReferenceOwner
+from lightning_ampwatch.machine.machine import AmpStateMachine
+from lightning_ampwatch.machine.optimizers import OptimizerRows
+from lightning_ampwatch.machine.overflow import Overflow
+from lightning_ampwatch.machine.reference import (
+    CLIMBING_RISE, HEALTHY_RISE, HealthyReference, LevelAt, ReferenceOwner,
+)
 from lightning_ampwatch.machine.state import (
-    SCALE_HISTORY, Climb, Episode, LrPoint, LrRise, MachineState, NormalCall, Reference, Streak, decode, plain,
+    SCALE_HISTORY, SKIP_LOG, Climb, Episode, LrPoint, LrRise, MachineState, NormalCall, Reference, Streak, decode,
+    plain,
 )
 from lightning_ampwatch.machine.vocabulary import BatchStats, Observation, PrecisionMode, Thresholds
 
 __all__ = [
     "CLIMBING_RISE", "DIVERGENCE_FINDINGS", "HEALTHY_RISE", "LR_LOG_KEEP", "LR_LOG_MAX", "SCALE_HISTORY", "SKIP_LOG",
-    "AmpStateMachine", "BatchStats", "Climb", "Episode", "HealthyReference", "LevelAt", "LrLog", "LrPoint", "LrRise",
-    "MachineState", "NormalCall", "Observation", "PrecisionMode", "Reference", "ReferenceOwner", "Streak",
-    "Thresholds", "decode", "lr_event", "plain", "record_lr",
+    "AmpStateMachine", "BatchStats", "Climb", "Episode", "Episodes", "HealthyReference", "LevelAt", "LrLog", "LrPoint",
+    "LrRise", "MachineState", "NormalCall", "Observation", "OptimizerRows", "Overflow", "PrecisionMode", "Reference",
+    "ReferenceOwner", "Streak", "Thresholds", "decode", "lr_event", "plain", "record_lr",
 ]
