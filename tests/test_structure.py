@@ -179,10 +179,10 @@ def test_every_allowed_private_access_is_still_made() -> None:
 
 
 def test_the_machine_package_imports_run_one_way() -> None:
-    """vocabulary and state first, then lr_history, tally, reference, overflow, optimizers, episodes, and the machine
+    """vocabulary and state first, then lr_history, tally, reference, overflow, optimizers, episode_tracker, and the machine
     last: no module imports one after it."""
     graph = import_graph(_modules())
-    order = ["vocabulary", "state", "lr_history", "tally", "reference", "overflow", "optimizers", "episodes", "machine"]
+    order = ["vocabulary", "state", "lr_history", "tally", "reference", "overflow", "optimizers", "episode_tracker", "machine"]
     for i, module in enumerate(order):
         later = {f"lightning_ampwatch.machine.{m}" for m in order[i:]} | {"lightning_ampwatch.machine"}
         imported = set(graph[f"lightning_ampwatch.machine.{module}"])

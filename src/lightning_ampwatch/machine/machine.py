@@ -11,7 +11,7 @@ transitions and reads what its parts return:
 - each optimizer's own skips and safe scale, where several step through one scaler, are kept by
   :class:`~lightning_ampwatch.machine.optimizers.OptimizerRows`;
 - the episode an alarm opens, its end, and the ``NORMAL_SCALING`` call are kept by
-  :class:`~lightning_ampwatch.machine.episodes.Episodes`;
+  :class:`~lightning_ampwatch.machine.episode_tracker.EpisodeTracker`;
 - what every step adds to its counts and histories is counted by ``tally.py``'s functions;
 - what it carries from step to step, and its checkpoint, is ``state.py``'s.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from lightning_ampwatch.machine.episodes import DIVERGENCE_FINDINGS, Episodes
+from lightning_ampwatch.machine.episode_tracker import DIVERGENCE_FINDINGS, EpisodeTracker
 from lightning_ampwatch.machine.lr_history import lr_event, record_lr
 from lightning_ampwatch.machine.optimizers import OptimizerRows
 from lightning_ampwatch.machine.overflow import (
@@ -61,7 +61,7 @@ class AmpStateMachine:
         """The healthy-reference tracker: the loss level, the climb, the level after a rollback."""
         self.rows = OptimizerRows(self)
         """Each optimizer's own skips and safe scale, where several step through one scaler."""
-        self.episodes = Episodes(self)
+        self.episode_tracker = EpisodeTracker(self)
         """The open episode, its end, and the ``NORMAL_SCALING`` call."""
         self.optimizer_names: tuple[str, ...] = ()
         """Each optimizer in a few words ("Adam over disc.*"), by index, where several step through one scaler."""
@@ -86,7 +86,7 @@ class AmpStateMachine:
                 self.healthy.promote()
                 s.reference_before_skip = s.reference
             extend_streak(s, t, obs)
-            if self.episodes.judged_apart(obs):
+            if self.episode_tracker.judged_apart(obs):
                 diagnosis = self._classify(obs)
                 if diagnosis is not None:
                     out.extend(self._raise(diagnosis, obs.step))
@@ -152,13 +152,13 @@ class AmpStateMachine:
         over before it observes any later anomalous step."""
         self.healthy.note_losses(losses)
 
-    # the tracker's fast path and counter, as tests read them on the machine
+    # the healthy reference's fast path and counter, as tests read them on the machine
     def _note_healthy_run(self, batch: list[tuple[int, float]]) -> int:
         return self.healthy.note_healthy_run(batch)
 
     @property
     def _since_promote(self) -> int:
-        """Candidate losses taken since the healthy level was last judged (the tracker's)."""
+        """Candidate losses taken since the healthy level was last judged (the healthy reference's)."""
         return self.healthy.since_promote
 
     def reference_for(self, onset: int) -> Reference | None:
@@ -178,7 +178,8 @@ class AmpStateMachine:
         (:meth:`HealthyReference.rebase`)."""
         self.healthy.rebase(at)
 
-    # has_reference, loss_level and start_loss read the tracker's fields in the state they share, with no call into it
+    # has_reference, loss_level and start_loss read the healthy reference's fields in the state they share, with no
+    # call into it
     # (has_reference is read on every snapshot step)
 
     @property
@@ -252,7 +253,7 @@ class AmpStateMachine:
 
     def close_episode(self, step: int, reason: str) -> None:
         """A remedy was applied: the episode is over, so a recurrence is a new episode (and escalates)."""
-        self.episodes.close(step, reason)
+        self.episode_tracker.close(step, reason)
         self.rows.end_rows()
 
     def reconfigure(self, mode: PrecisionMode | str | None = None,
@@ -284,19 +285,19 @@ class AmpStateMachine:
             # does not end it, nor say at what scale it holds)
             from_start = False
             row = self.rows.stepped(obs, obs.optimizer)
-            if row is not None and self.episodes.judged_apart(None):
+            if row is not None and self.episode_tracker.judged_apart(None):
                 out.extend(self._raise(self._found(row), obs.step))
-        if streak is not None and self.episodes.judged_apart(None):
+        if streak is not None and self.episode_tracker.judged_apart(None):
             if from_start and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 out.extend(self._raise(self._found(startup_overflow(streak, obs.scale, t)), obs.step))
             elif s.episode is None and not s.normal_reported and s.isolated_since is None:
                 s.isolated_since = streak.first_step
-        call = self.episodes.normal_call(obs.step, obs.scale)
+        call = self.episode_tracker.normal_call(obs.step, obs.scale)
         if call is not None:
             out.append(self._make(Finding.NORMAL_SCALING, call.step, call.evidence))
         ep = s.episode
         if ep is not None and ep is episode_before:  # an alarm this very loss raised counts from the next step
-            self.episodes.clean_step(ep, obs.step)
+            self.episode_tracker.clean_step(ep, obs.step)
         return out
 
     # ---------------------------------------------------------------- classification
@@ -416,7 +417,7 @@ class AmpStateMachine:
 
     def _raise(self, alarm: Diagnosis, step: int) -> list[Diagnosis]:
         """Open the alarm's episode; withdraw a ``NORMAL_SCALING`` call whose skip turns out to have begun it."""
-        call = self.episodes.open(alarm.finding, alarm.step)
+        call = self.episode_tracker.open(alarm.finding, alarm.step)
         if call is None:
             return [alarm]
         return [alarm, self._make(Finding.NORMAL_SCALING, call.step, {

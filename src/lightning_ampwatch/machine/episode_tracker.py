@@ -1,5 +1,5 @@
 """The episode: what an alarm opens and what closes it, and the ``NORMAL_SCALING`` call made where no alarm came.
-:class:`Episodes` keeps them in the machine's state (``episode``, ``closed_episodes``, ``isolated_since``,
+:class:`EpisodeTracker` keeps them in the machine's state (``episode``, ``closed_episodes``, ``isolated_since``,
 ``normal_call``) and returns what a transition gives back (the call an alarm withdraws, the call made); the machine
 decides when each happens, and makes the diagnoses. Pure Python; of the machine package, imports ``state`` and
 ``vocabulary`` only.
@@ -18,7 +18,7 @@ DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
 
 class EpisodeOwner(Protocol):
-    """What the episodes read of the machine that owns them."""
+    """What the episode tracker reads of the machine that owns it."""
 
     @property
     def state(self) -> MachineState: ...
@@ -30,7 +30,7 @@ class EpisodeOwner(Protocol):
     def mode(self) -> PrecisionMode: ...
 
 
-class Episodes:
+class EpisodeTracker:
     """An open alarm's episode and its ends: raised once (:meth:`open`), over when training has been clean for a while
     (:meth:`clean_step`) or when a remedy was applied (:meth:`close`); and the one ``NORMAL_SCALING`` call of a run
     (:meth:`normal_call`), withdrawn by an alarm its skip turns out to have begun."""
