@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from lightning_ampwatch.machine.episode_tracker import DIVERGENCE_FINDINGS, EpisodeTracker
+from lightning_ampwatch.machine.episode_tracker import EpisodeTracker
 from lightning_ampwatch.machine.lr_history import lr_event, record_lr
 from lightning_ampwatch.machine.optimizers import OptimizerRows
 from lightning_ampwatch.machine.overflow import (
@@ -34,7 +34,7 @@ from lightning_ampwatch.machine.tally import count_clean_run, count_step
 from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 
-__all__ = ["DIVERGENCE_FINDINGS", "AmpStateMachine"]
+__all__ = ["AmpStateMachine"]
 
 
 class AmpStateMachine:
@@ -179,8 +179,7 @@ class AmpStateMachine:
         self.healthy.rebase(at)
 
     # has_reference, loss_level and start_loss read the healthy reference's fields in the state they share, with no
-    # call into it
-    # (has_reference is read on every snapshot step)
+    # call into it (has_reference is read on every snapshot step)
 
     @property
     def has_reference(self) -> bool:
