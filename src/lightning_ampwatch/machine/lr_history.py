@@ -7,7 +7,7 @@ machine package's ``state`` and ``vocabulary`` only.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_ampwatch.machine.state import LrPoint, LrRise, MachineState
 from lightning_ampwatch.machine.vocabulary import Thresholds
@@ -32,6 +32,22 @@ def record_lr(s: MachineState, t: Thresholds, step: int, lrs: tuple[float, ...])
         else:  # a new rise, from the LR just before it
             s.lr_rise = LrRise(previous.step, previous.lr, step, lr)
     s.lr_history.append(LrPoint(step, lr))
+
+
+def record_lr_run(s: MachineState, t: Thresholds, steps: Sequence[int], lrss: Sequence[tuple[float, ...]]) -> None:
+    """:func:`record_lr` for a run of steps (``lrss`` their LRs, one tuple per step), checked only where the run's LR
+    tuple changes: after a check ``s.lr_last`` holds that tuple's LR, so an unchanged tuple is a no-op."""
+    first = lrss[0]
+    if lrss.count(first) == len(steps):  # one LR through the run (a constant LR keeps its tuple): one check
+        if first and (first[0] if len(first) == 1 else max(first)) != s.lr_last:
+            record_lr(s, t, steps[0], first)
+        return
+    previous: tuple[float, ...] | None = None
+    for step, lrs in zip(steps, lrss):
+        if lrs is not previous:
+            previous = lrs
+            if lrs and (lrs[0] if len(lrs) == 1 else max(lrs)) != s.lr_last:
+                record_lr(s, t, step, lrs)
 
 
 def lr_event(s: MachineState, t: Thresholds, onset: int, now_lr: float | None = None) -> dict[str, Any] | None:

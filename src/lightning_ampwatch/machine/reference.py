@@ -6,9 +6,9 @@ healthy (:class:`Reference`), marks a climb above it (:class:`Climb`), and after
 where it went back to (:class:`LevelAt`). A climb that lasts is a finite divergence, an alarm of its own. Its fields
 live in the machine's :class:`~lightning_ampwatch.machine.state.MachineState` (one checkpoint, one format).
 
-It imports the machine's state, vocabulary and LR history, never the machine: it reads its owner through
+It imports the machine's state and vocabulary, never the machine: it reads its owner through
 :class:`ReferenceOwner`, and a climb that lasts is handed to the owner's ``on_climb``, which decides what it is (the
-machine raises it as an alarm).
+machine names its finding and raises it as an alarm).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
-from lightning_ampwatch.machine.lr_history import lr_event
-from lightning_ampwatch.machine.state import Climb, MachineState, Reference
+from lightning_ampwatch.machine.state import Climb, MachineState, Reference, run_up_start
 from lightning_ampwatch.machine.vocabulary import Thresholds
-from lightning_ampwatch.taxonomy import DivergencePattern, Finding
+from lightning_ampwatch.taxonomy import DivergencePattern
 
 #: Healthy losses needed before there is a loss level to compare with.
 _LEVEL_MIN_LOSSES = 3
@@ -36,9 +35,6 @@ _PROMOTE_EVERY = 4
 #: from its first steps (a far too high LR) does, and a level made of that rise would make the climb look late.
 CLIMBING_RISE = 1.5
 _INF = math.inf
-#: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
-#: ring a rollback reads keeps as many steps).
-SKIP_LOG = 256
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,8 @@ class HealthyReference:
     ``reference``, ``reference_before_skip``, ``climb``, ``start_loss``, ``divergence_noted``, ``rebased_why``), and
     the owner's ``quiet`` for whether anything is in progress. A climb that lasts is a finite divergence: the
     tracker hands it to ``on_climb`` at once (the machine raises it: its episode, its withdrawal of a
-    ``NORMAL_SCALING`` call), and :meth:`finite_divergence` gives its finding and evidence."""
+    ``NORMAL_SCALING`` call), and :meth:`finite_divergence` gives its onset and measurements, from which the machine
+    names its finding."""
 
     def __init__(self, owner: ReferenceOwner, on_climb: Callable[[Climb], None]) -> None:
         self._owner = owner
@@ -370,11 +367,12 @@ class HealthyReference:
 
     # ---------------------------------------------------------------- a climb that lasts
 
-    def finite_divergence(self, climb: Climb) -> tuple[Finding, int, dict[str, Any]]:
-        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite: what the
-        tracker found, as the finding (the optimisation diverges; no skip or NaN needed), its onset (the climb's
-        start, or the skip just before it) and its evidence (without the run's precision, which the owner puts
-        first). The owner decides what it is (an alarm with an episode, or a noted one under DDP)."""
+    def finite_divergence(self, climb: Climb) -> tuple[int, dict[str, Any]]:
+        """A loss far above the healthy base for ``divergence_steps`` losses in a row, every one finite (the
+        optimisation diverges; no skip or NaN needed): what the tracker found, as its onset (the climb's start, or the
+        skip just before it) and its measurements (the evidence, without the run's precision, which the owner puts
+        first). The owner decides what it is: its finding (an LR event before the onset makes it the schedule's), and
+        an alarm with an episode or a noted one under DDP."""
         s, t = self._owner.state, self._owner.thresholds
         onset, at_onset, rise = climb.start_step, climb.start_loss, ""
         if self.reference_for(onset) is None:
@@ -386,12 +384,7 @@ class HealthyReference:
                 if low is not None and low + 1 < len(before):
                     onset, at_onset = before[low + 1]
                     rise = (f"rising from the run's first loss since step {onset} ({at_onset:.3g} there), and ")
-        for skip in reversed(s.recent_skips):  # skips just before the climb were its first sign
-            if skip >= onset:
-                continue
-            if onset - skip > 2 * t.streak:
-                break
-            onset = skip
+        onset = run_up_start(s.recent_skips, onset, 2 * t.streak)  # skips just before the climb were its first sign
         ref = self.reference_for(onset)
         base_from = "the healthy level" if ref is not None else "the run's first loss"
         ev: dict[str, Any] = {
@@ -406,10 +399,7 @@ class HealthyReference:
                           f"{climb.start_step}, none of them NaN or inf",
             "skipped_steps": s.skipped_total, "steps": s.steps_seen,
         }
-        lr = lr_event(s, t, onset, s.lr_last)
-        if lr is not None:
-            ev.update(lr)
-        return (Finding.LR_SCHEDULE if lr is not None else Finding.FP32_UNSTABLE), onset, ev
+        return onset, ev
 
     def climb_evidence(self, climb: Climb, first_sign: int) -> dict[str, Any]:
         """What a climb adds to the evidence of an alarm it is part of (it came before ``first_sign`` or after)."""

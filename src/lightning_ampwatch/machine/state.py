@@ -3,7 +3,9 @@ checkpoint: plain JSON written by :func:`plain`, read back by :func:`decode`, wh
 annotation. Pure Python (no torch, no Lightning). The healthy reference's fields (:class:`Reference`,
 :class:`Climb`) and the LR's history (:class:`LrPoint`, :class:`LrRise`) are here too (one state, one checkpoint);
 the logic that keeps them is :mod:`~lightning_ampwatch.machine.reference`'s and
-:mod:`~lightning_ampwatch.machine.lr_history`'s. This module imports no other module of the machine package.
+:mod:`~lightning_ampwatch.machine.lr_history`'s. A fresh state's bounds come from the thresholds
+(:func:`fresh_state`), and a checkpoint loads with them (:func:`load_state`). Of the machine package, this module
+imports ``vocabulary`` only.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
 
+from lightning_ampwatch.machine.vocabulary import Thresholds
 from lightning_ampwatch.taxonomy import Finding
 
 #: How many scales of a streak its ``scale_history`` evidence keeps.
 SCALE_HISTORY = 24
+#: How many of the latest skipped steps the machine keeps for judging the stretch a rollback goes back to (the loss
+#: ring a rollback reads keeps as many steps).
+SKIP_LOG = 256
 
 
 @dataclass
@@ -147,6 +153,42 @@ class MachineState:
     # each optimizer's own steps, by its index, where several step through one scaler (empty with one optimizer; a
     # checkpoint from before it loads with none)
     optimizers: dict[str, OptimizerSteps] = field(default_factory=dict)
+
+
+def fresh_state(t: Thresholds) -> MachineState:
+    """A new run's state, its histories bounded as the thresholds need them."""
+    return MachineState(
+        growths=deque(maxlen=max(t.growth_repeats * 4, 8)),
+        growth_skips=deque(maxlen=t.growth_repeats),
+        lr_history=deque(maxlen=t.window + t.lr_lookback + 2),
+        losses=deque(maxlen=t.loss_window),
+        loss_steps=deque(maxlen=t.loss_window),
+        skip_log=deque(maxlen=SKIP_LOG),
+    )
+
+
+def load_state(value: Any, t: Thresholds) -> MachineState:
+    """A checkpointed state (:func:`plain`'s JSON) read back, its histories bounded as in :func:`fresh_state`. A
+    malformed one (not a dict, an unknown Finding, a wrong type) raises ValueError naming the bad entry."""
+    loaded = decode(MachineState, value, "machine state")
+    fresh = fresh_state(t)
+    for f in fields(fresh):  # the bounded containers keep their bounds
+        bound = getattr(fresh, f.name)
+        if isinstance(bound, deque):
+            setattr(loaded, f.name, deque(getattr(loaded, f.name), maxlen=bound.maxlen))
+    return loaded
+
+
+def run_up_start(skips: deque[int], start: int, gap: int) -> int:
+    """Where trouble at ``start`` first showed: ``start``, or earlier, the first of the skips (``skips``, in step
+    order) that led up to it, each within ``gap`` steps of the next."""
+    for skip in reversed(skips):
+        if skip >= start:
+            continue
+        if start - skip > gap:
+            break
+        start = skip
+    return start
 
 
 def plain(value: Any) -> Any:

@@ -7,7 +7,7 @@ of the others.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import get_type_hints
 
@@ -91,18 +91,21 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         kinds = get_type_hints(Thresholds)
-        for f in fields(self):
-            value, kind = getattr(self, f.name), kinds[f.name]
+        values: dict[str, object] = asdict(self)
+        for name, value in values.items():
+            kind = kinds[name]
             wanted = "a positive integer" if kind is int else "a positive finite number"
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or (kind is int and not isinstance(value, int)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"Thresholds.{f.name} must be {wanted}, got {value!r}")
-        for name in ("window_skip_rate", "growth_skip_rate"):
-            if getattr(self, name) > 1:
-                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {getattr(self, name)!r}")
-        for name in ("lr_cause_margin", "fall_margin", "track_tolerance"):
-            if getattr(self, name) >= 1:
-                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {getattr(self, name)!r}")
+                raise ValueError(f"Thresholds.{name} must be {wanted}, got {value!r}")
+        for name, fraction in (("window_skip_rate", self.window_skip_rate),
+                               ("growth_skip_rate", self.growth_skip_rate)):
+            if fraction > 1:
+                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1], got {fraction!r}")
+        for name, fraction in (("lr_cause_margin", self.lr_cause_margin), ("fall_margin", self.fall_margin),
+                               ("track_tolerance", self.track_tolerance)):
+            if fraction >= 1:
+                raise ValueError(f"Thresholds.{name} is a fraction in (0, 1), got {fraction!r}")
         if self.divergence_ratio <= 1:
             raise ValueError(f"Thresholds.divergence_ratio must be above 1 (a loss above its level), "
                              f"got {self.divergence_ratio!r}")
@@ -142,3 +145,9 @@ class Observation:
     @property
     def anomalous(self) -> bool:
         return self.skipped or self.loss_finite is False
+
+    @property
+    def data_nonfinite(self) -> bool:
+        """Its loss was made non-finite by its own batch (NaN/inf in the data that reached the loss): it says nothing
+        of the scale."""
+        return self.loss_finite is False and self.batch is not None and self.batch.nonfinite
