@@ -166,124 +166,12 @@ class TrajectoryJudge:
                              f"{', '.join(str(s) for s in dirty)} hold{'' if len(dirty) > 1 else 's'} NaN/inf, which "
                              "FP32 training from the snapshot would take in: a replay would show the data's fault, not "
                              "whether reduced precision is at fault")
-        local: tuple[TrajectoryVerdict, LowerLrVerdict, bool] | str | None = None  # the verdicts, or an error
+        local: tuple[TrajectoryVerdict, LowerLrVerdict, bool, Any] | _CapTooSmall | str | None = None  # or an error
         if snapshot is None:
             reason = disagreed or self._no_snapshot(before, diagnosis.step)
             ev["trajectory_control"] = f"not run: {reason}"
         else:
-            # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
-            # rank there (distributed.Lockstep), so that every rank reaches the gather below
-            sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
-            # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
-            # every rank; the ranks meet once per replay (protocol.Meeting), after every check of the replay and of
-            # its restore and right before the first broadcast. A rank whose preparation failed, or whose last replay
-            # raised, enters that meeting to say so: every rank stops there, and every rank reaches the gather below
-            split = agree and distributed.world_size() > 1 and self.state.split and not sharded
-
-            def lockstep() -> Any:
-                return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
-
-            error: str | None = None
-            state = self.state
-
-            together = agree and distributed.world_size() > 1
-            told = False  # this rank's error was said at a meeting every rank entered (every rank stopped there)
-
-            def before_each() -> bool:
-                """Before each intervention's replay, the ranks that replay together meet (protocol.meet): one that
-                failed since says so there, and every rank stops at that meeting, so the next replay's restore and
-                the interventions' agreements are entered by every rank or by none."""
-                nonlocal error, told
-                if told or not together:
-                    return error is not None
-                try:
-                    stop = protocol.meet(error)
-                except protocol.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
-                    error, stop = f"ReplayAborted: {err}", True
-                told = stop
-                return stop
-
-            try:
-                steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
-                if steps[-1][0] < diagnosis.step:
-                    raise _CapTooSmall(f"not run: the {diagnosis.step - snapshot.step} steps from the snapshot after step "
-                                       f"{snapshot.step} to the onset at step {diagnosis.step} do not fit twice in the "
-                                       f"replay-step cap of {self.replay_steps} (Thresholds.replay_steps)")
-                alone = distributed.world_size() == 1  # ranks stop together only where each replay runs to its end
-
-                def replay(**options: Any) -> Any:
-                    nonlocal error, told
-                    options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
-                    limit = options.pop("limit", None)  # a replay shortened to the cap (the lower LR's, after a rise)
-                    use = steps if limit is None else steps[:limit]
-                    # a split snapshot's restore meets once, after every check and before its first broadcast
-                    # (protocol.Meeting); a sharded replay meets at each micro-batch (Lockstep.next)
-                    meeting, lock = protocol.Meeting(split), None
-                    try:
-                        with lockstep() as lock, meeting:
-                            return replay_trajectory(state, snapshot, use, ready=meeting.ready,
-                                                     before_micro_batch=lock.next if lock else None, **options)
-                    except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
-                        error = f"{type(err).__name__}: {err}"
-                        told = isinstance(err, protocol.ReplayAborted) or meeting.failed or bool(lock and lock.told)
-                        return None
-
-                facts = facts_of(diagnosis)
-                nothing_nonfinite = replay_went_nonfinite(facts.replay) if facts.replay is not None else False
-                # which replays run must be every rank's alike (their collectives meet): under several ranks only the
-                # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
-                forward = nothing_nonfinite or (alone and diagnosis.measured.first_nonfinite_step is not None)
-                located = owning_module(state.module, facts.replay.module if facts.replay is not None else None)
-                owner = owning_module(state.module, diagnosis.location) if located is None else None
-                unlocated = "the fault was not located in a module"
-                if owner is not None and forward:  # a forward fault titled with a parameter: its owning module
-                    located = owner
-                elif owner is not None:  # a gradient fault: the loss scale reaches it, and the cap is kept for that
-                    unlocated = (f"the fault is in the gradients of {diagnosis.location}, not in a forward output of "
-                                 f"{owner}: a lower loss scale is what reaches it")
-                together = agree and distributed.world_size() > 1
-                runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
-                                       bf16=self.bf16, before_each=before_each,
-                                       agree=(lambda clean: all(distributed.gather(clean))) if together else
-                                       (lambda clean: clean))
-                with compat.uncompiled(state.module):
-                    report = runner.run(
-                        module=state.module, located=located,
-                        forward=forward,
-                        onset_scale=_number(diagnosis.measured.onset_scale) or _number(diagnosis.measured.scale) or (
-                            _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
-                        scale_hint=_number(diagnosis.measured.safe_scale),
-                        scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
-                        repeated_from=repeated_from, lr_factor=_lower_lr_factor(diagnosis.measured.lr),
-                        lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None,
-                        unlocated=unlocated,
-                        fp32_fails=lambda nothing, fp32: judge_trajectory(
-                            fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
-                            TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
-                if error is not None:
-                    raise InvestigationError(error)
-                fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
-                if fp32t is None or amp is None:  # stopped with another rank, whose own error is the one said
-                    raise InvestigationError("ReplayAborted: the replays stopped before the FP32 control, with "
-                                             "another rank's")
-                fp32 = fp32t.result
-                verdict = judge_trajectory(fp32, amp.result, loss_level, self.divergence_ratio)
-                # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
-                # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
-                verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes},
-                                  fp32_reference=fp32_reference(fp32.losses, level=loss_level,
-                                                                margin=self.fall_margin))
-                lower_t = report.get(Intervention.LOWER_LR)
-                lower = lower_t.result if lower_t is not None else TrajectoryResult("amp", snapshot.step, [], [],
-                                                                                     [], True)
-                lower_verdict = judge_lower_lr(lower, report.lr_factor, full=fp32, margin=self.lr_cause_margin)
-                local = (verdict, lower_verdict, trains_down(fp32), report)
-            except _CapTooSmall as err:  # the same on every rank: a reason, not a failure
-                local = err
-            except InvestigationError as err:  # a replay's own error, as it was raised
-                local = str(err)
-            except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
-                local = f"{type(err).__name__}: {err}"
+            local = self._replay(diagnosis, snapshot, alarm_step, loss_level, agree)
         gathered = distributed.gather(local) if agree else [local]
         ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
         # the rank whose replay raised first, before those that stopped with it (distributed.Lockstep)
@@ -338,6 +226,125 @@ class TrajectoryJudge:
             supersede_amp_evidence(ev, diagnosis.finding)
         return replace(diagnosis, finding=finding, location=location, evidence=ev, advice=advise(finding, ev),
                        facts=facts), renamed
+
+    def _replay(self, diagnosis: Diagnosis, snapshot: Any, alarm_step: int, loss_level: float | None,
+                agree: bool) -> tuple[TrajectoryVerdict, LowerLrVerdict, bool, Any] | _CapTooSmall | str:
+        """This rank's replays from ``snapshot`` (every rank's together where they ``agree``): the verdicts (the
+        trajectory's, the lower LR's, whether FP32 trained down, the interventions' report), the reason the cap
+        cannot hold them, or this rank's error; never raised, since every rank must reach the gather that follows."""
+        # a sharded model's replays talk to every rank: a rank that fails before one's first forward stops every
+        # rank there (distributed.Lockstep), so that every rank reaches the gather below
+        sharded = agree and distributed.world_size() > 1 and sharding.replay_needs_all_ranks(self.state.root)
+        # a snapshot split across DDP ranks: each replay starts with a restore that broadcasts entry by entry from
+        # every rank; the ranks meet once per replay (protocol.Meeting), after every check of the replay and of
+        # its restore and right before the first broadcast. A rank whose preparation failed, or whose last replay
+        # raised, enters that meeting to say so: every rank stops there, and every rank reaches the gather below
+        split = agree and distributed.world_size() > 1 and self.state.split and not sharded
+
+        def lockstep() -> Any:
+            return distributed.Lockstep(self.state.root) if sharded else contextlib.nullcontext()
+
+        error: str | None = None
+        state = self.state
+
+        together = agree and distributed.world_size() > 1
+        told = False  # this rank's error was said at a meeting every rank entered (every rank stopped there)
+
+        def before_each() -> bool:
+            """Before each intervention's replay, the ranks that replay together meet (protocol.meet): one that
+            failed since says so there, and every rank stops at that meeting, so the next replay's restore and
+            the interventions' agreements are entered by every rank or by none."""
+            nonlocal error, told
+            if told or not together:
+                return error is not None
+            try:
+                stop = protocol.meet(error)
+            except protocol.ReplayAborted as err:  # another rank's failed: stop here too, as every rank does
+                error, stop = f"ReplayAborted: {err}", True
+            told = stop
+            return stop
+
+        try:
+            steps, repeated_from = self.window(snapshot.step, diagnosis.step, alarm_step)
+            if steps[-1][0] < diagnosis.step:
+                raise _CapTooSmall(f"not run: the {diagnosis.step - snapshot.step} steps from the snapshot after step "
+                                   f"{snapshot.step} to the onset at step {diagnosis.step} do not fit twice in the "
+                                   f"replay-step cap of {self.replay_steps} (Thresholds.replay_steps)")
+            alone = distributed.world_size() == 1  # ranks stop together only where each replay runs to its end
+
+            def replay(**options: Any) -> Any:
+                nonlocal error, told
+                options["stop_on_fault"] = options.get("stop_on_fault", False) and alone
+                limit = options.pop("limit", None)  # a replay shortened to the cap (the lower LR's, after a rise)
+                use = steps if limit is None else steps[:limit]
+                # a split snapshot's restore meets once, after every check and before its first broadcast
+                # (protocol.Meeting); a sharded replay meets at each micro-batch (Lockstep.next)
+                meeting, lock = protocol.Meeting(split), None
+                try:
+                    with lockstep() as lock, meeting:
+                        return replay_trajectory(state, snapshot, use, ready=meeting.ready,
+                                                 before_micro_batch=lock.next if lock else None, **options)
+                except Exception as err:  # noqa: BLE001 - said at the next meeting, or below
+                    error = f"{type(err).__name__}: {err}"
+                    told = isinstance(err, protocol.ReplayAborted) or meeting.failed or bool(lock and lock.told)
+                    return None
+
+            facts = facts_of(diagnosis)
+            nothing_nonfinite = replay_went_nonfinite(facts.replay) if facts.replay is not None else False
+            # which replays run must be every rank's alike (their collectives meet): under several ranks only the
+            # agreed replay record says whether the fault is in the forward pass, not this rank's own losses
+            forward = nothing_nonfinite or (alone and diagnosis.measured.first_nonfinite_step is not None)
+            located = owning_module(state.module, facts.replay.module if facts.replay is not None else None)
+            owner = owning_module(state.module, diagnosis.location) if located is None else None
+            unlocated = "the fault was not located in a module"
+            if owner is not None and forward:  # a forward fault titled with a parameter: its owning module
+                located = owner
+            elif owner is not None:  # a gradient fault: the loss scale reaches it, and the cap is kept for that
+                unlocated = (f"the fault is in the gradients of {diagnosis.location}, not in a forward output of "
+                             f"{owner}: a lower loss scale is what reaches it")
+            together = agree and distributed.world_size() > 1
+            runner = Interventions(replay, window=[s for s, _ in steps], cap=self.replay_steps,
+                                   bf16=self.bf16, before_each=before_each,
+                                   agree=(lambda clean: all(distributed.gather(clean))) if together else
+                                   (lambda clean: clean))
+            with compat.uncompiled(state.module):
+                report = runner.run(
+                    module=state.module, located=located,
+                    forward=forward,
+                    onset_scale=_number(diagnosis.measured.onset_scale) or _number(diagnosis.measured.scale) or (
+                        _number(snapshot.scaler_state_dict().get("scale")) if snapshot.scaler is not None else None),
+                    scale_hint=_number(diagnosis.measured.safe_scale),
+                    scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
+                    repeated_from=repeated_from, lr_factor=_lower_lr_factor(diagnosis.measured.lr),
+                    lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None,
+                    unlocated=unlocated,
+                    fp32_fails=lambda nothing, fp32: judge_trajectory(
+                        fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
+                        TrajectoryKind.FP32_NONFINITE, TrajectoryKind.FP32_DIVERGES))
+            if error is not None:
+                raise InvestigationError(error)
+            fp32t, amp = report.get(Intervention.FP32), report.get(Intervention.NOTHING)
+            if fp32t is None or amp is None:  # stopped with another rank, whose own error is the one said
+                raise InvestigationError("ReplayAborted: the replays stopped before the FP32 control, with "
+                                         "another rank's")
+            fp32 = fp32t.result
+            verdict = judge_trajectory(fp32, amp.result, loss_level, self.divergence_ratio)
+            # what the snapshot held on this rank (trained state only: frozen parameters are left out); and what
+            # the FP32 trajectory offers a remedy's recovery check as a reference (only when it was healthy)
+            verdict = replace(verdict, evidence={**verdict.evidence, "snapshot_bytes": snapshot.nbytes},
+                              fp32_reference=fp32_reference(fp32.losses, level=loss_level,
+                                                            margin=self.fall_margin))
+            lower_t = report.get(Intervention.LOWER_LR)
+            lower = lower_t.result if lower_t is not None else TrajectoryResult("amp", snapshot.step, [], [],
+                                                                                 [], True)
+            lower_verdict = judge_lower_lr(lower, report.lr_factor, full=fp32, margin=self.lr_cause_margin)
+            return verdict, lower_verdict, trains_down(fp32), report
+        except _CapTooSmall as err:  # the same on every rank: a reason, not a failure
+            return err
+        except InvestigationError as err:  # a replay's own error, as it was raised
+            return str(err)
+        except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
+            return f"{type(err).__name__}: {err}"
 
 
 class _CapTooSmall(Exception):
