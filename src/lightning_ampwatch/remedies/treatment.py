@@ -151,14 +151,15 @@ class Treatment:
 
     # ------------------------------------------------------------------ rolling back
 
-    def roll_back(self, diagnosis: Diagnosis, **how: Any) -> tuple[Any, Rollback, list[Any]]:
-        """Go back to before the onset (:func:`~lightning_ampwatch.remedies.rollback.roll_back`, ``how``: where the
-        run is and how the ranks agree), unless rollbacks are off: a remedy that did not recover has its next rung go
-        back to where it went. Returns the snapshot (kept for a later rung), the record and the episode's batches."""
+    def roll_back(self, diagnosis: Diagnosis, *, now: int, **how: Any) -> tuple[Any, Rollback, list[Any]]:
+        """Go back to before the onset, from step ``now`` (:func:`~lightning_ampwatch.remedies.rollback.roll_back`,
+        ``how``: the control, the host, how the ranks agree), unless rollbacks are off; the next rung of a remedy
+        that did not recover goes back where it went. Returns the snapshot (kept for a later rung), the record and
+        the episode's batches."""
         retry, self._retry = self._retry, None  # (a rollback that raises leaves none: published without a remedy)
         if not self.rollback:
-            return None, Rollback(RollbackKind.OFF, how["now"]), []
-        return go_back(diagnosis, retry=retry, replay_episode=self.replay_episode, **how)
+            return None, Rollback(RollbackKind.OFF, now), []
+        return go_back(diagnosis, now=now, retry=retry, replay_episode=self.replay_episode, **how)
 
     # ------------------------------------------------------------------ applying and watching
 
