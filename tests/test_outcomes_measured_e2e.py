@@ -187,7 +187,7 @@ def test_an_alarm_located_at_a_parameter_names_its_module_in_the_fixes_tried(tmp
 
 
 def test_a_parameter_maps_to_the_module_that_owns_it() -> None:
-    from lightning_ampwatch.trajectory.control import owning_module
+    from lightning_ampwatch.trajectory.judge import owning_module
 
     model = SummedRegression()
     assert owning_module(model, "body.4.weight") == "body.4"

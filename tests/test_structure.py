@@ -190,9 +190,10 @@ def test_the_machine_package_imports_run_one_way() -> None:
 
 
 def test_the_trajectory_package_imports_run_one_way() -> None:
-    """state first, then snapshot, ring, replay, control: no module imports one after it (nor the package itself)."""
+    """state first, then snapshot, ring, replay, judge, control: no module imports one after it (nor the package
+    itself)."""
     graph = import_graph(_modules())
-    order = ["state", "snapshot", "ring", "replay", "control"]
+    order = ["state", "snapshot", "ring", "replay", "judge", "control"]
     for i, module in enumerate(order):
         later = {f"lightning_ampwatch.trajectory.{m}" for m in order[i + 1:]} | {"lightning_ampwatch.trajectory"}
         imported = set(graph[f"lightning_ampwatch.trajectory.{module}"])
@@ -447,17 +448,17 @@ ALLOWED_EVIDENCE_READS: dict[tuple[str, str, str], str] = {
         _PUBLISHED + " (an AMP finding's entries moved under superseded_amp_evidence once it is renamed)",
     ("lightning_ampwatch.replays", "supersede_amp_evidence", "ev.pop(k)"):
         _PUBLISHED + " (the same move)",
-    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "ev.pop('control_verdict', None)"):
+    ("lightning_ampwatch.trajectory.judge", "TrajectoryJudge.judge", "ev.pop('control_verdict', None)"):
         _PUBLISHED + " (the single-batch control's sentence kept beside the trajectory's; which verdict stands is "
                      "decided on facts_of(diagnosis).control and the typed TrajectoryVerdict)",
-    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge",
+    ("lightning_ampwatch.trajectory.judge", "TrajectoryJudge.judge",
      "ev.pop('batch_control_verdict', batch_verdict)"):
         _PUBLISHED + " (the same sentence, put back where both controls blame AMP)",
-    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['losses']"):
+    ("lightning_ampwatch.trajectory.judge", "TrajectoryJudge.judge", "lower.evidence['losses']"):
         _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
-    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['skipped']"):
+    ("lightning_ampwatch.trajectory.judge", "TrajectoryJudge.judge", "lower.evidence['skipped']"):
         _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
-    ("lightning_ampwatch.trajectory.control", "TrajectoryControl.judge", "lower.evidence['margin']"):
+    ("lightning_ampwatch.trajectory.judge", "TrajectoryJudge.judge", "lower.evidence['margin']"):
         _PUBLISHED + " (the lower-LR replay's numbers, copied from its typed verdict's own evidence)",
 }
 

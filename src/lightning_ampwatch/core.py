@@ -181,7 +181,7 @@ class RunWatcher(WatchState):
 
     @property
     def event_log(self) -> Any:
-        return getattr(self.reporters, "event_log", None)
+        return self.reporters.event_log if self.reporters is not None else None
 
     @property
     def log_every(self) -> int:
@@ -290,8 +290,6 @@ class RunWatcher(WatchState):
                             processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
         control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
                                     self.say_once, adaptive=adaptive, on_failure=self.internal_failure,
-                                    fall_margin=config.thresholds.fall_margin,
-                                    lr_cause_margin=config.thresholds.lr_cause_margin,
                                     thresholds=config.thresholds)
         self.trajectory = control
         if self.ledger is not None:  # the clean steps' batches held back, for its snapshots (again: the new control)
@@ -317,10 +315,7 @@ class RunWatcher(WatchState):
         # watch is off or whose end-of-run work just failed (skipping it would leave the others waiting in it)
         relayed: list[Diagnosis] = []
         try:
-            relayed = self.ranks.at_end()
-            for diagnosis in relayed:
-                self.episodes.publish_relayed(diagnosis)
-            relayed = self.episodes.publish_reconciled() + relayed
+            relayed = self.episodes.publish_exchanged(self.ranks.at_end())
         except Exception as err:  # noqa: BLE001
             self.internal_failure("finish", err)
         if not self.disabled:
@@ -333,17 +328,7 @@ class RunWatcher(WatchState):
 
     @_guarded
     def _finish(self) -> None:
-        if self.ledger is not None:
-            self.episodes.take(self.ledger.drain(force=True))
-            self.episodes.read_losses()
-            self.episodes.take_divergences()
-        if self.investigations is not None:
-            for diagnosis in self.investigations.finish_probe():  # the run ended before the armed step
-                self.episodes.emit(diagnosis)
-            self.route.sync_investigations()
-        if self.treatment.due or self.treatment.watch is not None:
-            self.route.at_step_boundary()
-        self.episodes.finish()  # a remedy still watched: its outcome stays unknown, and the record says why
+        self.episodes.finish()  # what is in flight resolved; a remedy still watched: its outcome stays unknown
 
     @_guarded
     def _summarize(self) -> None:
@@ -467,9 +452,7 @@ class RunWatcher(WatchState):
             if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
                 # the other ranks still meet this one where they talk across ranks: it keeps its place there (the
                 # step in flight is closed at its batch's end; a watched remedy is judged after as many steps)
-                watch, machine = self.treatment.watch, self.machine
-                left = None if watch is None or machine is None else \
-                    self.treatment.recovery_steps - (machine.steps_seen - watch.steps_before)
+                left = self.treatment.steps_left(self.machine.steps_seen) if self.machine is not None else None
                 self.ranks.bystander = distributed.Bystander(
                     self.ranks, ledger, self.reporters, self.host, ledger.step_index, self.route.log_every,
                     stepped=stepped, judge_at=None if left is None or left < 1 else ledger.step_index + left)

@@ -26,7 +26,8 @@ from typing import Any, Callable, Protocol, Union
 from lightning_ampwatch import protocol
 from lightning_ampwatch.records import Outcome
 from lightning_ampwatch.remedies import REGISTRY, Effect
-from lightning_ampwatch.remedies.treatment import ROLLED_BACK, Treatment
+from lightning_ampwatch.remedies.rollback import ROLLED_BACK, rollback_failed
+from lightning_ampwatch.remedies.treatment import Treatment
 from lightning_ampwatch.steps import ResolvedStep
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis, Finding, withdrawn_by
 from lightning_ampwatch.trajectory.replay import retrain
@@ -269,9 +270,22 @@ class Episodes:
             control.paused = treatment.watching  # no snapshot of a run not yet known to be healthy
 
     def finish(self) -> None:
-        """The fit's end: a remedy still watched keeps its outcome unknown, never assumed, and the record says why."""
-        machine = self.run.machine
-        ended = self.treatment.finish(machine.steps_seen if machine is not None else 0)
+        """The fit's end: what is in flight resolved (the steps held, the losses unread, the alarms that waited for a
+        live probe), the alarms due decided; a remedy still watched keeps its outcome unknown, never assumed, and the
+        record says why."""
+        run, treatment = self.run, self.treatment
+        if run.ledger is not None:
+            self.take(run.ledger.drain(force=True))
+            self.read_losses()
+            self.take_divergences()
+        if run.investigations is not None:
+            for diagnosis in run.investigations.finish_probe():  # the run ended before the armed step
+                self.emit(diagnosis)
+            self.probe_changed()
+        if treatment.due or treatment.watch is not None:
+            self.at_step_boundary()
+        machine = run.machine
+        ended = treatment.finish(machine.steps_seen if machine is not None else 0)
         if ended is not None:
             self.update(ended.old, ended.new)
 
@@ -337,7 +351,7 @@ class Episodes:
             raise
         except Exception as err:  # noqa: BLE001 - published without a remedy, the evidence saying why
             run.internal_failure("a rollback", err)
-            return treatment.rollback_failed(diagnosis, err)
+            return rollback_failed(diagnosis, err)
         then = None  # the level where a rollback took the run back to, if that stretch was healthy
         if rollback.resumed_at is not None:
             self.act(Realign(ROLLED_BACK))
@@ -396,6 +410,14 @@ class Episodes:
             return
         self.diagnoses.append(diagnosis)
         self.act(Publish(diagnosis))
+
+    def publish_exchanged(self, relayed: list[Diagnosis]) -> list[Diagnosis]:
+        """After an exchange across ranks (a log step's, the fit end's): what other ranks reached alone, published by
+        rank zero (``relayed``), then the alarms the ranks judged alone, as they agreed on them, on every rank alike.
+        Returns both, the agreed ones first."""
+        for diagnosis in relayed:
+            self.publish_relayed(diagnosis)
+        return self.publish_reconciled() + relayed
 
     def publish_reconciled(self) -> list[Diagnosis]:
         """Every rank, after an exchange: the alarms the ranks judged alone, as they agreed on them

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
-from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
+from lightning_ampwatch.machine import AmpStateMachine, BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.signals import float_tensors
 from lightning_ampwatch.probes import (
     FP16_MAX,
@@ -471,9 +471,9 @@ class Investigations:
             # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
                 reference = self.machine.reference_for(diagnosis.step)
-                refined, renamed_again = trajectory.judge(refined, step.opened.step,
-                                                          None if reference is None else reference.level,
-                                                          agree=agree, fault_ranks=step.fault_ranks)
+                refined, renamed_again = trajectory.judgement.judge(refined, step.opened.step,
+                                                                    None if reference is None else reference.level,
+                                                                    agree=agree, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
@@ -504,8 +504,8 @@ class Investigations:
                 "every rank together or by none")})
         try:
             reference = self.machine.reference_for(diagnosis.step)
-            return trajectory.judge(diagnosis, alarm_step, None if reference is None else reference.level,
-                                    agree=False, rename=False)[0]
+            return trajectory.judgement.judge(diagnosis, alarm_step, None if reference is None else reference.level,
+                                              agree=False, rename=False)[0]
         except Exception as err:  # noqa: BLE001 - the alarm stands without the replays
             trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
             self.on_failure("the FP32 trajectory control", err)
@@ -571,16 +571,16 @@ _RISE_FIRST = {Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPU
 ADDED_GROUP_RATIO = 10.0
 
 
-def _added_group(trajectory: Any, onset: int, machine: Any) -> dict[str, Any] | None:
+def _added_group(trajectory: "TrajectoryControl | None", onset: int, machine: AmpStateMachine) -> dict[str, Any] | None:
     """The LR evidence of a param group added within ``Thresholds.lr_lookback`` steps before ``onset`` (or at it)
     whose LR is at least :data:`ADDED_GROUP_RATIO` times the largest LR of the groups before it (Lightning's
     ``BackboneFinetuning`` unfreezing a backbone at a high LR), from the LRs each step ran with; None otherwise."""
-    log = getattr(getattr(trajectory, "state", None), "lr_log", None)
+    log = trajectory.state.lr_log if trajectory is not None else None
     by_step: dict[int, tuple[float, ...]] = {}
-    for point, lrs in getattr(log, "entries", ()) or ():
+    for point, lrs in log.entries if log is not None else ():
         by_step[point] = lrs  # the last read of a step wins (after a rollback, points are read again)
     entries = sorted(by_step.items())
-    lookback = getattr(getattr(machine, "thresholds", None), "lr_lookback", Thresholds.lr_lookback)
+    lookback = machine.thresholds.lr_lookback
     for (_, before), (point, after) in zip(entries, entries[1:]):
         if not (onset - lookback <= point <= onset) or len(after) <= len(before) or not before:
             continue

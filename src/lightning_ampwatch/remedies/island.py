@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lightning_ampwatch import compat, deepspeed_state
+from lightning_ampwatch.records import facts_of
 from lightning_ampwatch.remedies.base import AppliedRemedy, Remedy, RemedyContext, RemedyError, RemedyName, register
 from lightning_ampwatch.remedies.precision import UNKNOWN, built_with, run_precision
 from lightning_ampwatch.taxonomy import Diagnosis
@@ -99,9 +100,9 @@ class Fp32Island(Remedy):
 
     def apply(self, ctx: RemedyContext, diagnosis: Diagnosis) -> dict[str, Any]:
         deepspeed_state.refuse(ctx.trainer, "fp32_island")
-        report = getattr(diagnosis.facts, "interventions", None)
-        measured = tuple(getattr(report, "island_modules", ()) or ())
-        if measured and report.cured(Intervention.ISLAND):
+        report = facts_of(diagnosis).interventions
+        measured = report.island_modules if report is not None else ()
+        if measured and report is not None and report.cured(Intervention.ISLAND):
             names = [n for n in measured if compat.has_submodule(ctx.module, n)]  # the modules whose island cured
         else:
             names = [_island_module_name(ctx.module, diagnosis.location)]
