@@ -127,6 +127,50 @@ def test_clipping_moved_after_unscale_in_manual_optimization_is_verified_by_the_
     assert "fixed with unscale_before_clip, recovery verified" in out
 
 
+class ClipsScaledGradsOfASummedPenalty(pl.LightningModule):
+    """ClipsScaledGrads with an activation penalty summed over the batch (as an auxiliary loss often is): its
+    scaled gradients overflow float16 at the scaler's first scale, so GradScaler skips its first steps while it
+    halves the scale down to one that fits, as it would with the clip in the right place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.body = nn.Sequential(nn.Linear(24, 96), nn.SiLU(), nn.Linear(96, 96), nn.SiLU())
+        self.head = nn.Linear(96, 6)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        h = self.body(x)
+        loss = F.cross_entropy(self.head(h), y) + 3.0 * h.float().pow(2).sum()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+        opt.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+def test_the_scalers_start_up_search_does_not_fail_a_remedy_that_is_not_about_the_scale(tmp_path: Path) -> None:
+    """The clip is moved after unscale_ at step 1, while GradScaler is still halving its first scale (it had not
+    stepped once): those skips are the scaler's own search, which any run at that scale makes, not the clip's
+    fault coming back. The remedy is verified by the loss falling, and the outcome says which skips it left out
+    (it read "not fixed: the scaler still skipped 3 of the 8 steps after it")."""
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(remediate=True, verbose=False, log_dir=str(tmp_path / "log"))
+    _fit(tmp_path, ClipsScaledGradsOfASummedPenalty(), class_data(), watch, steps=30)
+    [d] = [d for d in watch.diagnoses if d.is_alarm]
+    assert d.finding is Finding.CLIP_BEFORE_UNSCALE and d.remedy == "unscale_before_clip"
+    recovery = d.evidence["recovery"]
+    assert d.outcome == "recovered", recovery["reason"]
+    assert recovery["startup_search_steps"] == [1, 2, 3], recovery
+    assert "fell decisively" in recovery["reason"] and "skips at steps 1..3 left out" in recovery["reason"], recovery
+    # the skips were the scaler settling, as the machine says too: a normal scaling call, no second alarm
+    assert [x.finding for x in watch.diagnoses if not x.is_alarm] == [Finding.NORMAL_SCALING]
+
+
 def test_the_decisive_fall_is_the_remedys_doing_not_the_runs_own(tmp_path: Path) -> None:
     """The premise of judging a stall's fix by a decisive fall: left unremedied, the same run does not fall that far
     over the same steps (the clip holds it at 1/65536 of its limit), and nothing calls it recovered."""

@@ -172,6 +172,8 @@ class Episodes:
                         self.update(relapsed.old, relapsed.new)
                 self.emit(diagnosis)
             batch = obs.batch
+            if treatment.watch is not None and obs.skipped:
+                treatment.note_skip(obs.step)
             if treatment.watch is not None and batch is not None and batch.nonfinite \
                     and obs.loss_finite is False and not (renamed_alarm and renamed_alarm[0] == "DATA_NONFINITE"):
                 # its own batch made this step's loss non-finite (unless the controls found otherwise): the data's

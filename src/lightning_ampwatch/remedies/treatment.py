@@ -42,6 +42,15 @@ from lightning_ampwatch.verdicts import (AMP_BLAMING, fp32_reference, judge_deci
 #: their remedy is recovered when the loss falls decisively, watched up to ``STALL_WATCHES`` more ``recovery_steps``.
 STALL_FINDINGS = frozenset({Finding.CLIP_BEFORE_UNSCALE})
 STALL_WATCHES = 3
+#: Findings and remedies about the loss scale itself: skips after them count against the remedy, even at the start.
+SCALE_FINDINGS = frozenset({Finding.GRADIENT_OVERFLOW, Finding.GROWTH_OVERFLOW})
+SCALE_REMEDIES = frozenset({RemedyName.LOWER_INIT_SCALE.value, RemedyName.SLOW_GROWTH.value})
+#: Clean steps after a start-up search's skips, at least, before they are taken as the scaler's own search.
+SEARCH_CLEAN_AFTER = 3
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
 
 
 @dataclass
@@ -61,6 +70,7 @@ class Watch:
     track_from: str = ""
     track_same: bool = True  # the track ran the run's own batches (FP32 from the same state), not the window's
     extended: int = 0  # times the judgement was put off by ``recovery_steps`` (a stall's fix, still falling)
+    skip_steps: list[int] = field(default_factory=list)  # the steps since it that the scaler skipped
 
 
 @dataclass
@@ -312,6 +322,29 @@ class Treatment:
         if watch is not None and step >= watch.start:
             watch.data_steps[step] = skipped
 
+    def note_skip(self, step: int) -> None:
+        """A step the scaler skipped while a remedy is watched (for :meth:`startup_search`)."""
+        watch = self.watch
+        if watch is not None and step >= watch.start:
+            watch.skip_steps.append(step)
+
+    def startup_search(self, steps: int) -> list[int]:
+        """The skips of the watched remedy's first steps that are GradScaler's own search for its first scale, left
+        out of a remedy that does not act on the loss scale: the scaler had not stepped once since the fit's start
+        (every step before the remedy was skipped), its skips since run in a row from the remedy's first step, and
+        every step after them, at least :data:`SEARCH_CLEAN_AFTER`, stepped. A fault that the remedy left in place
+        keeps skipping; this is the scaler halving its scale down to one that fits, as it does in any run."""
+        watch = self.watch
+        assert watch is not None
+        remedy = watch.diagnosis.remedy
+        if watch.diagnosis.finding in SCALE_FINDINGS or remedy in SCALE_REMEDIES or not watch.skip_steps \
+                or watch.skipped_before != watch.steps_before:
+            return []
+        run = sorted(watch.skip_steps)
+        if run != list(range(watch.start, watch.start + len(run))) or steps - len(run) < SEARCH_CLEAN_AFTER:
+            return []
+        return run
+
     def judge(self, recent: Any, *, steps_seen: int, skipped_total: int) -> Recovery | None:
         """The watched remedy's recovery, from the losses read since it (``recent``: (step, loss) pairs), less the
         steps whose batch held the NaN/inf (:meth:`note_data_step`). With no reference level, the run is judged by
@@ -325,6 +358,8 @@ class Treatment:
         losses = [loss for _, loss in pairs]
         steps = steps_seen - watch.steps_before
         skipped = skipped_total - watch.skipped_before - sum(data.values())
+        search = self.startup_search(steps)
+        skipped -= len(search)
         if watch.reference is None and watch.track:
             recovery = judge_tracking(pairs, watch.track, steps=steps, skipped=skipped, track_from=watch.track_from,
                                       tolerance=self.track_tolerance, same_batches=watch.track_same)
@@ -340,6 +375,12 @@ class Treatment:
             elif watch.extended < STALL_WATCHES and skipped <= 1 and all(math.isfinite(x) for x in losses):
                 watch.extended += 1
                 return None
+        if search:
+            recovery = replace(recovery, details={**recovery.details, "startup_search_steps": search},
+                               reason=f"{recovery.reason} (the scaler's skips at {_steps(search)} left out: it had "
+                                      "not stepped once since the fit's start and was halving its first scale down to "
+                                      "one that fits, as GradScaler does in any run; the remedy does not act on the "
+                                      "loss scale)")
         if not data:
             return recovery
         steps = sorted(data)
