@@ -218,3 +218,16 @@ def test_lr_advice_leads_with_the_climb_when_there_was_one() -> None:
 def test_advised_init_scale_is_only_ever_below_the_scale_in_use(evidence: dict[str, object],
                                                                 advised: float | None) -> None:
     assert advised_init_scale(evidence) == advised
+
+
+@pytest.mark.parametrize("where, check", [
+    ("batch['pixel_values'] rows [2]", "torch.isfinite(batch['pixel_values']).all()"),  # a dict batch (HF style)
+    ("micro_batch[1]['x'] rows [0, 3]; micro_batch[1]['y']", "torch.isfinite(batch['x']).all()"),  # accumulation
+    ("batch[0] rows [8]", "torch.isfinite(batch[0]).all()"),
+    (None, "torch.isfinite(batch).all()"),
+])
+def test_a_data_fault_is_checked_on_the_tensor_that_held_it(where: str | None, check: str) -> None:
+    """The advice's check is code the user can paste: on a dict batch ``torch.isfinite(batch)`` raises, so the
+    check names the tensor the NaN/inf was measured in, as the user's training_step names it."""
+    advice = advise(Finding.DATA_NONFINITE, {"nonfinite_where": where} if where else {})
+    assert check in advice, advice

@@ -153,12 +153,24 @@ def lr_schedule(ev: Mapping[str, Any]) -> str:
     )
 
 
+def _checked_tensor(where: Any) -> str:
+    """The tensor the advice's check names, as the user's code names it: the first one the batch held NaN/inf in
+    (``batch['pixel_values'] rows [2]`` gives ``batch['pixel_values']``; a micro-batch of an accumulation is the
+    user's ``batch`` too), or ``batch`` where nothing more precise was measured."""
+    if not isinstance(where, str) or not where:
+        return "batch"
+    path = where.split("; ")[0].split(" rows ")[0]
+    if path.startswith("micro_batch[") and "]" in path:
+        path = "batch" + path[path.index("]") + 1:]
+    return path if path.startswith("batch") else "batch"
+
+
 def data_nonfinite(ev: Mapping[str, Any]) -> str:
     where = ev.get("nonfinite_where")
     return (
         f"Clean the data before it reaches the model{' (' + str(where) + ')' if where else ''}: "
-        "check torch.isfinite(batch).all() in the dataset or a collate function, and drop or repair the "
-        "offending rows. Changing the precision will not help."
+        f"check torch.isfinite({_checked_tensor(where)}).all() in the dataset or a collate function, and drop or "
+        "repair the offending rows. Changing the precision will not help."
     ) + (" The weights already hold NaN/inf from this batch: unless the run goes back to a state from before it, "
          "the rest of the run is lost (remediate=True rolls back and skips the batch; by hand, resume from a "
          "checkpoint from before it without that batch)." if ev.get("weights_lost") else "")
