@@ -41,7 +41,7 @@ from lightning_ampwatch.signals import (
     inspect_batch,
 )
 from lightning_ampwatch.steps import losses as _losses
-from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
+from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns, counted
 from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, LossRing
 from lightning_ampwatch.steps.lrs import LrTracking
 from lightning_ampwatch.steps.optimizers import describe_optimizers, optimizer_index
@@ -138,6 +138,12 @@ class StepLedger:
             self.express_until = 0
             self._tape = LossTape()
             self.losses.entries = []
+
+    @property
+    def host_tape(self) -> bool:
+        """Whether the losses are taken as floats as they come (``losses.HOST_TAPE_DEVICES``): reading the ring of
+        held losses is then no synchronisation, wherever it happens."""
+        return self._host_tape
 
     @property
     def scaler_active(self) -> bool:
@@ -320,7 +326,7 @@ class StepLedger:
         self.log_steps += 1
         self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
         runs = self.runs
-        runs.deferred.append((step, [micro_batch] if runs.keep_batches else NO_BATCHES,  # type: ignore[list-item]
+        runs.deferred.append((step, counted([micro_batch]) if runs.keep_batches else NO_BATCHES,  # type: ignore[list-item]
                               mirror.scale, False, lrs))  # type: ignore[union-attr]
         return True
 
@@ -438,7 +444,8 @@ class StepLedger:
             if len(entries) < losses.capacity:
                 runs = self.runs
                 if step < runs.until:  # handed over later, with the run of clean steps it ends
-                    runs.deferred.append((step, batches if runs.keep_batches else NO_BATCHES, scale, grew, lrs))
+                    runs.deferred.append((step, counted(batches) if runs.keep_batches else NO_BATCHES, scale, grew,
+                                          lrs))
                     return None
                 if runs.deferred:
                     runs.settle()

@@ -30,7 +30,11 @@ from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS
 from lightning_ampwatch.steps.records import ClosedStep
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 
-#: The most clean steps taken in later at once (a run with no log steps still hands them over this often).
+#: The most clean steps taken in later at once (a run with no log steps still hands them over this often). Taking a
+#: held step in costs about 1 us, nearly all of it reading objects the training steps since pushed out of the cache,
+#: so a run's hand-over costs in proportion to its length wherever it happens. Measured for issue 29 on the toy: with
+#: the runs stretched to the log cadence's interval (100 to 150 steps, where a log step does its work), a log step
+#: added 430 to 550 us, over its budget of 400; the runs and the losses' reads held to 64 steps, see FINDINGS.md.
 MAX_DEFERRED = 64
 
 
@@ -187,9 +191,16 @@ class StepRoute:
                 return  # mid-accumulation: no optimizer step in this batch
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = watch.machine.quiet
+            control = watch.trajectory
+            # a snapshot step the "auto" cadence checks its interval against, timed whole: what the hooks pay for it
+            timed = control is not None and 0 <= control.steady_at <= ledger.step_index
+            start = _clock() if timed else 0.0
             closed = ledger.close(watch.host, quiet, micro_batch)
             if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self.take_closed(closed, quiet)
+            if timed:
+                control.steady_snapshot_took(ledger.step_index - 1, _clock() - start)
+                self.plan_deferral()  # (the interval may be longer now)
             log_every = self.log_every
             if log_every and ledger.step_index % log_every == 0:
                 self.log_step()
@@ -300,10 +311,9 @@ class StepRoute:
         if watch.disabled or treatment.watch is not None or treatment.due:
             runs.until = step
             return
-        # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
-        judge_every = self.judge_every
-        stretched = judge_every != self.log_every and MAX_DEFERRED and judge_every > MAX_DEFERRED
-        limit = step + (judge_every if stretched else MAX_DEFERRED)
+        # at most MAX_DEFERRED steps, even where the log cadence set the next log step that does its work further:
+        # the steps held back are handed over where the run stops, so a longer run would only make that step dearer
+        limit = step + MAX_DEFERRED
         if control is not None:
             every = control.defer_limit
             if every is not None:
@@ -337,7 +347,8 @@ class StepRoute:
         said = cadence.observe(step, start, _clock())
         if cadence.decided:
             self.judge_every = cadence.interval
-            ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
+            if not ledger.host_tape:  # an accelerator's losses: read at the log steps that do the work, not between
+                ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
             if said:
                 watch.say_once(said)
             self.plan_deferral()
