@@ -230,9 +230,6 @@ LONG_MODULES: dict[str, str] = {
                                     "not yet split",
 }
 LONG_CLASSES: dict[str, str] = {
-    "lightning_ampwatch.steps.ledger.StepLedger": "close keeps a healthy step's bookkeeping inline and the express "
-                                                  "lane repeats it: every call on an ordinary step counts against its "
-                                                  "budget of 25 (steps/ledger.py's docstring)",
     "lightning_ampwatch.machine.machine.AmpStateMachine": "the pure state machine, held by its property test: every "
                                                           "transition reads the same episode state; not yet split",
 }

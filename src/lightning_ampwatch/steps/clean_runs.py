@@ -14,55 +14,18 @@ adapter's ``machine``, a checkpoint, a diagnosis emitted from inside a step) ask
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Sequence
 
-from torch import Tensor
+from lightning_ampwatch.probes import MicroBatch
 
-from lightning_ampwatch.probes import MicroBatch, tensors_in
-
-#: A step's batches as a deferred step holds them: the micro-batches, and the bytes of their tensors (-1 where they
-#: could not be counted: the snapshot ring counts them again at its next snapshot, which then fails as it would have)
-Counted = tuple[list[MicroBatch], int]
-#: A deferred step: ``(step, (batches, their bytes), scale, grew, lrs)``.
-Deferred = tuple[int, Counted, "float | None", bool, tuple[float, ...]]
-#: A consumer of clean runs: called with the run as columns, ``(steps, counted batches, scales, grews, lrss)``.
-Consumer = Callable[[Sequence[int], Sequence[Counted], Sequence["float | None"], Sequence[bool],
+#: A deferred step: ``(step, batches, scale, grew, lrs)``.
+Deferred = tuple[int, list[MicroBatch], "float | None", bool, tuple[float, ...]]
+#: A consumer of clean runs: called with the run as columns, ``(steps, batches, scales, grews, lrss)``.
+Consumer = Callable[[Sequence[int], Sequence[list[MicroBatch]], Sequence["float | None"], Sequence[bool],
                      Sequence[tuple[float, ...]]], None]
 
-_NBYTES = operator.attrgetter("nbytes")
-_TENSOR_ONLY = {Tensor}
-
-
-def batch_nbytes(micro_batches: Sequence[Any]) -> int:
-    """The bytes of the micro-batches' tensors (``tensors_in`` each batch; a tensor held twice counts twice), without
-    its walk for the usual batch: a tensor, or a tuple or list of plain tensors."""
-    total = 0
-    for mb in micro_batches:
-        batch = mb[0]
-        kind = type(batch)
-        if kind is Tensor:
-            total += batch.nbytes
-        elif (kind is tuple or kind is list) and set(map(type, batch)) == _TENSOR_ONLY:
-            total += sum(map(_NBYTES, batch))
-        else:
-            total += sum(t.nbytes for t in tensors_in(batch))
-    return total
-
-
-# Why a deferred step's bytes are taken when it is closed, not when its run is handed over: measured for issue 29
-# on the toy, the ring's walk over a run's batches at the log step or the snapshot step took 26 us quiet (81 us at a
-# load of 4) for 50 to 100 steps, nearly all of it reading tensors the training steps since had pushed out of the
-# cache; read in the step that ran on them, the same reads cost well under a microsecond.
-def counted(micro_batches: list[MicroBatch]) -> Counted:
-    """A step's batches with their bytes (:data:`Counted`), taken while the step that ran on them is current."""
-    try:
-        return micro_batches, batch_nbytes(micro_batches)
-    except Exception:  # noqa: BLE001 - counted again by the ring at its next snapshot, which fails as it did before
-        return micro_batches, -1
-
-#: a deferred step's batches when nothing will hold them (see :attr:`CleanRuns.keep_batches`), and their bytes
-NO_BATCHES: tuple[list[Any], int] = ([], 0)
+#: a deferred step's batches when nothing will hold them (see :attr:`CleanRuns.keep_batches`)
+NO_BATCHES: list[Any] = []
 
 
 class CleanRuns:

@@ -145,13 +145,13 @@ class StepRoute:
             return
         try:
             if not self.lean:  # (the lean route learns of the step from the framework's count, at batch end)
-                several = ledger.optimizer_ids is not None  # several optimizers: which one steps (one scaler's skips
+                several = ledger.optimizers.ids is not None  # several optimizers: which one steps (one scaler's skips
                 index = ledger.optimizer_index(optimizer) if several else None  # are each one's own)
                 if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                     quiet = watch.machine.quiet
                     self.take_closed(ledger.close(watch.host, quiet, split=True), quiet)
                 if several:
-                    ledger.optimizer = index
+                    ledger.optimizers.current = index
                 ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self.probing:
                 watch.investigations.optimizer_step(optimizer)
@@ -217,7 +217,7 @@ class StepRoute:
     def express(self, loss: Any, batch: Any, batch_idx: int) -> bool:
         """The lean route's express lane: a healthy batch end in one call, with no framework count to read. Taken
         when the batch ran one optimizer step, which the scaler took, and nothing but its bookkeeping is due (the
-        ledger's :meth:`StepLedger.express`; the lane is opened, up to a step, at the end of every other batch end:
+        ledger's :meth:`ExpressLane.take`; the lane is opened, up to a step, at the end of every other batch end:
         :meth:`open_lane`). Returns False, having changed nothing, otherwise: the adapter then calls
         :meth:`batch_end` with the framework's count, as for any batch. ``loss``: the batch's (unscaled) loss."""
         watch = self.watch
@@ -233,7 +233,7 @@ class StepRoute:
         except Exception as err:  # noqa: BLE001
             watch.internal_failure("express", err)
             self.lane_failed = True  # the usual way from now on
-            ledger.express_until = 0
+            ledger.lane.until = 0
         return False
 
     def open_lane(self) -> None:
@@ -249,11 +249,11 @@ class StepRoute:
         try:
             if (not self.lane_failed and not watch.disabled and machine is not None and machine.quiet
                     and not treatment.due and treatment.watch is None):
-                ledger.open_lane(self.log_every)
+                ledger.lane.open(self.log_every)
                 return
         except Exception as err:  # noqa: BLE001
             watch.internal_failure("the express lane", err)
-        ledger.express_until = 0
+        ledger.lane.until = 0
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 

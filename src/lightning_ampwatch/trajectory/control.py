@@ -32,7 +32,6 @@ from lightning_ampwatch.replays import (
 )
 from lightning_ampwatch.signals import inspect_batch
 from lightning_ampwatch.steps.cadence import SnapshotCadence
-from lightning_ampwatch.steps.clean_runs import Counted
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, GradientPattern, advise, format_pow2
 from lightning_ampwatch.trajectory.replay import replay_trajectory
 from lightning_ampwatch.trajectory.ring import SnapshotRing
@@ -153,15 +152,15 @@ class TrajectoryControl:
             if len(ends) > 4 * ring.every:  # no snapshot for long (a stretch of trouble): the newest suffice
                 del ends[:-ring.every]
 
-    def note_run(self, steps: Sequence[int], batches: Sequence[Counted]) -> None:
-        """:meth:`note_step` for a run of clean steps taken in later (their steps, and their batches with the bytes
-        taken as each was closed, in order): the batches kept. The core defers no step a snapshot is due at, and none while the cadence measures (its clock
+    def note_run(self, steps: Sequence[int], batches: Sequence[Any]) -> None:
+        """:meth:`note_step` for a run of clean steps taken in later (their steps and batches, in order): the batches
+        kept. The core defers no step a snapshot is due at, and none while the cadence measures (its clock
         is read at each step's end), so keeping the batches is all :meth:`note_step` would do for them."""
         ring = self.ring
         if not ring.enabled:
             return
         try:
-            ring.add_counted_run(steps, batches)
+            ring.add_run(steps, batches)
         except Exception as err:  # noqa: BLE001 - as note_step
             self._failed(err)
             return

@@ -17,9 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_ampwatch import compat, sharding
-from lightning_ampwatch.probes import MicroBatch
-from lightning_ampwatch.steps.clean_runs import Counted
-from lightning_ampwatch.steps.clean_runs import batch_nbytes as _nbytes
+from lightning_ampwatch.probes import MicroBatch, tensors_in
 from lightning_ampwatch.trajectory.snapshot import Snapshot, _At, _ScalerState, _as_micro_batches, _resolve
 from lightning_ampwatch.trajectory.state import TrainState
 
@@ -143,6 +141,24 @@ class _CopyPlan:
 
 _NBYTES = operator.attrgetter("nbytes")
 _TENSOR_ONLY = {Tensor}
+
+
+def _nbytes(micro_batches: Sequence[Any]) -> int:
+    """The bytes of the micro-batches' tensors (``tensors_in`` each batch), without its walk for the usual batch:
+    a tensor, or a tuple or list of plain tensors."""
+    total = 0
+    for mb in micro_batches:
+        batch = mb[0]
+        kind = type(batch)
+        if kind is Tensor:
+            total += batch.nbytes
+        elif (kind is tuple or kind is list) and set(map(type, batch)) == _TENSOR_ONLY:
+            total += sum(map(_NBYTES, batch))
+        else:
+            total += sum(t.nbytes for t in tensors_in(batch))
+    return total
+
+
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 _SEQUENCES = frozenset({tuple, list})
@@ -288,24 +304,6 @@ class SnapshotRing:
             return
         for step, micro_batches in zip(steps, batches):
             self.add_batches(step, micro_batches)
-
-    def add_counted_run(self, steps: Sequence[int], counted: Sequence[Counted]) -> None:
-        """:meth:`add_run` for a run whose bytes were taken step by step as each was closed (``(batches, bytes)``
-        per step, ``steps.clean_runs.counted``): the pairs are held as they are, with no walk over the batches."""
-        if not self.enabled or not steps:
-            return
-        held = self._batches
-        if not (self._snapshots and self._in_order and len(held) + len(steps) <= self.max_held_steps
-                and (steps[0] > self._newest_held or not held)):
-            self.add_run(steps, list(map(_FIRST, counted)))  # every other case, as a run of batches
-            return
-        sizes = list(map(_SECOND, counted))
-        if min(sizes) < 0:  # some could not be counted: taken as a run of batches (counted again at the snapshot)
-            self.add_run(steps, list(map(_FIRST, counted)))
-            return
-        held.update(zip(steps, counted))
-        self._fresh += sizes
-        self._newest_held = steps[-1]
 
     def after_step(self, step: int, state: TrainState, *, due: bool = False) -> None:
         """Optimizer step ``step`` (0-based: ``trainer.global_step - 1`` once it is over) is over: take a snapshot
