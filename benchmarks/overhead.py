@@ -39,8 +39,9 @@ What it prints, from the least to the most robust on a busy machine:
    interval about three points wide, and a verdict against a 1% budget needs about ten minutes, which
    ``--verdicts on`` spends on the defaults' run alone.
 3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, an ordinary
-   step's, a log step's extra, and the snapshot's per-step share (a snapshot step's hooks over an ordinary
-   step's, divided by the interval in force, as a share of a bare step). Load from elsewhere inflates a median
+   step's, a log step's extra, a hand-over step's extra (a step between two log steps where the watch takes in the
+   healthy steps it held back, at most 64), and the snapshot's per-step share (a snapshot step's hooks over an
+   ordinary step's, divided by the interval in force, as a share of a bare step). Load from elsewhere inflates a median
    call far less than a whole step: the robust numbers. With ``snapshot_every="auto"`` nothing is timed until
    the cadence has chosen its interval, so that its measure of the first snapshots sees a plain run.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor

@@ -183,3 +183,60 @@ def _scripted_control(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], lis
     control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
     control.start(0)
     return now, said, control
+
+
+def test_the_steady_run_checks_the_interval_once_and_only_lengthens_it() -> None:
+    """Once decided, two snapshot steps of the steady run (the copy with the healthy steps it takes in) check the
+    interval: the least of them, when it costs more than the first snapshots did, lengthens it once, with a sentence
+    saying so; a cheaper one leaves it as it is; after the check, nothing moves it."""
+    cadence = SnapshotCadence(20)
+    assert cadence.observe_steady(1.0) is None and cadence.steady == []  # not decided yet: nothing to check
+    cadence.observe(0.1e-3, None, 0)
+    cadence.observe(0.1e-3, 20.1e-3, 20)  # healthy steps of 1 ms
+    said = cadence.observe(0.1e-3, 20.1e-3, 20)
+    assert cadence.decided and cadence.every == 40 and said is not None  # 0.1 ms over 0.25% of 1 ms: 40 steps
+    assert cadence.observe_steady(0.5e-3) is None and not cadence.checked
+    said = cadence.observe_steady(0.4e-3)  # the least of the two: 0.4 ms spread over 160 steps of 1 ms
+    assert cadence.checked and cadence.every == 160 == snapshot_interval(0.4e-3, 1e-3, 20)
+    assert said == ("A snapshot step takes 0.40 ms once the healthy steps are taken in by the run against a healthy "
+                    "step of 1.00 ms: one is taken every 160 steps instead of every 40, so that snapshots take 0.25% "
+                    "of the training time (at most 0.25%).")
+    assert cadence.observe_steady(10.0) is None and cadence.every == 160  # checked once
+
+    cheap = SnapshotCadence(20)
+    for span in (None, 20.1e-3, 20.1e-3):
+        cheap.observe(0.1e-3, span, 20 if span else 0)
+    assert cheap.observe_steady(0.01e-3) is None and cheap.observe_steady(0.02e-3) is None
+    assert cheap.checked and cheap.every == 40  # never shortened
+
+
+def test_auto_times_the_steady_run_s_snapshot_steps_whole_in_the_route(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Once "auto" has decided, the route times the next snapshot steps whole, from the ledger's close (which hands
+    over the healthy steps held back) to the snapshot, on its own clock: scripted here to move 5 ms between two
+    reads, so each such step costs 5 ms, and the interval becomes the one the policy picks for that. (The first
+    decision is pinned to the interval asked for, as a fast machine makes it, so that the check comes early.)"""
+    from lightning_ampwatch.steps import cadence as cadence_module
+    from lightning_ampwatch.steps import route as route_module
+
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += 5e-3
+        return ticks[0]
+
+    policy = cadence_module.snapshot_interval
+    monkeypatch.setattr(route_module, "_clock", clock)
+    monkeypatch.setattr(cadence_module, "snapshot_interval", lambda copy_s, step_s, every, *args, **kwargs:
+                        every if copy_s < 4e-3 else policy(copy_s, step_s, every, *args, **kwargs))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        control = _fit(tmp_path, AmpWatch(verbose=False), 161)
+    cadence = control.cadence
+    assert cadence is not None and cadence.decided and cadence.checked
+    assert cadence.steady == pytest.approx([5e-3, 5e-3])
+    expected = policy(5e-3, min(cadence.steps), 20, SNAPSHOT_FRACTION, cadence._longest)
+    assert expected > 20 and cadence.every == control.ring.every == expected
+    said = [r.getMessage() for r in caplog.records if "A snapshot step takes" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("AmpWatch: A snapshot step takes 5.00 ms")
+    assert f"every {expected} steps instead of every 20" in said[0]

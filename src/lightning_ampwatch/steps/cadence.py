@@ -13,7 +13,8 @@ that follows, a snapshot step also takes in the healthy steps held back since th
 which is what the benchmark (``benchmarks/overhead.py``) reports a snapshot step to cost. So the interval is checked
 once more against the first ``STEADY_MEASURED`` snapshot steps of the steady run, timed whole in the hooks
 (:meth:`SnapshotCadence.observe_steady`), and lengthened if they cost more: on the toy, 0.24 ms for the first
-snapshots against 0.46 ms a steady snapshot step (issue 29), so the 0.25% aimed at had landed at 0.58%.
+snapshots against 0.46 ms a steady snapshot step (issue 29), so the 0.25% aimed at had landed at 0.58%; with
+the check, 0.23 to 0.39% (``benchmarks/FINDINGS.md``).
 
 On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and
 the transfers overlap the next steps, so there the interval mostly stays as asked.
