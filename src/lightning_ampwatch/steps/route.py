@@ -194,15 +194,16 @@ class StepRoute:
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = watch.machine.quiet
             control = watch.trajectory
+            cadence = control.cadence if control is not None else None
             # a snapshot step the "auto" cadence checks its interval against, timed whole: what the hooks pay for it
-            timed = control is not None and 0 <= control.steady_at <= ledger.step_index
+            timed = (cadence is not None and cadence.decided and not cadence.checked
+                     and ledger.step_index % control.ring.every == 0)  # type: ignore[union-attr]
             start = _clock() if timed else 0.0
             closed = ledger.close(watch.host, quiet, micro_batch)
             if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self.take_closed(closed, quiet)
             if timed:
-                control.steady_snapshot_took(ledger.step_index - 1, _clock() - start)
-                self.plan_deferral()  # (the interval may be longer now)
+                self.steady_snapshot(ledger.step_index - 1, _clock() - start)
             log_every = self.log_every
             if log_every and ledger.step_index % log_every == 0:
                 self.log_step()
@@ -289,6 +290,24 @@ class StepRoute:
         elif closed.resolved:
             watch.episodes.take(closed.resolved)
         self.plan_deferral()
+
+    def steady_snapshot(self, step: int, seconds: float) -> None:
+        """Step ``step``, due a snapshot once the ``"auto"`` cadence has decided, took ``seconds`` from the ledger's
+        close (which hands over the healthy steps held back) to the snapshot: what the hooks pay for a snapshot step
+        of the steady run, against which the cadence checks its interval (:meth:`SnapshotCadence.observe_steady`). A
+        step that took none (the run not quiet) is passed over: the next one due is timed instead."""
+        watch = self.watch
+        control = watch.trajectory
+        cadence, ring = control.cadence, control.ring
+        held = ring.snapshots
+        if not (ring.enabled and held and held[-1].step == step):
+            return
+        said = cadence.observe_steady(seconds)
+        if cadence.every != ring.every:
+            ring.lengthen(cadence.every, control.keep)
+            self.plan_deferral()
+        if said is not None:
+            watch.say_once(said)
 
     def at_step_boundary(self) -> None:
         """An optimizer-step boundary with a remedy due or watched: the episode decides; the deferral follows."""

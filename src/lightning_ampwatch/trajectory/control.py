@@ -91,10 +91,6 @@ class TrajectoryControl:
         #: while the cadence measures: (step, clock) at the end of every step since the latest snapshot, so that a
         #: snapshot is timed as what its whole step costs over an ordinary one (cache effects and all)
         self._step_ends: list[tuple[int, float]] | None = [] if self.cadence is not None else None
-        #: once the cadence has decided: the step whose snapshot the route times whole (its batch end, the clean steps
-        #: it takes in included) for the cadence's check (:meth:`steady_snapshot_took`; the first step closed through
-        #: the route from this one on, should the run pass it otherwise); -1: none
-        self.steady_at = -1
         self.start_step = 0  # the first step of this fit (its starting state is snapshotted before it)
         self.keep = ring.keep
 
@@ -217,25 +213,6 @@ class TrajectoryControl:
             # longer interval under the old bound let every snapshot go before the next was due
             ring.max_held_steps = max(ring.max_held_steps, ring.every * (self.keep + 2))
             self._step_ends = None  # measured: no clock on the steps from here on
-            self.steady_at = (step // ring.every + 1) * ring.every  # the next snapshot step: timed whole, by the route
-        if said is not None:
-            self.say(said)
-
-    def steady_snapshot_took(self, step: int, seconds: float) -> None:
-        """The route timed step ``step`` (:attr:`steady_at`) whole, from the ledger's close to the snapshot: the
-        cadence checks its interval against it (:meth:`SnapshotCadence.observe_steady`), if a snapshot was taken
-        there (none while the run is not quiet: the next one due is timed instead)."""
-        cadence, ring = self.cadence, self.ring
-        self.steady_at = -1
-        if cadence is None or cadence.checked or not ring.enabled:
-            return
-        held = ring.snapshots
-        said = cadence.observe_steady(seconds) if held and held[-1].step == step else None
-        if cadence.every != ring.every:
-            ring.every = cadence.every
-            ring.max_held_steps = max(ring.max_held_steps, ring.every * (self.keep + 2))
-        if not cadence.checked:
-            self.steady_at = (step // ring.every + 1) * ring.every
         if said is not None:
             self.say(said)
 
