@@ -209,6 +209,13 @@ def test_the_steady_run_checks_the_interval_once_and_only_lengthens_it() -> None
     assert cheap.observe_steady(0.01e-3) is None and cheap.observe_steady(0.02e-3) is None
     assert cheap.checked and cheap.every == 40  # never shortened
 
+    steady = SnapshotCadence(20)  # the steady run's steps, 0.8 ms, quicker than the first snapshots' warm-up ones
+    for span in (None, 20.1e-3, 20.1e-3):
+        steady.observe(0.1e-3, span, 20 if span else 0)
+    steady.observe_steady(0.4e-3)
+    assert "healthy step of 0.80 ms" in (steady.observe_steady(0.4e-3, 0.8e-3) or "")
+    assert steady.every == 200 == snapshot_interval(0.4e-3, 0.8e-3, 20)
+
 
 def test_auto_times_the_steady_run_s_snapshot_steps_whole_in_the_route(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,

@@ -120,16 +120,20 @@ class SnapshotCadence:
             return None
         return self._said(f"A snapshot takes {copy * 1e3:.2f} ms", copy, step, self.asked)
 
-    def observe_steady(self, cost_s: float) -> str | None:
+    def observe_steady(self, cost_s: float, step_s: float | None = None) -> str | None:
         """Once decided: a snapshot step of the steady run took ``cost_s`` seconds in the watch's hooks, the copy
         with the bookkeeping handed over there (the healthy steps taken in later, in runs, which no snapshot timed
-        before the decision sees: nothing is held back while the first snapshots are timed). After
-        ``STEADY_MEASURED`` of them the interval is checked once (:attr:`checked`): lengthened, never shortened, to
-        the one :func:`snapshot_interval` picks for the least of them against the healthy step measured before. The
-        sentence returned then, when the interval changes, is to be said once. Otherwise None."""
+        before the decision sees: nothing is held back while the first snapshots are timed); ``step_s``: the mean
+        step since the previous one timed (None for the first). After ``STEADY_MEASURED`` of them the interval is
+        checked once (:attr:`checked`): lengthened, never shortened, to the one :func:`snapshot_interval` picks for
+        the least of them against the least healthy step measured (the first snapshots' span their warm-up steps,
+        slower than the steady run's). The sentence returned then, when the interval changes, is to be said once.
+        Otherwise None."""
         if not self.decided or self.checked:
             return None
         self.steady.append(cost_s)
+        if step_s is not None and math.isfinite(step_s) and step_s > 0:
+            self.steps.append(step_s)
         if len(self.steady) < STEADY_MEASURED:
             return None
         self.checked = True

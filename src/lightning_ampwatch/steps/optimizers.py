@@ -77,4 +77,5 @@ class Optimizers:
         return index
 
     def clear(self) -> None:
+        """None attached, none stepping (the fit's start and end); the names stay, as the machine was told them."""
         self.attached, self.ids, self.current, self.several = (), None, None, False

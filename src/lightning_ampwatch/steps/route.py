@@ -62,12 +62,14 @@ class StepRoute:
         # lengthened once by the log cadence when that work would take more than its share of a fast step)
         self.judge_every = 0
         self.log_cadence: LogCadence | None = None
+        self.steady_last: tuple[int, float] | None = None  # (step, end) of the last steady snapshot step timed
 
     def begin(self, log_every: int, world_size: int) -> None:
         """At train start: the framework's log interval, and the log cadence (one process only: under DDP the log
         step is where the ranks meet, so every rank must run it at once)."""
         self.log_every = self.judge_every = log_every
         self.log_cadence = LogCadence(log_every) if log_every and world_size == 1 else None
+        self.steady_last = None
 
     def sync_investigations(self) -> None:
         """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
@@ -203,7 +205,7 @@ class StepRoute:
             if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self.take_closed(closed, quiet)
             if timed:
-                self.steady_snapshot(ledger.step_index - 1, _clock() - start)
+                self.steady_snapshot(ledger.step_index - 1, start, _clock())
             log_every = self.log_every
             if log_every and ledger.step_index % log_every == 0:
                 self.log_step()
@@ -291,18 +293,20 @@ class StepRoute:
             watch.episodes.take(closed.resolved)
         self.plan_deferral()
 
-    def steady_snapshot(self, step: int, seconds: float) -> None:
-        """Step ``step``, due a snapshot once the ``"auto"`` cadence has decided, took ``seconds`` from the ledger's
-        close (which hands over the healthy steps held back) to the snapshot: what the hooks pay for a snapshot step
-        of the steady run, against which the cadence checks its interval (:meth:`SnapshotCadence.observe_steady`). A
-        step that took none (the run not quiet) is passed over: the next one due is timed instead."""
+    def steady_snapshot(self, step: int, start: float, end: float) -> None:
+        """Step ``step``, due a snapshot once the ``"auto"`` cadence has decided, went from the ledger's close (which
+        hands over the healthy steps held back) at ``start`` to the snapshot's end at ``end``: what the hooks pay for
+        a snapshot step of the steady run, against which the cadence checks its interval, with the mean step since
+        the previous one timed (:meth:`SnapshotCadence.observe_steady`). A step that took none (the run not quiet)
+        is passed over: the next one due is timed instead."""
         watch = self.watch
         control = watch.trajectory
         cadence, ring = control.cadence, control.ring
         held = ring.snapshots
         if not (ring.enabled and held and held[-1].step == step):
             return
-        said = cadence.observe_steady(seconds)
+        last, self.steady_last = self.steady_last, (step, end)
+        said = cadence.observe_steady(end - start, None if last is None else (start - last[1]) / (step - last[0]))
         if cadence.every != ring.every:
             ring.lengthen(cadence.every, control.keep)
             self.plan_deferral()
