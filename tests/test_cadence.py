@@ -196,12 +196,12 @@ def test_the_steady_run_checks_the_interval_once_and_only_lengthens_it() -> None
     said = cadence.observe(0.1e-3, 20.1e-3, 20)
     assert cadence.decided and cadence.every == 40 and said is not None  # 0.1 ms over 0.25% of 1 ms: 40 steps
     assert cadence.observe_steady(0.5e-3) is None and not cadence.checked
-    said = cadence.observe_steady(0.4e-3)  # the least of the two: 0.4 ms spread over 160 steps of 1 ms
-    assert cadence.checked and cadence.every == 160 == snapshot_interval(0.4e-3, 1e-3, 20)
-    assert said == ("A snapshot step takes 0.40 ms once the healthy steps are taken in by the run against a healthy "
-                    "step of 1.00 ms: one is taken every 160 steps instead of every 40, so that snapshots take 0.25% "
+    said = cadence.observe_steady(0.4e-3)  # their mean: 0.45 ms spread over 180 steps of 1 ms
+    assert cadence.checked and cadence.every == 180 == snapshot_interval(0.45e-3, 1e-3, 20)
+    assert said == ("A snapshot step takes 0.45 ms once the healthy steps are taken in by the run against a healthy "
+                    "step of 1.00 ms: one is taken every 180 steps instead of every 40, so that snapshots take 0.25% "
                     "of the training time (at most 0.25%).")
-    assert cadence.observe_steady(10.0) is None and cadence.every == 160  # checked once
+    assert cadence.observe_steady(10.0) is None and cadence.every == 180  # checked once
 
     cheap = SnapshotCadence(20)
     for span in (None, 20.1e-3, 20.1e-3):
@@ -213,15 +213,15 @@ def test_the_steady_run_checks_the_interval_once_and_only_lengthens_it() -> None
     for span in (None, 20.1e-3, 20.1e-3):
         steady.observe(0.1e-3, span, 20 if span else 0)
     steady.observe_steady(0.4e-3)
-    assert "healthy step of 0.80 ms" in (steady.observe_steady(0.4e-3, 0.8e-3) or "")
+    assert "healthy step of 0.80 ms" in (steady.observe_steady(0.4e-3, 0.8e-3) or "")  # 0.4 ms over 0.25% of 0.8
     assert steady.every == 200 == snapshot_interval(0.4e-3, 0.8e-3, 20)
 
 
 def test_auto_times_the_steady_run_s_snapshot_steps_whole_in_the_route(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """Once "auto" has decided, the route times the next snapshot steps whole, from the ledger's close (which hands
-    over the healthy steps held back) to the snapshot, on its own clock: scripted here to move 5 ms between two
+    """Once "auto" and the log cadence have decided, the route times the next snapshot steps whole, from the
+    ledger's close (which hands over the healthy steps held back) to the snapshot, on its own clock: scripted here to move 5 ms between two
     reads, so each such step costs 5 ms, and the interval becomes the one the policy picks for that. (The first
     decision is pinned to the interval asked for, as a fast machine makes it, so that the check comes early.)"""
     from lightning_ampwatch.steps import cadence as cadence_module
@@ -238,7 +238,7 @@ def test_auto_times_the_steady_run_s_snapshot_steps_whole_in_the_route(tmp_path:
     monkeypatch.setattr(cadence_module, "snapshot_interval", lambda copy_s, step_s, every, *args, **kwargs:
                         every if copy_s < 4e-3 else policy(copy_s, step_s, every, *args, **kwargs))
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        control = _fit(tmp_path, AmpWatch(verbose=False), 161)
+        control = _fit(tmp_path, AmpWatch(verbose=False), 361)  # (the log cadence decides at step 320)
     cadence = control.cadence
     assert cadence is not None and cadence.decided and cadence.checked
     assert cadence.steady == pytest.approx([5e-3, 5e-3])

@@ -126,7 +126,8 @@ class SnapshotCadence:
         before the decision sees: nothing is held back while the first snapshots are timed); ``step_s``: the mean
         step since the previous one timed (None for the first). After ``STEADY_MEASURED`` of them the interval is
         checked once (:attr:`checked`): lengthened, never shortened, to the one :func:`snapshot_interval` picks for
-        the least of them against the least healthy step measured (the first snapshots' span their warm-up steps,
+        their mean (a snapshot step varies with what it hands over: the least of them reads low against the typical
+        one the benchmark reports) against the least healthy step measured (the first snapshots' span their warm-up steps,
         slower than the steady run's). The sentence returned then, when the interval changes, is to be said once.
         Otherwise None."""
         if not self.decided or self.checked:
@@ -137,7 +138,7 @@ class SnapshotCadence:
         if len(self.steady) < STEADY_MEASURED:
             return None
         self.checked = True
-        cost, step = min(self.steady), min(self.steps)
+        cost, step = sum(self.steady) / len(self.steady), min(self.steps)
         chosen = snapshot_interval(cost, step, self.asked, self.fraction, self._longest)
         if chosen <= self.every:
             return None

@@ -197,8 +197,11 @@ class StepRoute:
             quiet = watch.machine.quiet
             control = watch.trajectory
             cadence = control.cadence if control is not None else None
-            # a snapshot step the "auto" cadence checks its interval against, timed whole: what the hooks pay for it
+            # a snapshot step the "auto" cadence checks its interval against, timed whole: what the hooks pay for it in
+            # the steady run, once the log cadence has decided too (until then log steps hand the held steps over)
+            log_cadence = self.log_cadence
             timed = (cadence is not None and cadence.decided and not cadence.checked
+                     and (log_cadence is None or log_cadence.decided)
                      and ledger.step_index % control.ring.every == 0)  # type: ignore[union-attr]
             start = _clock() if timed else 0.0
             closed = ledger.close(watch.host, quiet, micro_batch)
