@@ -33,9 +33,10 @@ from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 #: The most clean steps taken in later at once (a run with no log steps still hands them over this often). Taking a
 #: held step in costs about 1 us, nearly all of it reading objects the training steps since pushed out of the cache,
 #: so a run's hand-over costs in proportion to its length wherever it happens. Measured for issue 29 on the toy: with
-#: the runs (and, on the CPU, the losses' reads) stretched to the log cadence's interval (150 steps at a load of 1.5
-#: to 4), a log step added 515 to 537 us, over its budget of 400; held to 64 steps, 281 to 303 us, and the step
-#: where a run of 64 is handed over between two log steps adds 269 to 309 us, once in 86 (``overhead.py`` prints it).
+#: the runs (and, on the CPU, the losses' reads) stretched to the log cadence's interval (150 steps; nine pairs of
+#: runs at a load of 0.3 to 3.9), a log step added 501 to 555 us, over its budget of 400; held to 64 steps, 281 to
+#: 387 us, and the step where a run of 64 is handed over between two log steps adds 269 to 336 us, once in 86
+#: (``overhead.py`` prints it as a kind of step of its own).
 MAX_DEFERRED = 64
 
 
@@ -91,7 +92,7 @@ class StepRoute:
     # measured for issue 29 on the toy (``benchmarks/step_counts.py`` and ``overhead.py --quick``, interleaved runs
     # on the shared 2-core CPU, load 3 to 5), an ordinary step once the cadences have decided takes, with the lean
     # route, its express lane and the hooks idled, 12 Python calls and 6.0 to 8.8 us (after the ledger's split, the
-    # lane called through the ledger: 13 calls and 5.9 to 6.4 us, load 1.5 to 4); with one route for every step,
+    # lane called through the ledger: 13 calls and 5.8 to 7.7 us, load 0.3 to 3.9); with one route for every step,
     # 24 calls and 12.8 to 25.0 us. The budget is 25 calls and 8 us: one route meets the calls, not the time, so the
     # three stay together (the lean route needs the hooks idled: it is what spares Lightning's calls). The earlier
     # measurements, route by route, are in git's history of this comment and in ``benchmarks/FINDINGS.md``.
