@@ -98,6 +98,9 @@ BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
 DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go round it again
 SETTLE_STEPS = 700  # at most this many steps for the "auto" cadence to choose, before anything is timed
+#: at most this many steps for the hooks' timer to wait for the "auto" cadence's interval to be final (checked against
+#: the steady run's snapshot steps, again at each longer interval it chooses: ``SnapshotCadence.observe_steady``)
+FINAL_STEPS = 3000
 BUDGET = 1.01  # AmpWatch() on a healthy step of RATIO_STEP_MS or more: at most 1% slower than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
 #: With no ``--pairs``: as many on/off pairs per verdict as take about this many seconds of blocks at the workload's
@@ -516,6 +519,13 @@ def cadence_settled(watch: AmpWatch) -> bool:
     return snapshots and (log_cadence is None or log_cadence.decided)
 
 
+def interval_final(watch: AmpWatch) -> bool:
+    """:func:`cadence_settled`, and the ``"auto"`` interval checked against the steady run's snapshot steps: the
+    snapshot steps the hooks' timer sees are then at the interval of the rest of a run."""
+    cadence = getattr(watch.watcher.trajectory, "cadence", None)
+    return cadence_settled(watch) and (cadence is None or cadence.checked or not watch.watcher.trajectory.ring.enabled)
+
+
 def judge_interval(watch: AmpWatch) -> int:
     """The steps between two log steps that do the log step's work: the framework's log interval, or the longer one
     the log cadence chose (the other log steps log the metrics only)."""
@@ -687,7 +697,7 @@ def hook_times(steps: int, warmup: int, seed: int, workload: Workload = TOY,
                 clock = StepClock()
                 setup = Setup([watch, _StopWhen(timer)])
                 timer.instrument(setup, clock)
-                total = warmup + SETTLE_STEPS + steps + min_snapshots * MAX_INTERVAL + 1
+                total = warmup + FINAL_STEPS + steps + min_snapshots * MAX_INTERVAL + 1
                 pl.seed_everything(seed, verbose=False)
                 trainer = healthy_trainer(root, total, [clock, *setup.callbacks])
                 gc.collect()
@@ -767,7 +777,7 @@ class _HookTimer:
     def _in_window(self, batch: int) -> bool:
         if self.start is None:
             if batch < self.warmup or self.watch is None or (
-                    batch < self.warmup + SETTLE_STEPS and not cadence_settled(self.watch)):
+                    batch < self.warmup + FINAL_STEPS and not interval_final(self.watch)):
                 return False
             self.start = batch
             self.judge_every()  # read now, while the watch holds it
