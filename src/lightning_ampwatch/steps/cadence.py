@@ -14,8 +14,8 @@ which is what the benchmark (``benchmarks/overhead.py``) reports a snapshot step
 again against ``STEADY_MEASURED`` snapshot steps of the steady run, timed whole in the hooks, and lengthened if they
 cost more, then checked at the longer interval, up to ``STEADY_ROUNDS`` times (:meth:`SnapshotCadence.observe_steady`): on the toy, 0.24 ms for the first
 snapshots against 0.46 ms a steady snapshot step (issue 29), so the 0.25% aimed at had landed at 0.37 to 0.63%;
-with the check, 0.33 to 0.36% (``benchmarks/FINDINGS.md``: the snapshot steps the benchmark times, at the longer
-interval, cost more than those the check timed).
+with the checks, 0.30 to 0.34% (``benchmarks/FINDINGS.md``: a snapshot step costs 2 to 4 us more for each step
+of a longer interval, a share of every step that no interval spreads thinner).
 
 On CUDA a snapshot's copies go to pinned memory without a sync: the time the host spends is their launch, and
 the transfers overlap the next steps, so there the interval mostly stays as asked.
