@@ -39,8 +39,9 @@ What it prints, from the least to the most robust on a busy machine:
    interval about three points wide, and a verdict against a 1% budget needs about ten minutes, which
    ``--verdicts on`` spends on the defaults' run alone.
 3. Per workload, AmpWatch's hooks timed inside the training loop: their own time per healthy step, an ordinary
-   step's, a log step's extra, and the snapshot's per-step share (a snapshot step's hooks over an ordinary
-   step's, divided by the interval in force, as a share of a bare step). Load from elsewhere inflates a median
+   step's, a log step's extra, a hand-over step's extra (a step between two log steps where the watch takes in the
+   healthy steps it held back, at most 64), and the snapshot's per-step share (a snapshot step's hooks over an
+   ordinary step's, divided by the interval in force, as a share of a bare step). Load from elsewhere inflates a median
    call far less than a whole step: the robust numbers. With ``snapshot_every="auto"`` nothing is timed until
    the cadence has chosen its interval, so that its measure of the first snapshots sees a plain run.
 4. Host reads: the reads AmpWatch adds to each step (``aten::_local_scalar_dense`` and whole-tensor
@@ -97,6 +98,9 @@ BATCH_SIZE = 32
 LOG_EVERY_N_STEPS = 50  # Lightning's default, set explicitly: AmpWatch logs its metrics at these steps
 DATASET_ROWS = 32 * 1024  # the same data whatever --steps says; longer runs go round it again
 SETTLE_STEPS = 700  # at most this many steps for the "auto" cadence to choose, before anything is timed
+#: at most this many steps for the hooks' timer to wait for the "auto" cadence's interval to be final (checked against
+#: the steady run's snapshot steps, again at each longer interval it chooses: ``SnapshotCadence.observe_steady``)
+FINAL_STEPS = 3000
 BUDGET = 1.01  # AmpWatch() on a healthy step of RATIO_STEP_MS or more: at most 1% slower than the bare run
 CONFIDENCE = 0.95  # of the interval around the median pair ratio that the verdict rests on
 #: With no ``--pairs``: as many on/off pairs per verdict as take about this many seconds of blocks at the workload's
@@ -501,7 +505,9 @@ def switch_watch(watch: AmpWatch, trainer: pl.Trainer, pl_module: pl.LightningMo
 
 
 def cadence_settled(watch: AmpWatch) -> bool:
-    """Whether the snapshot interval is settled: chosen by the ``"auto"`` cadence, or fixed (a number, snapshots
+    """Whether the snapshot interval is settled: chosen by the ``"auto"`` cadence (which may lengthen it once more,
+    after its first snapshot steps of the steady run: the window holds snapshots at the interval in force at its
+    end), or fixed (a number, snapshots
     off, no trajectory control). Before the fit starts (no control yet): not settled."""
     watcher = watch.watcher
     if watcher.ledger is None:
@@ -511,6 +517,13 @@ def cadence_settled(watch: AmpWatch) -> bool:
     snapshots = cadence is None or cadence.decided or not control.ring.enabled
     log_cadence = watcher.route.log_cadence
     return snapshots and (log_cadence is None or log_cadence.decided)
+
+
+def interval_final(watch: AmpWatch) -> bool:
+    """:func:`cadence_settled`, and the ``"auto"`` interval checked against the steady run's snapshot steps: the
+    snapshot steps the hooks' timer sees are then at the interval of the rest of a run."""
+    cadence = getattr(watch.watcher.trajectory, "cadence", None)
+    return cadence_settled(watch) and (cadence is None or cadence.checked or not watch.watcher.trajectory.ring.enabled)
 
 
 def judge_interval(watch: AmpWatch) -> int:
@@ -661,8 +674,9 @@ PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backwa
 
 
 # a log step: (batch + 1) % the log cadence's interval == 0 (it does the log step's work); a metrics step: any other
-# (batch + 1) % log_every == 0 (the metrics only); a snapshot step: one was taken
-STEP_KINDS = ("ordinary", "log", "metrics", "snapshot")
+# (batch + 1) % log_every == 0 (the metrics only); a snapshot step: one was taken; a hand-over step: any other step in
+# which the watch took in what it held back (a run of healthy steps, the ring of losses read), at most every 64 steps
+STEP_KINDS = ("ordinary", "log", "metrics", "snapshot", "handover")
 
 
 def hook_times(steps: int, warmup: int, seed: int, workload: Workload = TOY,
@@ -683,7 +697,7 @@ def hook_times(steps: int, warmup: int, seed: int, workload: Workload = TOY,
                 clock = StepClock()
                 setup = Setup([watch, _StopWhen(timer)])
                 timer.instrument(setup, clock)
-                total = warmup + SETTLE_STEPS + steps + min_snapshots * MAX_INTERVAL + 1
+                total = warmup + FINAL_STEPS + steps + min_snapshots * MAX_INTERVAL + 1
                 pl.seed_everything(seed, verbose=False)
                 trainer = healthy_trainer(root, total, [clock, *setup.callbacks])
                 gc.collect()
@@ -740,6 +754,7 @@ class _HookTimer:
         self.clock: StepClock | None = None
         self.watch: AmpWatch | None = None
         self.snapshot_batches: set[int] = set()  # batches whose on_train_batch_end took a snapshot
+        self.handover_batches: set[int] = set()  # batches whose on_train_batch_end took in what the ledger held back
         self.every = 0  # the snapshot interval in force at the end of the run (0: off)
         self.snapshots: list[tuple[int, int]] = []  # (step, bytes) of the snapshots held at the end
         self._newest = -1
@@ -762,7 +777,7 @@ class _HookTimer:
     def _in_window(self, batch: int) -> bool:
         if self.start is None:
             if batch < self.warmup or self.watch is None or (
-                    batch < self.warmup + SETTLE_STEPS and not cadence_settled(self.watch)):
+                    batch < self.warmup + FINAL_STEPS and not interval_final(self.watch)):
                 return False
             self.start = batch
             self.judge_every()  # read now, while the watch holds it
@@ -782,8 +797,13 @@ class _HookTimer:
         if batch in self.snapshot_batches:
             return "snapshot"
         if (batch + 1) % LOG_EVERY_N_STEPS:
-            return "ordinary"
+            return "handover" if batch in self.handover_batches else "ordinary"
         return "metrics" if (batch + 1) % self.judge_every() else "log"
+
+    def _held(self) -> tuple[int, int]:
+        """What the watch's ledger holds back now: healthy steps to take in later, and losses not read yet."""
+        ledger = self.watch.watcher.ledger if self.watch is not None else None
+        return (0, 0) if ledger is None else (len(ledger.runs.deferred), len(ledger.losses.entries))
 
     def judge_every(self) -> int:
         """The steps between two log steps that do the log step's work (the log cadence's interval), as it was when
@@ -812,6 +832,7 @@ class _HookTimer:
                 finally:
                     if name == "on_train_batch_end":
                         self._took_snapshot(-1)
+            held = self._held() if name == "on_train_batch_end" else (0, 0)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -819,6 +840,9 @@ class _HookTimer:
                 elapsed = time.perf_counter() - t0
                 if name == "on_train_batch_end":
                     self._took_snapshot(batch)
+                    after = self._held()
+                    if after[0] < held[0] or after[1] < held[1]:  # a run handed over, or the losses read
+                        self.handover_batches.add(batch)
                 self.calls.setdefault(name, []).append((batch, elapsed))
         return timed
 
@@ -854,7 +878,13 @@ class _HookTimer:
                 total += (t["metrics"] - t["ordinary"]) * (1 / LOG_EVERY_N_STEPS - 1 / judge)
             if every:
                 total += (t["snapshot"] - t["ordinary"]) / every
+            total += (t["handover"] - t["ordinary"]) * self.handover_share()
         return total, logged
+
+    def handover_share(self) -> float:
+        """The share of the window's steps that are hand-over steps (0: none)."""
+        steps = {b for calls in self.calls.values() for b, _ in calls}
+        return sum(self.kind(b) == "handover" for b in steps) / len(steps) if steps else 0.0
 
     def snapshot_interval(self) -> int:
         """The interval in force at the end of the window; else (none seen) the snapshots' median spacing in it.
@@ -923,6 +953,10 @@ class WorkloadCost:
     #: and what one of the other log steps (the metrics only) adds to the hooks
     judge_every: int = LOG_EVERY_N_STEPS
     metrics_step_extra_us: float = 0.0
+    #: what a hand-over step adds to the hooks (it takes in the healthy steps held back, or reads the losses' ring,
+    #: outside a log or snapshot step), and the share of the steps that are one (0: none in the window)
+    handover_extra_us: float = 0.0
+    handover_share: float = 0.0
     #: the null run (both sides of every pair bare): the machine's own spread of the pair ratios; None: not run
     null: PairedRatios | None = None
     #: the bare step by the process's CPU time (ms): what tells a short step from a long one (the wall clock of a
@@ -992,6 +1026,8 @@ class WorkloadCost:
                  + ("" if self.judge_every == self.log_every else
                     f", the log cadence's interval; the other log steps, one in {self.log_every}, log the metrics "
                     f"only and add {self.metrics_step_extra_us:.0f} us")
+                 + (f"; a step that takes in what was held back, one in {1 / self.handover_share:.0f}, adds "
+                    f"{self.handover_extra_us:.0f} us" if self.handover_share else "")
                  + ("; and the snapshot's share below" if self.snapshot_share is not None else "") + ")"]
         share = self.snapshot_share
         if share is None:
@@ -1075,7 +1111,7 @@ def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: 
     if pairs is None:
         pairs = auto_pairs(timer.step_s(), block, seconds)
     hooks_s, saw_log = timer.per_step()
-    end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0, "metrics": 0.0})
+    end = timer.medians().get("on_train_batch_end", {"ordinary": 0.0, "log": 0.0, "metrics": 0.0, "handover": 0.0})
     ordinary = sum(t["ordinary"] for t in timer.medians().values())
     on = paired_blocks(pairs, seed, block, workload)
     off = (paired_blocks(pairs, seed, block, workload, lambda: AmpWatch(verbose=False, snapshot_every=0))
@@ -1090,7 +1126,9 @@ def measure_workload(workload: Workload, pairs: int | None, steps: int, warmup: 
                         (end["log"] - end["ordinary"]) * 1e6, LOG_EVERY_N_STEPS, every if copy_s is not None else 0,
                         None if copy_s is None else copy_s * 1e3, sizes[-1] if sizes else None, on, off, saw_log,
                         judge_every=timer.judge_every(), metrics_step_extra_us=(end["metrics"] - end["ordinary"]) * 1e6,
-                        null=null, bare_cpu_step_ms=bare_cpu * 1e3)
+                        null=null, bare_cpu_step_ms=bare_cpu * 1e3,
+                        handover_extra_us=(end["handover"] - end["ordinary"]) * 1e6,
+                        handover_share=timer.handover_share())
     return cost, timer
 
 

@@ -216,3 +216,16 @@ def test_a_short_step_is_judged_by_the_absolute_budgets_a_long_one_by_its_ratio(
     assert "budgets" not in lines and "for information only" not in lines
     assert not dataclasses.replace(over, bare_step_ms=6.0, bare_cpu_step_ms=1.5).judged_by_ratio  # by CPU time
     assert lines.count(f"(budget {overhead.BUDGET:.2f}; 95% CI, both clocks)") == 2
+
+
+def test_a_hand_over_step_is_a_kind_of_its_own_and_counts_in_the_hooks_time(overhead: ModuleType) -> None:
+    """Between two log steps, the step where the watch takes in the healthy steps it held back (at most 64 of them)
+    costs far more than an ordinary one: the timer tells it apart (an ordinary step's median would hide it) and
+    spreads its extra over the steps, as it does a log step's."""
+    timer = overhead._HookTimer(0, 300, None)
+    timer.handover_batches = {63, 99, 127}  # (99 is a log step: a log step it stays)
+    timer.calls = {"on_train_batch_end": [(b, 201e-6 if b in (63, 127) else 1e-6) for b in range(128)]}
+    assert [timer.kind(b) for b in (62, 63, 99, 127)] == ["ordinary", "handover", "log", "handover"]
+    assert timer.handover_share() == pytest.approx(2 / 128)
+    total, logged = timer.per_step()
+    assert logged and total == pytest.approx(1e-6 + 200e-6 * 2 / 128)

@@ -183,3 +183,78 @@ def _scripted_control(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], lis
     control = TrajectoryControl(SnapshotRing(2**30, every=20), state, 10.0, said.append, adaptive=True)
     control.start(0)
     return now, said, control
+
+
+def test_the_steady_run_checks_the_interval_until_it_holds_and_only_lengthens_it() -> None:
+    """Once decided, three snapshot steps of the steady run (the copy with the healthy steps it takes in) check the
+    interval: their median, when it costs more than the first snapshots did, lengthens it, and three more at the new
+    interval check it again; once a check leaves it as it is, it is final, said in one sentence; a cheaper one
+    leaves it as it is; after that, nothing moves it."""
+    cadence = SnapshotCadence(20)
+    assert cadence.observe_steady(1.0) is None and cadence.steady == []  # not decided yet: nothing to check
+    cadence.observe(0.1e-3, None, 0)
+    cadence.observe(0.1e-3, 20.1e-3, 20)  # healthy steps of 1 ms
+    said = cadence.observe(0.1e-3, 20.1e-3, 20)
+    assert cadence.decided and cadence.every == 40 and said is not None  # 0.1 ms over 0.25% of 1 ms: 40 steps
+    assert cadence.observe_steady(0.5e-3) is None and cadence.observe_steady(2.0e-3) is None and not cadence.checked
+    assert cadence.observe_steady(0.45e-3) is None  # their median: 0.5 ms spread over 200 steps of 1 ms ...
+    assert not cadence.checked and cadence.every == 200 == snapshot_interval(0.5e-3, 1e-3, 20)
+    assert cadence.observe_steady(0.4e-3) is None and cadence.observe_steady(0.5e-3) is None
+    said = cadence.observe_steady(0.45e-3)  # ... checked again at 200: it holds
+    assert cadence.checked and cadence.every == 200
+    assert said == ("A snapshot step takes 0.50 ms once the healthy steps are taken in by the run against a healthy "
+                    "step of 1.00 ms: one is taken every 200 steps instead of every 40, so that snapshots take 0.25% "
+                    "of the training time (at most 0.25%).")
+    assert cadence.observe_steady(10.0) is None and cadence.every == 200  # final
+
+    cheap = SnapshotCadence(20)
+    for span in (None, 20.1e-3, 20.1e-3):
+        cheap.observe(0.1e-3, span, 20 if span else 0)
+    assert [cheap.observe_steady(c) for c in (0.01e-3, 0.02e-3, 0.03e-3)] == [None] * 3
+    assert cheap.checked and cheap.every == 40  # never shortened
+
+    steady = SnapshotCadence(20)  # the steady run's steps, 0.8 ms, quicker than the first snapshots' warm-up ones
+    for span in (None, 20.1e-3, 20.1e-3):
+        steady.observe(0.1e-3, span, 20 if span else 0)
+    for cost, step in ((0.4e-3, None), (0.4e-3, 0.8e-3), (0.4e-3, None)):
+        assert steady.observe_steady(cost, step) is None
+    assert steady.every == 200  # 0.4 ms over 0.25% of 0.8 ms
+    for _ in range(3):
+        assert steady.observe_steady(0.5e-3) is None
+    assert steady.every == 260 == snapshot_interval(0.5e-3, 0.8e-3, 20)  # 0.5 ms at 200: checked again at 260
+    steady.observe_steady(0.5e-3)
+    steady.observe_steady(0.5e-3)
+    said = steady.observe_steady(0.5e-3) or ""  # the third check, the last made: said once, from the first interval
+    assert steady.checked and "healthy step of 0.80 ms" in said and "every 260 steps instead of every 40" in said
+
+
+def test_auto_times_the_steady_run_s_snapshot_steps_whole_in_the_route(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Once "auto" and the log cadence have decided, the route times the next snapshot steps whole, from the
+    ledger's close (which hands over the healthy steps held back) to the snapshot, on its own clock: scripted here to move 5 ms between two
+    reads, so each such step costs 5 ms, and the interval becomes the one the policy picks for that. (The first
+    decision is pinned to the interval asked for, as a fast machine makes it, so that the check comes early.)"""
+    from lightning_ampwatch.steps import cadence as cadence_module
+    from lightning_ampwatch.steps import route as route_module
+
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += 5e-3
+        return ticks[0]
+
+    policy = cadence_module.snapshot_interval
+    monkeypatch.setattr(route_module, "_clock", clock)
+    monkeypatch.setattr(cadence_module, "snapshot_interval", lambda copy_s, step_s, every, *args, **kwargs:
+                        every if copy_s < 4e-3 else policy(copy_s, step_s, every, *args, **kwargs))
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        control = _fit(tmp_path, AmpWatch(verbose=False), 401)  # (the log cadence decides at step 320)
+    cadence = control.cadence
+    assert cadence is not None and cadence.decided and cadence.checked
+    assert cadence.steady == pytest.approx([5e-3] * 3)
+    expected = policy(5e-3, min(cadence.steps), 20, SNAPSHOT_FRACTION, cadence._longest)
+    assert expected > 20 and cadence.every == control.ring.every == expected
+    said = [r.getMessage() for r in caplog.records if "A snapshot step takes" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("AmpWatch: A snapshot step takes 5.00 ms")
+    assert f"every {expected} steps instead of every 20" in said[0]

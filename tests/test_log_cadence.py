@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch
-from lightning_ampwatch.steps import route
+from lightning_ampwatch.steps import CleanRuns, route
 from lightning_ampwatch.steps.cadence import LOG_CADENCE_AFTER, LOG_FRACTION, LOG_MAX_INTERVAL, LogCadence
 from lightning_ampwatch.scenarios import Regressor, regression_data
 from lightning_ampwatch.timeline import TIMELINE_NAME
@@ -164,3 +164,49 @@ def test_a_fault_after_the_interval_was_lengthened_is_found_at_once(
     grew = sizes.grew_at()
     assert [s for s in grew if s > 400] == [410, 420, 430, 440]
     assert [s for s in grew if 320 < s <= 400] == [360, 400]
+
+
+class SlowerLogStepClock(ScriptedClock):
+    """As :class:`ScriptedClock`, but each reading takes 0.2 ms: 0.2 / (0.25% x 1.02) = 78.4 steps, so the log step's
+    work is done every 80 steps instead of every 10: longer than the 64 steps a run of held steps may last."""
+
+    def _read(self) -> float:
+        now = self.now
+        self.now += 2e-4
+        return now
+
+
+def test_a_lengthened_interval_still_hands_the_held_steps_over_64_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log step hands over the healthy steps held back since the last hand-over, and reads the losses held: each
+    is about a microsecond a step, wherever it happens, so a log step done every 80 steps must not take 80 of them
+    (that made the log step dearer the longer the cadence made its interval). Runs and, on the CPU, the loss ring
+    stay at 64 steps (``route.MAX_DEFERRED``); the step where one fills hands it over between two log steps."""
+    handed: list[int] = []
+    settle = CleanRuns.settle
+
+    def counting(self: CleanRuns) -> None:
+        if self.deferred:
+            handed.append(len(self.deferred))
+        settle(self)
+
+    monkeypatch.setattr(CleanRuns, "settle", counting)
+    seen: dict[str, int] = {"judge": 0, "capacity": 0, "held": 0}
+
+    class Look(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            ledger = watch.watcher.ledger
+            seen["judge"] = max(seen["judge"], watch.watcher.route.judge_every)
+            seen["capacity"] = max(seen["capacity"], ledger.losses.capacity)
+            seen["held"] = max(seen["held"], len(ledger.losses.entries))
+
+    watch = AmpWatch(verbose=False, snapshot_every=0)
+    clock = SlowerLogStepClock(monkeypatch)
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [clock, watch, Look()], "fp16", {"init_scale": 2.0**10, "growth_interval": 10**6},
+                           max_steps=600, log_every_n_steps=10)
+    trainer.fit(Regressor(), DataLoader(regression_data(n=4096), batch_size=32))
+    assert watch.diagnoses == []
+    assert seen["judge"] == 80  # the cadence lengthened the interval past 64 steps ...
+    assert route.MAX_DEFERRED == 64 and 32 < max(handed) <= 64  # ... and the runs still end within 64 steps
+    assert seen["capacity"] == 64 and seen["held"] <= 64

@@ -145,3 +145,20 @@ def test_a_loss_of_several_values_is_kept_as_a_tensor_from_then_on() -> None:
     ledger.backward(torch.tensor(0.5))
     assert not ledger._host_tape
     assert [type(v) for v, _ in ledger._tape] == [float, torch.Tensor, torch.Tensor]
+
+
+def test_a_host_read_of_the_lane_s_float32_losses_hands_the_ring_s_own_pairs_on() -> None:
+    """On the CPU the express lane holds each step's loss as ``(step, loss)``; where float32 leaves every loss as it
+    was (a float32 loss, the usual case), the read hands those very pairs on to the machine: no new object a step.
+    A loss float32 rounds is handed on rounded, in a pair of its own, as the packed read gives it."""
+    ledger = StepLedger(PrecisionInfo(PrecisionMode.FP16), "cpu")
+    held = [(1000 + i, torch.tensor(v, dtype=torch.float32).item()) for i, v in enumerate([0.5, 1.1, 3.0e-3])]
+    ledger.losses.entries.extend(held)
+    ledger.read_losses()
+    read = ledger.take_unnoted()
+    assert read == held and all(a is b for a, b in zip(read, held))
+    rounded = [(2000, 0.1), (2001, 0.5)]  # 0.1 is no float32 value
+    ledger.losses.entries.extend(rounded)
+    ledger.read_losses()
+    read = ledger.take_unnoted()
+    assert read == [(2000, torch.tensor(0.1, dtype=torch.float32).item()), (2001, 0.5)] and read[1] is not rounded[1]

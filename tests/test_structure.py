@@ -217,18 +217,18 @@ def test_the_episode_owner_changes_the_run_only_through_the_actions_it_hands_the
     assert actions == {"Publish", "Rollback", "Apply", "Realign", "Stop"}  # the check reads the module it means
 
 
-#: The size a newcomer can read: no module of src/ over MAX_MODULE_LINES lines, no class over MAX_CLASS_LINES (the
-#: aim is about 600 and 400: these limits leave room to grow before a split is due).
-MAX_MODULE_LINES = 700
-MAX_CLASS_LINES = 450
+#: The size a newcomer can read: no module of src/ over MAX_MODULE_LINES lines, no class over MAX_CLASS_LINES (issue
+#: 29's aim, held as the limit since the eleventh round split the last long ones).
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
 #: The exceptions, each with the reason it may stay for now. An entry whose module or class got under the limit
 #: must go too (``test_every_size_exception_is_still_needed``).
 LONG_MODULES: dict[str, str] = {
+    "lightning_ampwatch.compat": "the one door to torch's, Lightning's and DeepSpeed's private attributes (issue 29 "
+                                 "keeps it one module): tests/test_compat.py checks every private access outside it "
+                                 "by this module's name, and a reader finds every version-sensitive read in one file",
 }
 LONG_CLASSES: dict[str, str] = {
-    "lightning_ampwatch.steps.ledger.StepLedger": "close keeps a healthy step's bookkeeping inline and the express "
-                                                  "lane repeats it: every call on an ordinary step counts against its "
-                                                  "budget of 25 (steps/ledger.py's docstring)",
 }
 
 

@@ -7,8 +7,10 @@ One small class per module, imported one way (each module only from those above 
 - :mod:`.clean_runs`: clean steps held back and handed over in runs (:class:`CleanRuns`);
 - :mod:`.cadence`: how often the log step's work and the snapshots run (:class:`LogCadence`,
   :class:`SnapshotCadence`);
-- :mod:`.optimizers`: which optimizer a step belongs to, where several step through one scaler
-  (:func:`optimizer_index`, :func:`describe_optimizers`);
+- :mod:`.optimizers`: the optimizers the step hook sits on, and which one a step belongs to, where several step
+  through one scaler (:class:`Optimizers`);
+- :mod:`.open_steps`: the steps that are not clean, queued and resolved in order (:class:`OpenSteps`);
+- :mod:`.lane`: the lean route's express lane, a healthy batch end in one call (:class:`ExpressLane`);
 - :mod:`.ledger`: the ledger itself (:class:`StepLedger`), which takes each step in;
 - :mod:`.route`: the route of every step (:class:`StepRoute`): the adapter's per-step calls, the lean route and its
   express lane, the log step, and how far the ledger may hold clean steps back.

@@ -15,38 +15,32 @@ CPU (``losses.HOST_TAPE_DEVICES``), where reading a tensor is no synchronisation
 it comes, and the log step has no tensor op for the losses. The scaler's host mirror is :class:`ScaleTracking`'s,
 the LRs :class:`LrTracking`'s.
 
-Why :class:`StepLedger` is longer than the package's other classes (about 500 lines): ``close`` keeps a healthy
-step's bookkeeping inline, and the express lane repeats it, because every call on an ordinary step counts against
-its budget of 25 (``benchmarks/step_counts.py``).
+``close`` keeps a healthy step's bookkeeping inline, and the lean route's express lane (:class:`ExpressLane`)
+repeats it, because every call on an ordinary step counts against its budget of 25 (``benchmarks/step_counts.py``).
+The steps that are not clean are queued and resolved by :class:`OpenSteps`; which optimizers step, by
+:class:`Optimizers`.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_ampwatch import compat, distributed
-from lightning_ampwatch.machine import Observation
+from lightning_ampwatch import compat
 from lightning_ampwatch.probes import MicroBatch
-from lightning_ampwatch.signals import (
-    DeferredRead,
-    LossTape,
-    PrecisionInfo,
-    ScaleMirror,
-    StepTaken,
-    inspect_batch,
-)
+from lightning_ampwatch.signals import LossTape, PrecisionInfo, ScaleMirror, StepTaken
 from lightning_ampwatch.steps import losses as _losses
 from lightning_ampwatch.steps.clean_runs import NO_BATCHES, CleanRuns
+from lightning_ampwatch.steps.lane import ExpressLane
 from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS, LOSS_RING_STEPS, LossRing
 from lightning_ampwatch.steps.lrs import LrTracking
-from lightning_ampwatch.steps.optimizers import describe_optimizers, optimizer_index
+from lightning_ampwatch.steps.open_steps import OpenSteps
+from lightning_ampwatch.steps.optimizers import Optimizers
 from lightning_ampwatch.steps.reads import LossReads
-from lightning_ampwatch.steps.records import ClosedStep, OpenStep, ResolvedStep
+from lightning_ampwatch.steps.records import ClosedStep, ResolvedStep
 from lightning_ampwatch.steps.scale import ScaleTracking
 
 #: A run whose optimizer steps never come (a ``training_step`` that always returns None) keeps at most this many
@@ -79,43 +73,34 @@ class StepLedger:
         self.log_steps = self.log_skipped = self.log_nonfinite = 0  # since the last log step
         self._tape = LossTape()
         self._batches: list[MicroBatch] = []
-        self._pending: deque[OpenStep] = deque()
+        #: the steps closed but not resolved yet (the slow path: :class:`OpenSteps`)
+        self.open_steps = OpenSteps(self)
         #: the LRs each step runs with (and the log of their changes, :attr:`lr_log`, which the replay reads)
         self.lr = LrTracking()
         self.lr_log = self.lr.log
-        # the optimizers the step hook sits on: a callback may swap in a new optimizer; checked at log steps and on an
-        # anomalous step, never per step
-        self._optimizers: tuple[Any, ...] = ()
-        #: where the run has several optimizers: ``id(optimizer) -> its index`` (None with one), the index of the one
-        #: whose step is being taken (set by the core before each optimizer steps), and each one in a few words. Once
-        #: a second one steps (``several``), each step is resolved with its optimizer's index (no fast path): one
-        #: scaler's skips are then each optimizer's own (the machine keeps each one's safe scale apart)
-        self.optimizer_ids: dict[int, int] | None = None
-        self.optimizer: int | None = None
-        self.optimizer_names: tuple[str, ...] = ()
-        self.several = False
-        self._host: Any = None
-        self._fast_path = False
+        #: the optimizers the step hook sits on, and which one steps where there are several (:class:`Optimizers`)
+        self.optimizers = Optimizers()
+        self.host: Any = None  # the trainer, for the optimizers' re-check on an anomalous step (resolved without it)
+        self.fast_path = False
         self._host_loss = False
         self._host_tape = device_type in _losses.HOST_TAPE_DEVICES  # losses taken as floats (see backward)
         self._clean = ClosedStep(-1, [], True, None, False, (), None, _NONE_RESOLVED)  # refilled each clean step
         #: clean fast-path steps held back and handed over in runs (:class:`CleanRuns`): ``close`` returns None for a
         #: step it holds
         self.runs = CleanRuns()
-        #: the express lane (:meth:`express`) takes steps below this one (0: closed); set by :meth:`open_lane`
-        self.express_until = 0
+        #: the lean route's express lane: a healthy batch end taken in one call (:class:`ExpressLane`)
+        self.lane = ExpressLane(self)
 
     # ------------------------------------------------------------------ set-up
 
     def start(self, trainer: Any, log_every: int) -> None:
         """At train start: the optimizers' hooks, the LRs, and one read of the scaler (restored by now)."""
         self.step_index = trainer.global_step
-        self.express_until = 0
-        self._host = trainer  # for the optimizers' re-check on an anomalous step (resolved without the trainer)
+        self.lane.until = 0
+        self.host = trainer
         self.taken.attach(trainer.optimizers)
-        self._optimizers = tuple(trainer.optimizers)
-        self._index_optimizers(trainer)
-        self.optimizer, self.several = None, False
+        self.optimizers.clear()
+        self.optimizers.attach(trainer.optimizers, getattr(trainer, "module", None))
         self.lr.start(trainer, self.step_index)
         self.losses.capacity = min(max(LOSS_RING_STEPS, log_every), LOSS_RING_MAX_STEPS)
         self.mirror_scaler()
@@ -128,16 +113,21 @@ class StepLedger:
         finally:
             self.runs.drop()
             self.taken.detach()
-            self._host = None
-            self._optimizers = ()
-            self.optimizer_ids, self.optimizer, self.several = None, None, False
+            self.host = None
+            self.optimizers.clear()
             self.stepped = False
-            self._pending.clear()
+            self.open_steps.queue.clear()
             self._batches = []
             self._clean.batches = []
-            self.express_until = 0
+            self.lane.until = 0
             self._tape = LossTape()
             self.losses.entries = []
+
+    @property
+    def host_tape(self) -> bool:
+        """Whether the losses are taken as floats as they come (``losses.HOST_TAPE_DEVICES``): reading the ring of
+        held losses is then no synchronisation, wherever it happens."""
+        return self._host_tape
 
     @property
     def scaler_active(self) -> bool:
@@ -164,33 +154,20 @@ class StepLedger:
         self.precision = precision
         self.mirror_scaler()
 
-    def _index_optimizers(self, host: Any) -> None:
-        """The optimizers' indices and names, where there are several (:attr:`optimizer_ids`)."""
-        optimizers = self._optimizers
-        self.optimizer_ids = optimizer_index(optimizers)
-        self.optimizer_names = () if self.optimizer_ids is None else \
-            describe_optimizers(optimizers, getattr(host, "module", None))
+    @property
+    def optimizer_names(self) -> tuple[str, ...]:
+        """Each optimizer in a few words, where the run has several (for the machine)."""
+        return self.optimizers.names
 
     def optimizer_index(self, optimizer: Any) -> int | None:
-        """The index of ``optimizer``, about to step, where the run has several (:attr:`optimizer_ids`; None for one
-        it does not know). The first time a second one steps, each step from then on is resolved with its
-        optimizer's index (the step before it too: the core asks before it takes that step in)."""
-        index = self.optimizer_ids.get(id(optimizer)) if self.optimizer_ids is not None else None
-        if index is not None and not self.several and self.optimizer is not None and index != self.optimizer:
-            self.several = True
+        """The index of ``optimizer``, about to step, where the run has several (:meth:`Optimizers.index`). The first
+        time a second one steps, each step from then on is resolved with its optimizer's index (the step before it
+        too: the route asks before it takes that step in)."""
+        several = self.optimizers.several
+        index = self.optimizers.index(optimizer)
+        if self.optimizers.several != several:
             self._update_fast_path()
         return index
-
-    def _scale_after_pending(self, mirror: ScaleMirror) -> float:
-        """The scale a step ran with while earlier steps of the batch wait to be resolved (another optimizer's step,
-        split off before it, updates the mirror only when the batch ends): the mirror's, advanced over those whose
-        skip is known already (none read from a fused optimizer's flag)."""
-        if any(o.found_inf is not None or o.unscaled or o.scale_after is not None for o in self._pending):
-            return mirror.scale
-        ahead = ScaleMirror(**mirror.state_dict())
-        for opened in self._pending:
-            ahead.update(opened.skipped)
-        return ahead.scale
 
     def take_unnoted(self) -> list[tuple[int, float]]:
         """The losses read since the last call, in step order, for the machine's loss level."""
@@ -207,12 +184,22 @@ class StepLedger:
         plan (``runs.until``), so that whatever follows sees every step taken in."""
         self.runs.settle()
         self.runs.until = self.step_index
-        self.express_until = 0
+        self.lane.until = 0
+
+    @property
+    def express_until(self) -> int:
+        """The express lane takes the steps below this one (0: closed; :meth:`ExpressLane.open`)."""
+        return self.lane.until
+
+    @property
+    def waiting(self) -> bool:
+        """An earlier micro-batch's loss or batch waits for its step, or a step is in flight."""
+        return bool(self._tape or self._batches or self.open_steps)
 
     @property
     def in_flight(self) -> bool:
         """Steps closed but not resolved yet (a skip or a loss still to be read)."""
-        return bool(self._pending)
+        return bool(self.open_steps)
 
     def read_param_groups(self, optimizers: Sequence[torch.optim.Optimizer], lrs_now: bool = False) -> None:
         """The param groups whose LRs are read every step (:meth:`LrTracking.read_param_groups`); ``lrs_now``: the
@@ -223,8 +210,8 @@ class StepLedger:
         """Whether a clean step can take the fast path: a scaler whose skips the step hook reports (not fused)
         and a host mirror of its scale; or no scaler and a model on the CPU, whose loss is read for free."""
         self._host_loss = not self.scaler_active and self.device_type == "cpu"
-        self._fast_path = self.scaler_active and self.scale.mirror is not None and not self.taken.fused \
-            and not self.several
+        self.fast_path = self.scaler_active and self.scale.mirror is not None and not self.taken.fused \
+            and not self.optimizers.several
 
     # ------------------------------------------------------------------ what the hooks report
 
@@ -262,67 +249,9 @@ class StepLedger:
 
     # ------------------------------------------------------------------ the per-step path
 
-    # Why the express lane stays (it repeats what ``add_loss`` then ``close`` do for a healthy step, inline): the
-    # figures measured against one route are beside ``StepRoute.take_lean`` (steps/route.py).
-    def open_lane(self, log_every: int) -> None:
-        """Set :attr:`express_until`: the steps :meth:`express` may take from now on, given the core's leave (a quiet
-        machine, nothing due). None while an earlier micro-batch's loss or batch waits, a step is in flight, a clean
-        step cannot take the fast path, there is no per-optimizer table to tell a scaler step by, or the LRs are not
-        one plain number; else up to (not including) the first of: the step the deferral stops at, the step before a
-        log step, the step the losses' ring fills at, the step the scale grows at."""
-        tracking = self.scale
-        mirror = tracking.mirror
-        if (self._tape or self._batches or self._pending or not self._fast_path or tracking.table_scaler is None
-                or self.lr.one_group is None or tracking.loss_scale is not None or mirror is None):
-            self.express_until = 0
-            return
-        step = self.step_index
-        until = self.runs.until
-        if log_every:
-            until = min(until, -(-(step + 1) // log_every) * log_every - 1)
-        losses = self.losses
-        self.express_until = min(until, step + losses.capacity - 1 - len(losses.entries),
-                                 step + mirror.growth_interval - 1 - mirror.tracker)
-
     def express(self, loss: Tensor, micro_batch: MicroBatch | tuple[Any, ...]) -> bool:
-        """The express lane: what :meth:`add_loss` then :meth:`close` do for a healthy step they would defer, for a
-        batch below :attr:`express_until` (:meth:`open_lane`) whose one optimizer step the scaler ran and took.
-        Returns False, having changed nothing, for any other batch. Reads only what a lean step must: the step
-        hook's flag, the scaler's per-optimizer table (a new one after each update), the LR, the loss."""
-        step = self.step_index
-        if step >= self.express_until:
-            return False
-        taken_hook = self.taken
-        if not taken_hook.taken:
-            return False  # the scaler skipped the step, or none ran
-        scaling = self.scale
-        states = compat.read_per_optimizer_states(scaling.table_scaler)
-        if states is scaling.states_seen:
-            return False  # no scaler step ran in this batch
-        if self._host_tape:
-            try:
-                value: Any = loss.item()
-            except RuntimeError:  # not one value: add_loss decides what to keep
-                return False
-        else:
-            value = loss
-        # as close() leaves a clean step it defers (open_lane ruled out a growth)
-        taken_hook.taken = False
-        scaling.states_seen = states
-        mirror = scaling.mirror
-        mirror.tracker += 1  # type: ignore[union-attr]
-        self.step_index = step + 1
-        tracking = self.lr
-        lrs = tracking.lrs  # the LRs this step ran with; the next step's read now
-        lr = tracking.one_group["lr"]  # type: ignore[index]
-        if lrs[0] != lr:  # as close() takes a change in
-            lrs = tracking.changed(step, lrs, (lr,))
-        self.log_steps += 1
-        self.losses.entries.append((step, value))  # its loss as it is, unscaled (LossRing reads it as a tape)
-        runs = self.runs
-        runs.deferred.append((step, [micro_batch] if runs.keep_batches else NO_BATCHES,  # type: ignore[list-item]
-                              mirror.scale, False, lrs))  # type: ignore[union-attr]
-        return True
+        """The lean route's express lane (:meth:`ExpressLane.take`): True when it took this batch's step."""
+        return self.lane.take(loss, micro_batch)
 
     def optimizer_step_begins(self) -> None:
         """An optimizer is about to step: losses handed to backward from now on belong to the next step."""
@@ -362,16 +291,7 @@ class StepLedger:
         step = self.step_index
         self.step_index = step + 1
         tracking = self.lr
-        lrs = tracking.lrs  # the LRs this step ran with, read when the previous step was taken in ...
-        group = tracking.one_group
-        if group is not None:  # ... and the next step's: one group, the usual case
-            lr = group["lr"]
-            if lrs[0] != lr:  # a constant LR keeps its tuple: no new object per step
-                lrs = tracking.changed(step, lrs, (lr,))
-        else:
-            now = tracking.read_now(trainer.optimizers)
-            if now != lrs:  # as above
-                lrs = tracking.changed(step, lrs, now)
+        lrs = tracking.ran_with(step, trainer)  # the LRs this step ran with (and the next step's read)
         taken_hook = self.taken
         taken, found_inf = taken_hook.taken, taken_hook.found_inf
         taken_hook.taken, taken_hook.found_inf = False, None
@@ -404,19 +324,14 @@ class StepLedger:
             taken = skipped_total == tracking_scale.skipped_seen
             tracking_scale.skipped_seen = skipped_total
             scale_after = loss_scale.scale()
-            if not (taken and quiet and not self._pending):
+            if not (taken and quiet and not self.open_steps):
                 if self.runs.deferred:
                     self.runs.settle()
-                opened = OpenStep(step, scale, lrs, tape, batches)
-                opened.skipped = not taken
-                opened.scale_after = scale_after
-                self._pending.append(opened)
-                return ClosedStep(step, batches, False, scale, False, lrs, None,
-                                  self.drain(force=self.world_size > 1))
+                return self.open_steps.open(step, scale, lrs, tape, batches, taken, scale_after=scale_after)
             grew = scale_after > mirror.scale  # type: ignore[union-attr]
             mirror.reconcile(scale_after, 0 if grew else mirror.tracker + 1)  # type: ignore[union-attr]
             clean_step = True  # then the fast path's bookkeeping below, as for a GradScaler
-        elif self._fast_path and taken and quiet and not self._pending:
+        elif self.fast_path and taken and quiet and not self.open_steps:
             # The fast path, nearly every step of a healthy run: the scaler took the step and nothing is in
             # progress. Host-side bookkeeping only; no Observation, no device read, no object but the ring's entry.
             tracker = mirror.tracker + 1  # type: ignore[union-attr]  # ScaleMirror.update(False), inline ...
@@ -451,7 +366,7 @@ class StepLedger:
             return clean
         if self.runs.deferred:
             self.runs.settle()
-        if self._host_loss and not self._pending and quiet:
+        if self._host_loss and not self.open_steps and quiet:
             # No scaler, and the loss lives on the host (CPU): reading it is no synchronisation, so a finite loss
             # takes the fast path too. On an accelerator the loss goes the deferred way below.
             loss = tape.read()
@@ -462,82 +377,11 @@ class StepLedger:
                 clean.step, clean.batches, clean.scale, clean.grew, clean.lrs, clean.loss = step, batches, None, \
                     False, lrs, loss
                 return clean
-        if self.several:
-            if self._pending and mirror is not None:
-                scale = self._scale_after_pending(mirror)
-            opened = OpenStep(step, scale, lrs, tape, batches)
-            opened.optimizer = self.optimizer
-        else:
-            opened = OpenStep(step, scale, lrs, tape, batches)
-        if self.scaler_active:
-            if found_inf is not None:  # fused optimizer: called whether or not it skipped
-                opened.found_inf = DeferredRead(found_inf)
-            else:
-                opened.skipped = not taken
-                opened.unscaled = unscaled
-        else:
-            # Without a scaler the loss is the only signal: copy it to the host without waiting.
-            opened.loss = DeferredRead(opened.tape.total())
-        self._pending.append(opened)
-        if split:  # resolved with the step that closes the batch, once the batch is in the list the two share
-            return ClosedStep(step, batches, False, scale, False, lrs, None, [])
-        # Under DDP a skipped step is agreed across ranks by a collective, so every rank must resolve it at the
-        # same point: wait for an in-flight flag there rather than let ranks resolve it at different steps.
-        return ClosedStep(step, batches, False, scale, False, lrs, None, self.drain(force=self.world_size > 1))
+        return self.open_steps.open(step, scale, lrs, tape, batches, taken, unscaled, found_inf, split)
 
     def drain(self, force: bool) -> list[ResolvedStep]:
-        """Resolve queued steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
-        out: list[ResolvedStep] = []
-        pending = self._pending
-        while pending:
-            head = pending[0]
-            deferred = head.found_inf or head.loss
-            if deferred is not None and not force and not deferred.ready():
-                break
-            pending.popleft()
-            out.append(self._resolve(head))
-        return out
-
-    def _resolve(self, opened: OpenStep) -> ResolvedStep:
-        skipped = bool(opened.found_inf.value()) if opened.found_inf is not None else opened.skipped
-        mirror = self.scale.mirror
-        if opened.scale_after is not None and mirror is not None:  # DeepSpeed's scale, as its scaler set it
-            grew = opened.scale_after > (opened.scale or 0.0)
-            mirror.reconcile(opened.scale_after, 0 if skipped or grew else mirror.tracker + 1)
-        elif opened.unscaled:
-            grew = False
-        else:
-            grew = mirror.update(skipped) if mirror is not None else False
-        loss: float | None = opened.loss.value() if opened.loss is not None else None
-        if skipped and loss is None:
-            # Under a scaler a non-finite loss always shows up as a skip, so only skipped steps are read.
-            loss = opened.tape.read()
-        loss_finite = None if loss is None else math.isfinite(loss)
-        if loss is not None:
-            self.reads.recent((opened.step, loss))
-        self.log_steps += 1
-        self.log_skipped += int(skipped)
-        batch_stats = None
-        fault_ranks = [distributed.rank()]
-        if skipped or loss_finite is False:
-            host = self._host
-            if host is not None and self.recheck_optimizers(host) and self.lr.set_before \
-                    and opened.step == self.step_index - 1:
-                opened.lrs = self.lr.lrs  # a group added since (read just now): no scheduler stepped since this step ran
-            self.read_losses()  # the level before the fault, current to the step before it
-            batch_stats = inspect_batch([mb[0] for mb in opened.batches])
-            self.log_nonfinite += int(loss_finite is False)
-            if skipped and self.world_size > 1 and self.agree:
-                # every rank skipped this step together: agree on one view of it (the only collective we make); a
-                # rank whose watch switched itself off says so here, and the ranks stop agreeing (CrossRank)
-                records = distributed.gather({"loss": loss, "loss_finite": loss_finite, "batch": batch_stats})
-                self.agree = not any(rec.get("off") for rec in records)
-                loss, loss_finite, batch_stats, fault_ranks = distributed.merge_step(records)
-        elif loss is None:  # read later with the others (a read Observation loss feeds the machine's level)
-            self.losses.append(opened.step, opened.tape)
-        obs = Observation(step=opened.step, skipped=skipped, loss=loss, loss_finite=loss_finite,
-                          scale=opened.scale, grew=grew, lrs=opened.lrs, batch=batch_stats, optimizer=opened.optimizer)
-        return ResolvedStep(obs, opened, fault_ranks, self.take_unnoted())
+        """Resolve the opened steps in order; with ``force`` wait for copies still in flight (log steps, fit end)."""
+        return self.open_steps.drain(force)
 
     # ------------------------------------------------------------------ reads
 
@@ -570,21 +414,14 @@ class StepLedger:
         hook moves to the new optimizers and every group's LR is read again, from the next step taken in on.
         A swap is said once, in one line."""
         optimizers = trainer.optimizers
-        attached = self._optimizers
-        swapped = len(optimizers) != len(attached) or any(a is not b for a, b in zip(optimizers, attached))
+        swapped = self.optimizers.swapped(optimizers)
         if not swapped and not self.lr.groups_changed(optimizers):
             return False
         if swapped:
-            fused = self.taken.fused
             self.taken.attach(optimizers)
-            self._optimizers = tuple(optimizers)
-            several = self.several
-            self._index_optimizers(trainer)
-            self.several = several and self.optimizer_ids is not None
+            self.optimizers.attach(optimizers, getattr(trainer, "module", None))
             self._update_fast_path()
             self.lr_log.swapped_at = max(self.step_index - 1, 0)
-            if self.taken.fused != fused:
-                self._update_fast_path()
             say = getattr(trainer, "say", None)
             if say is not None:
                 names = ", ".join(type(opt).__name__ for opt in optimizers) or "none"
@@ -597,16 +434,12 @@ class StepLedger:
         """The log step's one packed read: the scaler's scale and growth tracker (the mirror is reconciled with
         them), ``extra`` scalars and the held losses. Returns the real scale (the mirror's without a scaler
         tensor yet) and ``extra``'s values."""
-        scaler = self.precision.scaler
-        if self.runs.deferred:
-            self.runs.settle()
+        self.runs.settle()  # (the losses read are noted after the clean steps held back)
+        scaler, mirror = self.precision.scaler, self.scale.mirror
         read = None if scaler is None else self.reads.read_with_scaler(self.losses, self._host_tape, scaler, extra)
         if read is None:
-            values = self.read_losses(extra)
-            mirror = self.scale.mirror
-            return (mirror.scale if mirror is not None else None), values
+            return (mirror.scale if mirror is not None else None), self.read_losses(extra)
         scale, tracker, values = read
-        mirror = self.scale.mirror
         if mirror is not None:
             mirror.reconcile(scale, int(tracker))
         return scale, values

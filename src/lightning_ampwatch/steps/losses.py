@@ -33,6 +33,7 @@ class LossRing:
     def __init__(self, capacity: int = LOSS_RING_STEPS) -> None:
         self.capacity = capacity
         self.entries: list[tuple[int, LossTape]] = []
+        self._lane_only = False  # what :meth:`held` found: every entry the express lane's (for :meth:`settle`)
 
     def append(self, step: int, tape: LossTape) -> None:
         self.entries.append((step, tape))
@@ -45,7 +46,8 @@ class LossRing:
         """Every held loss, in order, as held (tensors, or floats taken on the host)."""
         tapes = list(map(_second, self.entries))
         kinds = set(map(type, tapes))
-        if LossTape not in kinds:  # every step the express lane's: its loss itself
+        self._lane_only = LossTape not in kinds
+        if self._lane_only:  # every step the express lane's: its loss itself
             return tapes
         if len(kinds) == 1 and sum(map(len, tapes)) == len(tapes):  # one backward per step: each tape's first (C)
             return list(map(_first, map(_first, tapes)))
@@ -67,9 +69,16 @@ class LossRing:
         except RuntimeError:  # mixed dtypes or shapes (a loss that is not a scalar): one by one
             return torch.stack([loss.detach().float().reshape(()).to(losses[0].device) for loss in losses])
 
-    def settle(self, values: Sequence[float]) -> list[tuple[int, float]]:
-        """The per-step (unscaled) losses from the values of :meth:`stacked`, and the ring emptied."""
+    def settle(self, values: Sequence[float], held: Sequence[Any] | None = None) -> list[tuple[int, float]]:
+        """The per-step (unscaled) losses from the values of :meth:`stacked` (or, ``held``, of :meth:`held` as read
+        on the host), and the ring emptied."""
         entries = self.entries
+        if self._lane_only and len(values) == len(entries):  # as :meth:`held` found them: unscaled losses, one a step
+            self._lane_only = False
+            self.entries = []
+            if held is not None and values == held:  # the floats held were float32 values already: each entry is its
+                return entries  # ``(step, loss)`` pair (no new object per step: each is paid for again when it goes)
+            return list(zip(map(_first, entries), values))  # (``value / 1.0`` is ``value``, bit for bit: no new float)
         if len(values) == len(entries):  # one loss per step, the usual case: (step, value / its scale), in C
             kinds = set(map(type, map(_second, entries)))
             scales: Any

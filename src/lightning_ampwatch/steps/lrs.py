@@ -69,6 +69,18 @@ class LrTracking:
         self.points.append((step + 1, now))
         return ran
 
+    def ran_with(self, step: int, trainer: Any) -> tuple[Any, ...]:
+        """The LRs ``step``, being taken in, ran with (read when the previous step was taken in), and the next
+        step's read now: a change is taken in (:meth:`changed`); a constant LR keeps its tuple (no new object per
+        step). One group, the usual case, is read inline, without the trainer's ``optimizers`` (a slow property)."""
+        lrs = self.lrs
+        group = self.one_group
+        if group is not None:
+            lr = group["lr"]
+            return lrs if lrs[0] == lr else self.changed(step, lrs, (lr,))
+        now = self.read_now(trainer.optimizers)
+        return lrs if now == lrs else self.changed(step, lrs, now)
+
     def read_now(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[Any, ...]:
         """Every group's LR as it is now (more than one group, or a tensor LR, which is never read on a device)."""
         return current_lrs(optimizers) if not self.float_lrs else tuple([g["lr"] for g in self.param_groups])

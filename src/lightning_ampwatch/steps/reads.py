@@ -81,7 +81,7 @@ class LossReads:
         n = len(head)
         head.extend(losses)
         values = array("f", head).tolist()  # float32, as ``cat(...).float().tolist()`` gives them
-        self._note(ring, values[n:])
+        self._note(ring, values[n:], losses)
         return values[:n]
 
     def read_with_scaler(self, ring: LossRing, host_tape: bool, scaler: Any,
@@ -107,8 +107,8 @@ class LossReads:
         scale, tracker, *values = self.read(ring, host_tape, [*pair, *extra])
         return scale, tracker, values
 
-    def _note(self, ring: LossRing, values: list[float]) -> None:
-        losses = ring.settle(values)
+    def _note(self, ring: LossRing, values: list[float], held: list[Any] | None = None) -> None:
+        losses = ring.settle(values, held)
         if losses:
             self.unnoted.extend(losses)
             self.recent_losses.extend(losses)

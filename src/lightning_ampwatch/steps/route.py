@@ -30,7 +30,13 @@ from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS
 from lightning_ampwatch.steps.records import ClosedStep
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 
-#: The most clean steps taken in later at once (a run with no log steps still hands them over this often).
+#: The most clean steps taken in later at once (a run with no log steps still hands them over this often). Taking a
+#: held step in costs about 1 us, nearly all of it reading objects the training steps since pushed out of the cache,
+#: so a run's hand-over costs in proportion to its length wherever it happens. Measured for issue 29 on the toy: with
+#: the runs (and, on the CPU, the losses' reads) stretched to the log cadence's interval (150 steps; nine pairs of
+#: runs at a load of 0.3 to 3.9), a log step added 501 to 555 us, over its budget of 400; held to 64 steps, 281 to
+#: 387 us, and the step where a run of 64 is handed over between two log steps adds 269 to 336 us, once in 86
+#: (``overhead.py`` prints it as a kind of step of its own).
 MAX_DEFERRED = 64
 
 
@@ -57,12 +63,14 @@ class StepRoute:
         # lengthened once by the log cadence when that work would take more than its share of a fast step)
         self.judge_every = 0
         self.log_cadence: LogCadence | None = None
+        self.steady_last: tuple[int, float] | None = None  # (step, end) of the last steady snapshot step timed
 
     def begin(self, log_every: int, world_size: int) -> None:
         """At train start: the framework's log interval, and the log cadence (one process only: under DDP the log
         step is where the ranks meet, so every rank must run it at once)."""
         self.log_every = self.judge_every = log_every
         self.log_cadence = LogCadence(log_every) if log_every and world_size == 1 else None
+        self.steady_last = None
 
     def sync_investigations(self) -> None:
         """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
@@ -83,7 +91,8 @@ class StepRoute:
     # Why the lean route and its express lane stay beside the full route (one route would be simpler to follow):
     # measured for issue 29 on the toy (``benchmarks/step_counts.py`` and ``overhead.py --quick``, interleaved runs
     # on the shared 2-core CPU, load 3 to 5), an ordinary step once the cadences have decided takes, with the lean
-    # route, its express lane and the hooks idled, 12 Python calls and 6.0 to 8.8 us; with one route for every step,
+    # route, its express lane and the hooks idled, 12 Python calls and 6.0 to 8.8 us (after the ledger's split, the
+    # lane called through the ledger: 13 calls and 5.8 to 7.7 us, load 0.3 to 3.9); with one route for every step,
     # 24 calls and 12.8 to 25.0 us. The budget is 25 calls and 8 us: one route meets the calls, not the time, so the
     # three stay together (the lean route needs the hooks idled: it is what spares Lightning's calls). The earlier
     # measurements, route by route, are in git's history of this comment and in ``benchmarks/FINDINGS.md``.
@@ -141,13 +150,13 @@ class StepRoute:
             return
         try:
             if not self.lean:  # (the lean route learns of the step from the framework's count, at batch end)
-                several = ledger.optimizer_ids is not None  # several optimizers: which one steps (one scaler's skips
+                several = ledger.optimizers.ids is not None  # several optimizers: which one steps (one scaler's skips
                 index = ledger.optimizer_index(optimizer) if several else None  # are each one's own)
                 if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                     quiet = watch.machine.quiet
                     self.take_closed(ledger.close(watch.host, quiet, split=True), quiet)
                 if several:
-                    ledger.optimizer = index
+                    ledger.optimizers.current = index
                 ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
             if self.probing:
                 watch.investigations.optimizer_step(optimizer)
@@ -187,9 +196,20 @@ class StepRoute:
                 return  # mid-accumulation: no optimizer step in this batch
             # the machine's quiet, read once: closing a step leaves the machine as it is
             quiet = watch.machine.quiet
+            control = watch.trajectory
+            cadence = control.cadence if control is not None else None
+            # a snapshot step the "auto" cadence checks its interval against, timed whole: what the hooks pay for it in
+            # the steady run, once the log cadence has decided too (until then log steps hand the held steps over)
+            log_cadence = self.log_cadence
+            timed = (cadence is not None and cadence.decided and not cadence.checked
+                     and (log_cadence is None or log_cadence.decided)
+                     and ledger.step_index % control.ring.every == 0)  # type: ignore[union-attr]
+            start = _clock() if timed else 0.0
             closed = ledger.close(watch.host, quiet, micro_batch)
             if closed is not None:  # None: no backward ran, or a clean step held back (``ledger.runs``)
                 self.take_closed(closed, quiet)
+            if timed:
+                self.steady_snapshot(ledger.step_index - 1, start, _clock())
             log_every = self.log_every
             if log_every and ledger.step_index % log_every == 0:
                 self.log_step()
@@ -206,7 +226,7 @@ class StepRoute:
     def express(self, loss: Any, batch: Any, batch_idx: int) -> bool:
         """The lean route's express lane: a healthy batch end in one call, with no framework count to read. Taken
         when the batch ran one optimizer step, which the scaler took, and nothing but its bookkeeping is due (the
-        ledger's :meth:`StepLedger.express`; the lane is opened, up to a step, at the end of every other batch end:
+        ledger's :meth:`ExpressLane.take`; the lane is opened, up to a step, at the end of every other batch end:
         :meth:`open_lane`). Returns False, having changed nothing, otherwise: the adapter then calls
         :meth:`batch_end` with the framework's count, as for any batch. ``loss``: the batch's (unscaled) loss."""
         watch = self.watch
@@ -222,7 +242,7 @@ class StepRoute:
         except Exception as err:  # noqa: BLE001
             watch.internal_failure("express", err)
             self.lane_failed = True  # the usual way from now on
-            ledger.express_until = 0
+            ledger.lane.until = 0
         return False
 
     def open_lane(self) -> None:
@@ -238,11 +258,11 @@ class StepRoute:
         try:
             if (not self.lane_failed and not watch.disabled and machine is not None and machine.quiet
                     and not treatment.due and treatment.watch is None):
-                ledger.open_lane(self.log_every)
+                ledger.lane.open(self.log_every)
                 return
         except Exception as err:  # noqa: BLE001
             watch.internal_failure("the express lane", err)
-        ledger.express_until = 0
+        ledger.lane.until = 0
 
     # ------------------------------------------------------------------ steps -> machine -> diagnoses
 
@@ -277,6 +297,26 @@ class StepRoute:
             watch.episodes.take(closed.resolved)
         self.plan_deferral()
 
+    def steady_snapshot(self, step: int, start: float, end: float) -> None:
+        """Step ``step``, due a snapshot once the ``"auto"`` cadence has decided, went from the ledger's close (which
+        hands over the healthy steps held back) at ``start`` to the snapshot's end at ``end``: what the hooks pay for
+        a snapshot step of the steady run, against which the cadence checks its interval, with the mean step since
+        the previous one timed (:meth:`SnapshotCadence.observe_steady`). A step that took none (the run not quiet)
+        is passed over: the next one due is timed instead."""
+        watch = self.watch
+        control = watch.trajectory
+        cadence, ring = control.cadence, control.ring
+        held = ring.snapshots
+        if not (ring.enabled and held and held[-1].step == step):
+            return
+        last, self.steady_last = self.steady_last, (step, end)
+        said = cadence.observe_steady(end - start, None if last is None else (start - last[1]) / (step - last[0]))
+        if cadence.every != ring.every:
+            ring.lengthen(cadence.every, control.keep)
+            self.plan_deferral()
+        if said is not None:
+            watch.say_once(said)
+
     def at_step_boundary(self) -> None:
         """An optimizer-step boundary with a remedy due or watched: the episode decides; the deferral follows."""
         self.watch.episodes.at_step_boundary()
@@ -300,10 +340,9 @@ class StepRoute:
         if watch.disabled or treatment.watch is not None or treatment.due:
             runs.until = step
             return
-        # up to the next log step that does its work, when the log cadence set it further than MAX_DEFERRED
-        judge_every = self.judge_every
-        stretched = judge_every != self.log_every and MAX_DEFERRED and judge_every > MAX_DEFERRED
-        limit = step + (judge_every if stretched else MAX_DEFERRED)
+        # at most MAX_DEFERRED steps, even where the log cadence set the next log step that does its work further:
+        # the steps held back are handed over where the run stops, so a longer run would only make that step dearer
+        limit = step + MAX_DEFERRED
         if control is not None:
             every = control.defer_limit
             if every is not None:
@@ -337,7 +376,8 @@ class StepRoute:
         said = cadence.observe(step, start, _clock())
         if cadence.decided:
             self.judge_every = cadence.interval
-            ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
+            if not ledger.host_tape:  # an accelerator's losses: read at the log steps that do the work, not between
+                ledger.losses.capacity = max(ledger.losses.capacity, min(cadence.interval, LOSS_RING_MAX_STEPS))
             if said:
                 watch.say_once(said)
             self.plan_deferral()

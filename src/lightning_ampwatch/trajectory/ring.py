@@ -235,6 +235,12 @@ class SnapshotRing:
         self.dropped: str | None = None  # why the snapshots were let go mid-run, until the next one is taken
         self._plan: _CopyPlan | None = None  # what the latest snapshot copied, reused while it holds
 
+    def lengthen(self, every: int, keep: int) -> None:
+        """Snapshots every ``every`` steps from now on (the ``"auto"`` cadence's longer interval): the bound on the
+        steps of batches held follows it, as it follows the interval the ring was made with (``keep`` snapshots)."""
+        self.every = every
+        self.max_held_steps = max(self.max_held_steps, every * (keep + 2))
+
     @property
     def snapshots(self) -> tuple[Snapshot, ...]:
         """The snapshots held, oldest first (the oldest gives the longest window)."""
