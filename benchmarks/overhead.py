@@ -20,7 +20,7 @@ The budget (decided in issue 29):
 - a step of ``RATIO_STEP_MS`` (5 ms) or more: watched/bare at most ``BUDGET`` (1.01), judged from on/off blocks of
   one run, with the verdict "within the budget" only when the 95% interval lies below it on both clocks;
 - a shorter step (the toy's): absolute figures, an ordinary step's hooks at most 8 us, a log step's extra at most
-  400 us, the snapshot's share at ``"auto"`` at most 0.5% of a bare step; its ratio is printed for information.
+  400 us (a hand-over step's too: the same bookkeeping between log steps), the snapshot's share at ``"auto"`` at most 0.5% of a bare step; its ratio is printed for information.
   The Python calls per step, which no load can change, are counted by ``benchmarks/step_counts.py`` (at most 25
   on an ordinary step, held by ``tests/test_step_counts.py``).
 
@@ -994,6 +994,10 @@ class WorkloadCost:
             over.append(f"an ordinary step's hooks take {self.ordinary_us:.1f} us (budget {ORDINARY_BUDGET_US:g})")
         if self.log_step_extra_us > LOG_STEP_BUDGET_US:
             over.append(f"a log step adds {self.log_step_extra_us:.0f} us (budget {LOG_STEP_BUDGET_US:g})")
+        # a hand-over step does the log step's bookkeeping (the held steps taken in) between log steps: the same budget
+        if self.handover_share and self.handover_extra_us > LOG_STEP_BUDGET_US:
+            over.append(f"a hand-over step adds {self.handover_extra_us:.0f} us (budget {LOG_STEP_BUDGET_US:g}, as a "
+                        "log step's)")
         share = self.snapshot_share
         if share is not None and share > SNAPSHOT_SHARE_BUDGET:
             over.append(f"the snapshot's share is {share:.2%} (budget {SNAPSHOT_SHARE_BUDGET:.1%})")
@@ -1040,8 +1044,8 @@ class WorkloadCost:
                          "of a bare step (the snapshot's per-step share)")
         if not self.judged_by_ratio:
             lines.append(f"  budgets           a step under {RATIO_STEP_MS:g} ms is judged by absolute figures: an "
-                         f"ordinary step's hooks at most {ORDINARY_BUDGET_US:g} us, a log step's extra at most "
-                         f"{LOG_STEP_BUDGET_US:g} us, the snapshot's share at most {SNAPSHOT_SHARE_BUDGET:.1%} "
+                         f"ordinary step's hooks at most {ORDINARY_BUDGET_US:g} us, a log step's extra (and a "
+                         f"hand-over step's) at most {LOG_STEP_BUDGET_US:g} us, the snapshot's share at most {SNAPSHOT_SHARE_BUDGET:.1%} "
                          f"(the calls per step: benchmarks/step_counts.py)")
             lines.append(f"    verdict         {self.verdict()}")
         for label, paired, snapshots in (("snapshots on", self.snapshots_on, True),

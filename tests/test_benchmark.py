@@ -206,6 +206,10 @@ def test_a_short_step_is_judged_by_the_absolute_budgets_a_long_one_by_its_ratio(
                               "401 us (budget 400); the snapshot's share is 1.00% (budget 0.5%)")
     assert over.verdict(False) == ("over the budget: an ordinary step's hooks take 9.2 us (budget 8); a log step "
                                    "adds 401 us (budget 400)")  # snapshots off: no snapshot's share to judge
+    # a hand-over step (the held steps taken in between log steps) is held to the log step's budget
+    handed = dataclasses.replace(short, handover_share=1 / 64, handover_extra_us=401.0)
+    assert handed.verdict() == "over the budget: a hand-over step adds 401 us (budget 400, as a log step's)"
+    assert dataclasses.replace(handed, handover_extra_us=399.0).verdict() == "within the budget"
     lines = "\n".join(over.lines())
     assert "  budgets           a step under 5 ms is judged by absolute figures" in lines
     assert f"    verdict         {over.verdict()}" in lines
