@@ -149,6 +149,7 @@ class SnapshotCadence:
         cost, step = sorted(self.steady)[len(self.steady) // 2], min(self.steps)
         chosen = snapshot_interval(cost, step, self.asked, self.fraction, self._longest)
         self._rounds += 1
+        at_final = chosen <= self.every  # this cost was measured at the interval that stays
         if chosen > self.every:
             self._before = self.every if self._before is None else self._before
             self.every, self._cost = chosen, cost
@@ -158,15 +159,27 @@ class SnapshotCadence:
         self.checked = True
         if self._before is None:
             return None
-        return self._said(f"A snapshot step takes {self._cost * 1e3:.2f} ms once the healthy steps are taken in by "
-                          "the run", self._cost, step, self._before)
+        if at_final:  # say what a snapshot step costs at the interval in force, as measured there
+            return self._said(f"A snapshot step takes {cost * 1e3:.2f} ms at this interval once the healthy steps are "
+                              "taken in by the run", cost, step, self._before)
+        # the last lengthening is not measured yet (a snapshot step costs more the longer the interval): say so
+        return self._said(f"A snapshot step took {self._cost * 1e3:.2f} ms at a shorter interval once the healthy steps "
+                          "are taken in by the run (not timed at the longer one, where it costs more)",
+                          self._cost, step, self._before, measured=False)
 
-    def _said(self, what: str, cost: float, step: float, before: int) -> str:
-        """The sentence said once when the interval changes from ``before`` to :attr:`every`."""
+    def _said(self, what: str, cost: float, step: float, before: int, measured: bool = True) -> str:
+        """The sentence said once when the interval changes from ``before`` to :attr:`every` (``measured``: ``cost``
+        was timed at the new interval; else the share is a floor, and the sentence claims no ceiling)."""
         chosen = self.every
         share = cost / (chosen * step)
         said = f"{what} against a healthy step of {step * 1e3:.2f} ms: "
-        if share <= self.fraction * (1 + 1e-9):
+        if not measured:
+            longest = " (the longest interval the memory budget and the replay length allow)" \
+                if chosen >= self._longest else ""
+            said += (f"one is taken every {chosen} steps instead of every {before}{longest}; snapshots take at least "
+                     f"{share:.2%} of the training time (aimed at: at most {self.fraction:.2%}); snapshot_every=0 "
+                     "turns them off.")
+        elif share <= self.fraction * (1 + 1e-9):
             said += (f"one is taken every {chosen} steps instead of every {before}, so that snapshots take "
                      f"{share:.2%} of the training time (at most {self.fraction:.2%}).")
         else:
