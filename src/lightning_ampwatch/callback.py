@@ -403,6 +403,12 @@ class AmpWatch(Callback):
             except Exception as err:  # noqa: BLE001 - clean-up never raises
                 self.watcher.internal_failure("clean-up", err)
         self._host = None
+        # Lightning binds the module's self.log and self.log_dict onto every callback at fit start, and leaves them:
+        # an instance kept (or pickled for a ddp_spawn fit) after the fit would hold the model through them
+        for name in ("log", "log_dict"):
+            bound = self.__dict__.get(name)
+            if bound is not None and isinstance(getattr(bound, "__self__", None), torch.nn.Module):
+                del self.__dict__[name]
 
     # ------------------------------------------------------------------ hooks Lightning need not call
 

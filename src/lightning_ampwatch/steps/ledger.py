@@ -115,6 +115,7 @@ class StepLedger:
             self.taken.detach()
             self.host = None
             self.optimizers.clear()
+            self.lr.forget_groups()
             self.stepped = False
             self.open_steps.queue.clear()
             self._batches = []

@@ -54,6 +54,10 @@ class LrTracking:
             self.lrs = current_lrs(optimizers)
             self.points.append((step, self.lrs))
 
+    def forget_groups(self) -> None:
+        """At the fit's end: no reference to the optimizers' param groups (they hold the model's parameters)."""
+        self.param_groups, self.one_group = [], None
+
     def groups_changed(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """Whether the optimizers' param groups are not the count read last (a group added)."""
         return sum(len(opt.param_groups) for opt in optimizers) != self.groups_seen
