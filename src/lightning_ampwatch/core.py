@@ -84,7 +84,6 @@ from lightning_ampwatch.steps.route import StepRoute
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.trajectory.control import TrajectoryControl
-from lightning_ampwatch.trajectory.ring import SnapshotRing
 
 #: Internal failures after which the watch switches itself off for the run (each is warned once).
 MAX_FAILURES = 5
@@ -269,33 +268,19 @@ class RunWatcher(WatchState):
         if ledger.scaler_active:
             self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
         self._start_trajectory()
-        # who takes the clean steps the ledger holds back, in runs (after the trajectory control: the order the
-        # steps' own route feeds them in)
-        machine, timeline = self.machine, self.timeline
-        ledger.runs.hand_to("machine", lambda steps, _, scales, grews, lrss:
-                            machine.observe_clean_run(steps, scales, grews, lrss))  # type: ignore[union-attr]
-        if timeline is not None:
-            ledger.runs.hand_to("timeline", lambda steps, _, scales, __, lrss:
-                                timeline.record_clean_run(steps, scales, lrss))
+        ledger.runs.hand_to_watch(self.machine, self.timeline)  # who takes the clean steps the ledger holds back
         route.plan_deferral()
 
     def _start_trajectory(self) -> None:
-        """The snapshot ring and what a replay drives (again after a remedy swaps the precision)."""
-        config, investigations, host = self.config, self.investigations, self.host
-        if not (config.snapshot_every and config.control_replay and investigations is not None and host is not None):
+        """The FP32 trajectory control, where it is on (again after a remedy swaps the precision: snapshots of the
+        old arithmetic replay no more); the ledger hands it the clean steps' batches it holds back."""
+        if self.investigations is None or self.host is None or self.ledger is None:
             return
-        every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
-        # the default budget is the node's, shared by the processes training on it
-        ring = SnapshotRing(config.snapshot_budget, every,
-                            processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
-        control = TrajectoryControl(ring, host.train_state(), config.thresholds.divergence_ratio,  # type: ignore[union-attr]
-                                    self.say_once, adaptive=adaptive, on_failure=self.internal_failure,
-                                    thresholds=config.thresholds)
-        self.trajectory = control
-        if self.ledger is not None:  # the clean steps' batches held back, for its snapshots (again: the new control)
+        control = TrajectoryControl.for_run(self.config, self.host, self.ledger.lr_log, self.say_once,
+                                            self.internal_failure)
+        if control is not None:
+            self.trajectory = control
             self.ledger.runs.hand_to("trajectory", lambda steps, batches, *_: control.note_run(steps, batches))
-        control.state.lr_log = self.ledger.lr_log if self.ledger is not None else None  # each step's LRs, replayed
-        control.start(host.global_step)  # a state from before the first step this run takes
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None

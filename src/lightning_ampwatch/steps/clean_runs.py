@@ -50,6 +50,14 @@ class CleanRuns:
         else:
             self._consumers[role] = consumer
 
+    def hand_to_watch(self, machine: Any, timeline: Any) -> None:
+        """The watch's own consumers, after the trajectory control's (the order the steps' route feeds them in): the
+        machine takes each run's scales, growths and LRs; the timeline, if one is written, records them."""
+        self.hand_to("machine", lambda steps, _, scales, grews, lrss:
+                     machine.observe_clean_run(steps, scales, grews, lrss))
+        if timeline is not None:
+            self.hand_to("timeline", lambda steps, _, scales, __, lrss: timeline.record_clean_run(steps, scales, lrss))
+
     def settle(self) -> None:
         """Hand the steps held back to every consumer, in one run."""
         run = self.deferred

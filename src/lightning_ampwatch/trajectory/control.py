@@ -46,6 +46,25 @@ class TrajectoryControl:
         self.start_step = 0  # the first step of this fit (its starting state is snapshotted before it)
         self.keep = ring.keep
 
+    @classmethod
+    def for_run(cls, config: Any, host: Any, lr_log: Any, say: Callable[[str], None],
+                on_failure: Callable[[str, Exception], None]) -> "TrajectoryControl | None":
+        """The control of one run, from the watch's configuration (``snapshot_every``, ``snapshot_budget``,
+        ``control_replay``, the thresholds) and the host (what a replay drives, the processes that share the node's
+        snapshot budget), started with a snapshot of the state before its first step; None where it is off.
+        ``lr_log``: each step's LRs, which a replay runs its steps at."""
+        if not (config.snapshot_every and config.control_replay):
+            return None
+        every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
+        # the default budget is the node's, shared by the processes training on it
+        ring = SnapshotRing(config.snapshot_budget, every,
+                            processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
+        control = cls(ring, host.train_state(), config.thresholds.divergence_ratio, say, adaptive=adaptive,
+                      on_failure=on_failure, thresholds=config.thresholds)
+        control.state.lr_log = lr_log
+        control.start(host.global_step)  # a state from before the first step this run takes
+        return control
+
     def start(self, global_step: int) -> None:
         """The fit starts (or resumes) at ``global_step``: a snapshot of the state before its first step, so that an
         episode at that very step has a state to replay from and to roll back to."""
