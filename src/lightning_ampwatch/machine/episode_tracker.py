@@ -7,27 +7,16 @@ decides when each happens, and makes the diagnoses. Pure Python; of the machine 
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from lightning_ampwatch.machine.state import Episode, MachineState, NormalCall
-from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
+from lightning_ampwatch.machine.state import Episode, MachineView, NormalCall
+from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode
 from lightning_ampwatch.taxonomy import Finding
 
 #: Findings whose episode is a divergence of the loss: it lasts until the loss is back, whatever the skips do.
 DIVERGENCE_FINDINGS = frozenset({Finding.FP32_UNSTABLE, Finding.LR_SCHEDULE})
 
 
-class EpisodeOwner(Protocol):
-    """What the episode tracker reads of the machine that owns it."""
-
-    @property
-    def state(self) -> MachineState: ...
-
-    @property
-    def thresholds(self) -> Thresholds: ...
-
-    @property
-    def mode(self) -> PrecisionMode: ...
+#: What the episode tracker reads of the machine that owns it.
+EpisodeOwner = MachineView
 
 
 class EpisodeTracker:

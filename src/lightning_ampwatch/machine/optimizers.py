@@ -10,22 +10,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from lightning_ampwatch.machine.overflow import Overflow, skip_counts, skip_pattern, unscaled_overflow
-from lightning_ampwatch.machine.state import SCALE_HISTORY, MachineState, OptimizerSteps
-from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
+from lightning_ampwatch.machine.state import SCALE_HISTORY, MachineView, OptimizerSteps
+from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode
 from lightning_ampwatch.taxonomy import Finding, GradientPattern, format_pow2
 
 
-class RowsOwner(Protocol):
+class RowsOwner(MachineView, Protocol):
     """What the rows read of the machine that owns them."""
-
-    @property
-    def state(self) -> MachineState: ...
-
-    @property
-    def thresholds(self) -> Thresholds: ...
-
-    @property
-    def mode(self) -> PrecisionMode: ...
 
     @property
     def early_startup(self) -> bool: ...

@@ -14,9 +14,9 @@ import types
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any, Mapping, Union, get_args, get_origin, get_type_hints
+from typing import Any, Mapping, Protocol, Union, get_args, get_origin, get_type_hints
 
-from lightning_ampwatch.machine.vocabulary import Thresholds
+from lightning_ampwatch.machine.vocabulary import PrecisionMode, Thresholds
 from lightning_ampwatch.taxonomy import Finding
 
 #: How many scales of a streak its ``scale_history`` evidence keeps.
@@ -242,3 +242,16 @@ def decode(kind: Any, value: Any, where: str) -> Any:
             (numeric and (kind is float or isinstance(value, int))):
         return kind(value)
     raise ValueError(f"{where} must be {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+class MachineView(Protocol):
+    """What the machine's parts (each optimizer's rows, the episode tracker) read of the machine that owns them."""
+
+    @property
+    def state(self) -> MachineState: ...
+
+    @property
+    def thresholds(self) -> Thresholds: ...
+
+    @property
+    def mode(self) -> PrecisionMode: ...
