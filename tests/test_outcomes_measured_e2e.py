@@ -51,10 +51,12 @@ class ClipsScaledGrads(pl.LightningModule):
         self.automatic_optimization = False
         self.layers = nn.Sequential(nn.Linear(24, 96), nn.SiLU(), nn.Linear(96, 96), nn.SiLU(), nn.Linear(96, 6))
 
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.layers(x), y)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
-        x, y = batch
-        loss = F.cross_entropy(self.layers(x), y)
+        loss = self.loss_of(*batch)
         opt.zero_grad()
         self.manual_backward(loss)
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
@@ -127,30 +129,14 @@ def test_clipping_moved_after_unscale_in_manual_optimization_is_verified_by_the_
     assert "fixed with unscale_before_clip, recovery verified" in out
 
 
-class ClipsScaledGradsOfASummedPenalty(pl.LightningModule):
+class ClipsScaledGradsOfASummedPenalty(ClipsScaledGrads):
     """ClipsScaledGrads with an activation penalty summed over the batch (as an auxiliary loss often is): its
     scaled gradients overflow float16 at the scaler's first scale, so GradScaler skips its first steps while it
     halves the scale down to one that fits, as it would with the clip in the right place."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.body = nn.Sequential(nn.Linear(24, 96), nn.SiLU(), nn.Linear(96, 96), nn.SiLU())
-        self.head = nn.Linear(96, 6)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        opt = self.optimizers()
-        x, y = batch
-        h = self.body(x)
-        loss = F.cross_entropy(self.head(h), y) + 3.0 * h.float().pow(2).sum()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
-        opt.step()
-        return loss.detach()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.layers[:4](x)  # the hidden features, before the classifier
+        return F.cross_entropy(self.layers[4](h), y) + 3.0 * h.float().pow(2).sum()
 
 
 def test_the_scalers_start_up_search_does_not_fail_a_remedy_that_is_not_about_the_scale(tmp_path: Path) -> None:
