@@ -182,7 +182,7 @@ def test_lr_increase_before_the_onset_is_blamed_before_the_scaler() -> None:
     assert diagnosis.evidence["lr_event"] == "lr_increase"
     assert diagnosis.evidence["lr_before"] == 0.01 and diagnosis.evidence["lr_after"] == 0.4
     assert diagnosis.evidence["lr_change_step"] == 30
-    assert "the learning rate rose (0.01 -> 0.4)" in diagnosis.advice
+    assert "the learning rate jumped in one step (0.01 -> 0.4)" in diagnosis.advice
 
 
 def test_same_skips_without_the_lr_change_blame_the_scaler() -> None:

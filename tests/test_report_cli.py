@@ -46,7 +46,7 @@ def test_report_prints_the_episode_table(run_dir: Path) -> None:
         assert header in out
     row = next(line for line in out.splitlines() if "LR_SCHEDULE" in line)
     assert row.split("│")[1].strip().startswith("31-")  # the episode's span starts at its onset
-    assert "The failure began right after the learning rate rose (0.02 -> 0.8)" in " ".join(
+    assert "The failure began right after the learning rate jumped in one step (0.02 -> 0.8)" in " ".join(
         part.strip() for line in out.splitlines() for part in line.split("│")[4:5])
     assert row.split("│")[5].strip() == "none"  # no remedy applied
 

@@ -109,7 +109,8 @@ def test_growth_advice_names_a_larger_interval_and_a_smaller_factor() -> None:
     assert "init_scale=2**12" in advice
 
 
-@pytest.mark.parametrize("event, words", [("warmup_end", "warmup"), ("lr_increase", "learning rate rose")])
+# (an lr_increase read "the learning rate rose ... or lengthen the warmup": it is a jump in one step, and says so)
+@pytest.mark.parametrize("event, words", [("warmup_end", "warmup"), ("lr_increase", "learning rate jumped in one step")])
 def test_lr_advice_says_which_event_with_the_lr_before_and_after(event: str, words: str) -> None:
     advice = advise(Finding.LR_SCHEDULE, {"lr_event": event, "lr_before": 0.001, "lr_after": 0.04})
     assert words in advice
@@ -204,7 +205,7 @@ def test_lr_advice_leads_with_the_climb_when_there_was_one() -> None:
     advice = advise(Finding.LR_SCHEDULE, {"lr_event": "lr_increase", "lr_before": 0.01, "lr_after": 0.5,
                                           "divergence": "loss 0.9 -> 31 over steps 30..33 before any overflow"})
     assert advice.startswith("The loss climbed (loss 0.9 -> 31 over steps 30..33 before any overflow). ")
-    assert "the learning rate rose (0.01 -> 0.5)" in advice
+    assert "the learning rate jumped in one step (0.01 -> 0.5)" in advice
 
 
 @pytest.mark.parametrize("evidence, advised", [
@@ -231,3 +232,14 @@ def test_a_data_fault_is_checked_on_the_tensor_that_held_it(where: str | None, c
     check names the tensor the NaN/inf was measured in, as the user's training_step names it."""
     advice = advise(Finding.DATA_NONFINITE, {"nonfinite_where": where} if where else {})
     assert check in advice, advice
+
+
+def test_an_lr_jump_is_not_told_to_lengthen_a_warmup_it_does_not_have() -> None:
+    """A rise in one step (a warm restart, a step schedule) gets the jump's fix; a warmup's end keeps the warmup's.
+    Neither says float16 made it show sooner: where FP32 was replayed, it failed the same way."""
+    jump = advise(Finding.LR_SCHEDULE, {"lr_event": "lr_increase", "lr_before": 0.0039, "lr_after": 0.2})
+    assert "jumped in one step (0.0039 -> 0.2)" in jump and "warm restart" in jump, jump
+    assert "warmup" not in jump.replace("warm restart", "") and "sooner" not in jump, jump
+    warm = advise(Finding.LR_SCHEDULE, {"lr_event": "warmup_end", "lr_before": 0.01, "lr_after": 0.3})
+    assert "warmup reached its peak (0.01 -> 0.3)" in warm and "lengthen the warmup" in warm, warm
+    assert "sooner" not in warm, warm

@@ -144,12 +144,16 @@ def lr_schedule(ev: Mapping[str, Any]) -> str:
             f"The failure began right after a param group was added at a far higher learning rate{at} (a "
             "backbone unfrozen, say BackboneFinetuning's backbone_initial_lr). Give the new group a learning rate "
             "near the others' (or warm it up), then re-test before touching the loss scaler.")
+    fix = "Lower the peak learning rate or lengthen the warmup"
+    if kind is LrEvent.LR_INCREASE:  # a rise in one step: a warm restart, a step schedule, a change by hand
+        what = "the learning rate jumped in one step"
+        fix = ("Lower the learning rate it jumps to, or ramp up to it over several steps (a scheduler's warm restart "
+               "jumps back to its peak)")
     return _divergence(ev) + (
-        f"The failure began right after {what} ({before:.3g} -> {after:.3g}). Lower the peak learning rate "
-        "or lengthen the warmup, then re-test before touching the loss scaler; float16 only makes the "
-        "instability visible sooner."
+        f"The failure began right after {what} ({before:.3g} -> {after:.3g}). {fix}, then re-test before touching "
+        "the loss scaler."
         if before is not None and after is not None
-        else f"The failure began right after {what}. Lower the peak learning rate or lengthen the warmup."
+        else f"The failure began right after {what}. {fix}."
     )
 
 
