@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import true_fp16_plugin
 from _limits import HANG_S
+from test_ddp import DumpDiagnoses  # each rank writes the diagnoses its AmpWatch published
 
 INF_FROM = 6  # the discriminator's loss is multiplied by inf from this batch on
 
@@ -61,14 +61,6 @@ def _data() -> DataLoader:
                       batch_size=16, shuffle=False)
 
 
-class Dump(Callback):
-    def __init__(self, watch: AmpWatch, out_dir: str) -> None:
-        self.watch, self.out_dir = watch, out_dir
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        path = Path(self.out_dir) / f"rank{trainer.global_rank}.json"
-        path.write_text(json.dumps([d.to_dict() for d in self.watch.diagnoses]))
-
 
 def fit(out_dir: str, devices: int) -> None:
     pl.seed_everything(0, verbose=False)
@@ -78,7 +70,7 @@ def fit(out_dir: str, devices: int) -> None:
         # (the generator's step leaves the discriminator unused, and the other way round: DDP must be told)
         strategy=DDPStrategy(start_method="fork", find_unused_parameters=True) if devices > 1 else "auto",
         plugins=[true_fp16_plugin()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out_dir, callbacks=[watch, Dump(watch, out_dir)],
+        enable_model_summary=False, default_root_dir=out_dir, callbacks=[watch, DumpDiagnoses(watch, out_dir)],
         use_distributed_sampler=False,
     )
     trainer.fit(TinyGAN(), train_dataloaders=_data())
