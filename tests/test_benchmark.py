@@ -199,7 +199,8 @@ def test_a_short_step_is_judged_by_the_absolute_budgets_a_long_one_by_its_ratio(
     a log step's extra (400 us) and the snapshot's share (0.5%); from 5 ms on by the on/off blocks' ratio."""
     # the snapshot: 0.09 ms every 20 steps, 4.5 us a step, 0.45% of a 1 ms step
     short = dataclasses.replace(toy_cost, bare_step_ms=1.0, bare_cpu_step_ms=1.0, ordinary_us=7.9,
-                                log_step_extra_us=399.0, snapshot_copy_ms=0.09, snapshot_every=20)
+                                log_step_extra_us=399.0, snapshot_copy_ms=0.09, snapshot_every=20,
+                                handover_share=1 / 64, handover_extra_us=350.0)  # every figure the verdict reads
     assert not short.judged_by_ratio and short.verdict() == "within the budget"
     over = dataclasses.replace(short, ordinary_us=9.25, log_step_extra_us=401.0, snapshot_copy_ms=0.2)
     assert over.verdict() == ("over the budget: an ordinary step's hooks take 9.2 us (budget 8); a log step adds "
@@ -207,9 +208,10 @@ def test_a_short_step_is_judged_by_the_absolute_budgets_a_long_one_by_its_ratio(
     assert over.verdict(False) == ("over the budget: an ordinary step's hooks take 9.2 us (budget 8); a log step "
                                    "adds 401 us (budget 400)")  # snapshots off: no snapshot's share to judge
     # a hand-over step (the held steps taken in between log steps) is held to the log step's budget
-    handed = dataclasses.replace(short, handover_share=1 / 64, handover_extra_us=401.0)
+    handed = dataclasses.replace(short, handover_extra_us=401.0)
     assert handed.verdict() == "over the budget: a hand-over step adds 401 us (budget 400, as a log step's)"
     assert dataclasses.replace(handed, handover_extra_us=399.0).verdict() == "within the budget"
+    assert dataclasses.replace(handed, handover_share=0.0).verdict() == "within the budget"  # none in the window
     lines = "\n".join(over.lines())
     assert "  budgets           a step under 5 ms is judged by absolute figures" in lines
     assert f"    verdict         {over.verdict()}" in lines
