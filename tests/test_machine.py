@@ -232,6 +232,33 @@ def test_lr_rise_takes_precedence_over_forward_overflow() -> None:
     assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
 
 
+
+def test_a_batch_past_float16s_range_goes_before_an_lr_rise_which_stays_beside_it() -> None:
+    # the batch's own values are measured; the rise's timing is not: INPUT_RANGE, the rise kept in its evidence (a
+    # user's glitching sensor hit the first batch after a 5-step warmup, and was called LR_SCHEDULE)
+    machine = fp16_machine()
+    replay(machine, scaled_run([], 10, lrs=[0.01] * 8 + [0.5] * 2))
+    found = machine.observe(Observation(step=10, skipped=True, loss=float("inf"), loss_finite=False, scale=65536.0,
+                                        lrs=(0.5,), batch=BatchStats(absmax=1e5, absmax_where="batch[0]")))
+    assert [d.finding for d in found] == [Finding.INPUT_RANGE]
+    assert found[0].evidence["input_absmax"] == 1e5 and found[0].evidence["lr_event"] == "lr_increase"
+
+
+def test_the_scalers_start_up_skips_are_not_the_first_sign_of_a_later_fault() -> None:
+    # the scaler lowers its first scale once at step 0 (finite loss), then 7 clean steps; step 8's loss goes inf:
+    # the fault began at 8 (it was dated 0, and its replays 'stopped at the fault at step 0', the start-up skip)
+    machine = fp16_machine()
+    found = replay(machine, scaled_run([0], 8))
+    found += machine.observe(anomalous(8, BatchStats(absmax=3.0)))
+    [alarm] = alarms(found)
+    assert alarm.finding is Finding.FORWARD_OVERFLOW and alarm.step == 8
+    # a skip after the start-up, as close, is still the first sign of it
+    machine = fp16_machine()
+    found = replay(machine, scaled_run([0, 5], 8))
+    found += machine.observe(anomalous(8, BatchStats(absmax=3.0)))
+    assert [d.step for d in alarms(found)] == [5]
+
+
 # ----------------------------------------------------------------------------- NORMAL_SCALING
 
 

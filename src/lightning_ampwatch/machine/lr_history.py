@@ -121,3 +121,25 @@ class LrLog:
             if point <= step:
                 return lrs
         return None
+
+
+#: A new param group counts as an LR rise when its LR is at least this many times the others' largest.
+ADDED_GROUP_RATIO = 10.0
+
+
+def added_group(entries: Sequence[tuple[int, tuple[float, ...]]], onset: int, lookback: int) -> dict[str, Any] | None:
+    """The LR evidence of a param group added within ``lookback`` steps before ``onset`` (or at it) whose LR is at
+    least :data:`ADDED_GROUP_RATIO` times the largest LR of the groups before it (Lightning's ``BackboneFinetuning``
+    unfreezing a backbone at a high LR), from the LRs each step ran with (``entries``: (step, its groups' LRs), as
+    the trajectory control's LR log keeps them); None otherwise."""
+    by_step: dict[int, tuple[float, ...]] = {}
+    for point, lrs in entries:
+        by_step[point] = tuple(lrs)  # the last read of a step wins (after a rollback, points are read again)
+    ordered = sorted(by_step.items())
+    for (_, before), (point, after) in zip(ordered, ordered[1:]):
+        if not (onset - lookback <= point <= onset) or len(after) <= len(before) or not before:
+            continue
+        old, new = max(before), max(after[len(before):])
+        if old > 0 and new >= ADDED_GROUP_RATIO * old:
+            return measured.LrRise(LrEvent.PARAM_GROUP_ADDED, old, new, point).entries()
+    return None

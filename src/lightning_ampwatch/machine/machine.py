@@ -286,6 +286,8 @@ class AmpStateMachine:
             row = self.rows.stepped(obs, obs.optimizer)
             if row is not None and self.episode_tracker.judged_apart(None):
                 out.extend(self._raise(self._found(row), obs.step))
+        if streak is not None and from_start and streak.all_loss_finite and not streak.data:
+            s.startup_until = streak.first_step + streak.count - 1
         if streak is not None and self.episode_tracker.judged_apart(None):
             if from_start and streak.count - streak.data >= t.startup_streak and streak.all_loss_finite:
                 out.extend(self._raise(self._found(startup_overflow(streak, obs.scale, t)), obs.step))
@@ -352,10 +354,6 @@ class AmpStateMachine:
         now_lr = max(obs.lrs, default=None)
         if obs.loss_finite is False and self.mode is PrecisionMode.FP32:  # no reduced precision to blame
             return self._divergence(onset, ev, now_lr)
-        lr = lr_event(s, t, onset, now_lr)
-        if lr is not None:
-            ev.update(lr)
-            return self._make(Finding.LR_SCHEDULE, onset, ev)
         # batch values beyond float16's comfortable range are the cause: of a forward overflow in float16 arithmetic,
         # of a gradient overflow under a scaler
         out_of_range = batch is not None and batch.absmax > t.input_limit
@@ -365,6 +363,11 @@ class AmpStateMachine:
         else:
             scaled = self.mode is PrecisionMode.FP16 and candidate is Finding.GRADIENT_OVERFLOW
             finding = Finding.INPUT_RANGE if out_of_range and scaled else candidate
+        lr = lr_event(s, t, onset, now_lr)
+        if lr is not None:
+            ev.update(lr)
+            if finding is not Finding.INPUT_RANGE:  # (the batch's values, measured, go before a rise's timing)
+                return self._make(Finding.LR_SCHEDULE, onset, ev)
         if finding is Finding.INPUT_RANGE:
             assert batch is not None
             ev.update(input_absmax=batch.absmax, input_where=batch.absmax_where)

@@ -44,9 +44,10 @@ def extend_streak(s: MachineState, t: Thresholds, obs: Observation) -> None:
 
 def first_sign(s: MachineState, t: Thresholds, step: int) -> int:
     """Where the trouble now at ``step`` first showed: the start of the anomalous streak, or earlier, the first skip of
-    the cluster of skips (each within ``2 * streak`` steps of the next) that led up to it."""
+    the cluster of skips (each within ``2 * streak`` steps of the next) that led up to it, the run's start-up skips
+    left out (the scaler lowering its first scale until a step goes through is no sign of what comes later)."""
     start = s.streak.first_step if s.streak is not None else step
-    return run_up_start(s.recent_skips, start, 2 * t.streak)
+    return run_up_start(s.recent_skips, start, 2 * t.streak, s.startup_until)
 
 
 def skip_counts(s: MachineState, in_row: int) -> dict[str, Any]:

@@ -153,6 +153,9 @@ class MachineState:
     # each optimizer's own steps, by its index, where several step through one scaler (empty with one optimizer; a
     # checkpoint from before it loads with none)
     optimizers: dict[str, OptimizerSteps] = field(default_factory=dict)
+    # the last step of the run's start-up skips (the scaler lowering its first scale, every loss finite, before the
+    # first step it took): the scaler finding its level, never the first sign of a later fault
+    startup_until: int | None = None
 
 
 def fresh_state(t: Thresholds) -> MachineState:
@@ -179,13 +182,15 @@ def load_state(value: Any, t: Thresholds) -> MachineState:
     return loaded
 
 
-def run_up_start(skips: deque[int], start: int, gap: int) -> int:
+def run_up_start(skips: deque[int], start: int, gap: int, after: int | None = None) -> int:
     """Where trouble at ``start`` first showed: ``start``, or earlier, the first of the skips (``skips``, in step
-    order) that led up to it, each within ``gap`` steps of the next."""
+    order) that led up to it, each within ``gap`` steps of the next; none at or before ``after`` (the run's start-up
+    skips, where trouble at ``start`` came after them)."""
+    floor = after if after is not None and start > after else None
     for skip in reversed(skips):
         if skip >= start:
             continue
-        if start - skip > gap:
+        if start - skip > gap or (floor is not None and skip <= floor):
             break
         start = skip
     return start
