@@ -54,10 +54,22 @@ class Tried:
     window_steps: int  # the steps the whole window has: a replay that stopped at a fault ran fewer
     modules: tuple[str, ...] = ()  # the island's modules
     scale: float | None = None  # the lower-scale replay's starting scale
+    # the fault's onset: the replay's skips before it are the run's own history (the scaler finding its level at the
+    # start), which the state machine did not count as the fault's first sign: they are no fault here either
+    counted_from: int | None = None
+
+    def _counted(self) -> list[bool]:
+        r, start = self.result, self.counted_from
+        return list(r.skipped) if start is None else [k and s >= start for s, k in zip(r.steps, r.skipped)]
 
     @property
     def skips(self) -> int:
-        return sum(self.result.skipped)
+        return sum(self._counted())
+
+    @property
+    def skips_before(self) -> int:
+        """The skips before the onset, left out of :attr:`skips`."""
+        return sum(self.result.skipped) - self.skips
 
     @property
     def nonfinite(self) -> int:
@@ -109,6 +121,8 @@ class Tried:
         losses = self.losses
         trend = f"loss {losses[0]:.3g} -> {losses[-1]:.3g}" if losses else "no finite loss"
         parts = [f"{self.skips} skip{'s' if self.skips != 1 else ''}"]
+        if self.skips_before:
+            parts[0] += f" (and {self.skips_before} before the onset at step {self.counted_from}, not counted)"
         if self.nonfinite:
             parts.append(f"{self.nonfinite} non-finite")
         if len(self.result.steps) < self.window_steps:
@@ -119,7 +133,7 @@ class Tried:
     def first_fault(self) -> int | None:
         r = self.result
         bad = r.first_nonfinite
-        skipped = next((s for s, k in zip(r.steps, r.skipped) if k), None)
+        skipped = next((s for s, k in zip(r.steps, self._counted()) if k), None)
         found = [s for s in (bad, skipped) if s is not None]
         return min(found) if found else None
 
@@ -128,6 +142,8 @@ class Tried:
                                "nonfinite": self.nonfinite, "steps_run": len(self.result.steps),
                                "cured": self.cured,
                                "losses": [v if v is None or math.isfinite(v) else str(v) for v in self.result.losses]}
+        if self.skips_before:
+            out["skips_before_onset"] = self.skips_before
         if self.modules:
             out["modules"] = list(self.modules)
         if self.scale is not None:
@@ -337,10 +353,11 @@ class Interventions:
                                              "(Thresholds.replay_steps)"))
                     return None
             allowed = 0 if kind in (Intervention.NOTHING, Intervention.LOWER_SCALE) else 1
-            result = self._run(stop_on_fault=stop, skips_allowed=allowed, **options)
+            result = self._run(stop_on_fault=stop, skips_allowed=allowed, count_from=onset, **options)
             if result is None:
                 return None
-            t = Tried(kind, label, result, steps, modules=tuple(options.get("island", ())), scale=options.get("scale"))
+            t = Tried(kind, label, result, steps, modules=tuple(options.get("island", ())), scale=options.get("scale"),
+                      counted_from=onset)
             tried.append(t)
             return t
 
@@ -507,10 +524,18 @@ def decide(report: InterventionReport, *, finding: Finding, located: str | None,
             return Decision(Finding.LR_SCHEDULE, (
                 f"FP32 cures it, and so does the learning rate x{factor:.3g} for good ({lower.line()}; "
                 f"{_headroom_words(lower)}): the learning rate's rise ({lr_rise}) sets it off"))
+        if forward and where and not lower.cured:
+            # measured: a lower LR does not prevent it, which says nothing of the values growing with training
+            back = f"at the learning rate x{factor:.3g} the fault comes back at step {lower.first_fault()}"
+            if finding is Finding.INPUT_RANGE:
+                return Decision(Finding.INPUT_RANGE, (
+                    f"FP32 training over steps {a}-{b} cures it; {back}: the batch's values past float16's range, "
+                    "not the learning rate's rise"), cofactors, where)
+            return Decision(Finding.FORWARD_OVERFLOW, (
+                f"FP32 training over steps {a}-{b} cures it; {back}: a float16 overflow in {where} that a lower "
+                "learning rate does not prevent, with the learning rate's rise only a co-factor"), cofactors, where)
         if forward and where:
-            if not lower.cured:
-                how = f"at the learning rate x{factor:.3g} the fault comes back at step {lower.first_fault()}"
-            elif shrinking:
+            if shrinking:
                 how = (f"at the learning rate x{factor:.3g} it only arrives later: the headroom of {where} under "
                        f"float16's maximum still shrinks ({shrinking[0]:.1f} -> {shrinking[1]:.1f} bits over steps "
                        f"{a}-{b})")

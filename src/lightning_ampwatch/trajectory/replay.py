@@ -23,7 +23,7 @@ from lightning_ampwatch.verdicts import TrajectoryResult
 def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tuple[int, Sequence[Any]]], *,
                       precision: str, lr_factor: float = 1.0, scale: float | None = None,
                       island: Sequence[str] = (), watch: Sequence[str] = (),
-                      stop_on_fault: bool = False, skips_allowed: int = 0,
+                      stop_on_fault: bool = False, skips_allowed: int = 0, count_from: int | None = None,
                       lr_cap: float | None = None, ready: Callable[[], None] | None = None,
                       before_micro_batch: Callable[[], None] | None = None) -> TrajectoryResult:
     """Restore ``snapshot`` in place, run ``steps`` (``(step, micro-batches)`` following the snapshot's step, as
@@ -37,7 +37,8 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
     taken off again after). ``watch``: submodules whose largest finite output magnitude is kept per step
     (``TrajectoryResult.absmax``: how close they come to float16's limit). ``stop_on_fault``: the replay ends at the
     first non-finite step or at the skip after ``skips_allowed`` of them (one host read per step: replays run on
-    alarms only). One host read at the end
+    alarms only), skips before step ``count_from`` left out (the run's own before the fault's onset). One host read at
+    the end
     otherwise (and one per step for a Fabric loop's ``ReduceLROnPlateau``, stepped on each replayed step's loss).
     ``ready``: the ranks' meeting, passed to the snapshot's restore (after every check of this replay and of the
     restore, before its first collective). ``before_micro_batch``: called before each replayed micro-batch (a
@@ -97,7 +98,7 @@ def replay_trajectory(state: TrainState, snapshot: Snapshot, steps: Sequence[tup
                 skipped.append(skip)
                 peaks.append(watcher.step_peak())
                 if stop_on_fault:
-                    seen_skips += int(bool(skip))
+                    seen_skips += int(bool(skip)) if count_from is None or step >= count_from else 0
                     if seen_skips > skips_allowed or (loss is not None and not bool(torch.isfinite(loss).all())):
                         break
             # the root's parameters: under FSDP1 without use_orig_params the module itself holds none
