@@ -197,6 +197,46 @@ def backbone_finetuning() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 5. Tabular regression on raw sensor features (columns in the thousands) where a glitching sensor writes 1e5 into
+#    one row of every ``every``-th batch; AdamW, a 5-step linear warmup then cosine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RawFeatures(pl.LightningModule):
+    """A GELU MLP on the raw features; under float16 autocast the first Linear's input cast overflows on a glitched
+    row (1e5 > 65504), the loss goes inf and the scaler skips the step. FP32 trains through it."""
+
+    def __init__(self, lr: float = 3e-3, steps: int = 40, warmup: int = 5) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 1))
+        self.lr, self.steps, self.warmup = lr, steps, warmup
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).squeeze(-1).float(), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        w, n = self.warmup, self.steps
+
+        def factor(s: int) -> float:
+            return (s + 1) / w if s < w else 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, n - w)))
+
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+
+
+def raw_features(n_batches: int = 40, batch_size: int = 64, every: int = 9, seed: int = 3) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * batch_size, 12, generator=g) * torch.tensor([1500.0] * 4 + [40.0] * 4 + [1.0] * 4)
+    x = x + 2000.0
+    y = x[:, :4].sum(1) / 3000.0 + x[:, 4:8].mean(1) / 40.0
+    y = (y - y.mean()) / y.std()
+    for b in range(every - 1, n_batches, every):  # batches 8, 17, 26, 35
+        x[b * batch_size + 5, 0] = 1.0e5
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the truth, measured without AmpWatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -230,6 +270,7 @@ MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoad
     "regression": (SummedMse, regression_targets),
     "finetune": (Finetune, finetune_data),
     "big_targets": (BigTargets, big_targets),
+    "raw_features": (RawFeatures, raw_features),
 }
 
 

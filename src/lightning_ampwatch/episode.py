@@ -364,6 +364,8 @@ class Episodes:
         if applied is None:  # every allowed rung failed to apply; a rollback that happened is still said
             return treatment.treated(treated, None, rollback)
         machine.close_episode(now, f"remedy {applied.name}")
+        if run.investigations is not None:
+            run.investigations.remedy_applied()  # a recurrence after it is replayed again
         self.act(Realign(REGISTRY[applied.name].effects))
         control = run.trajectory  # the precision may have changed: the current state
         if episode and control is not None:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
-from lightning_ampwatch.machine import AmpStateMachine, BatchStats, PrecisionMode, Thresholds
+from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
+from lightning_ampwatch.machine.lr_history import added_group
 from lightning_ampwatch.signals import float_tensors
 from lightning_ampwatch.probes import (
     FP16_MAX,
@@ -38,12 +39,11 @@ from lightning_ampwatch.replays import (
     replay_went_nonfinite,
     supersede_amp_evidence,
 )
-from lightning_ampwatch.measured import LrRise, Measured
+from lightning_ampwatch.measured import Measured
 from lightning_ampwatch.taxonomy import (
     Diagnosis,
     Finding,
     GradientPattern,
-    LrEvent,
     advise,
     format_pow2,
 )
@@ -400,6 +400,11 @@ class Investigations:
         self._awaiting_probe: list[Diagnosis] = []
         self._probe_next = False
         self._live_probe: LiveProbe | None = None
+        self._confirmed: dict[tuple[Finding, str | None], int] = {}  # replays confirmed: (finding, where) -> step
+
+    def remedy_applied(self) -> None:
+        """A remedy changed the run: a recurrence after it is a new question, replayed again."""
+        self._confirmed.clear()
 
     @property
     def wants_batch_start(self) -> bool:
@@ -456,7 +461,9 @@ class Investigations:
         if (refined.finding in AMP_BLAMING or renamed is not None) and "loss_reference" not in refined.evidence:
             refined = replace(refined, evidence={**refined.evidence,
                                                  **self.machine.reference_evidence(diagnosis.step)})
-        added = _added_group(trajectory, diagnosis.step, self.machine) if refined.finding in _RISE_FIRST else None
+        log = trajectory.state.lr_log if trajectory is not None else None
+        added = added_group(log.entries if log is not None else (), diagnosis.step,
+                            self.machine.thresholds.lr_lookback) if refined.finding in _RISE_FIRST else None
         if added is not None:
             # a param group added just before the onset, at an LR far above the others': the LR is looked at before
             # the scaler (its rise is what the interventions weigh, and where they cannot run, what stands)
@@ -467,7 +474,13 @@ class Investigations:
             refined = replace(refined, finding=Finding.LR_SCHEDULE, evidence=ev,
                               advice=advise(Finding.LR_SCHEDULE, ev))
             renamed = Finding.LR_SCHEDULE
-        if trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
+        key = (refined.finding, refined.location)
+        first = self._confirmed.get(key) if self.world_size == 1 else None  # (several ranks would have to agree)
+        if trajectory is not None and first is not None:  # a recurring cause, replayed once, not at every glitch
+            refined = replace(refined, evidence={**refined.evidence, "trajectory_control": (
+                f"not run again: the alarm at step {first} was the same finding in the same place, its replays "
+                "confirmed it, and no remedy was applied since")})
+        elif trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
             # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
                 reference = self.machine.reference_for(diagnosis.step)
@@ -475,6 +488,8 @@ class Investigations:
                                                                     None if reference is None else reference.level,
                                                                     agree=agree, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
+                if renamed_again is None and refined.finding is key[0] and facts_of(refined).interventions:
+                    self._confirmed.setdefault(key, diagnosis.step)
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
                 trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")
@@ -567,25 +582,3 @@ class Investigations:
 
 #: Findings a param group added at a far higher LR just before the onset is looked at before.
 _RISE_FIRST = {Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Finding.INPUT_RANGE, Finding.GROWTH_OVERFLOW}
-#: A new param group counts as an LR rise when its LR is at least this many times the others' largest.
-ADDED_GROUP_RATIO = 10.0
-
-
-def _added_group(trajectory: "TrajectoryControl | None", onset: int, machine: AmpStateMachine) -> dict[str, Any] | None:
-    """The LR evidence of a param group added within ``Thresholds.lr_lookback`` steps before ``onset`` (or at it)
-    whose LR is at least :data:`ADDED_GROUP_RATIO` times the largest LR of the groups before it (Lightning's
-    ``BackboneFinetuning`` unfreezing a backbone at a high LR), from the LRs each step ran with; None otherwise."""
-    log = trajectory.state.lr_log if trajectory is not None else None
-    by_step: dict[int, tuple[float, ...]] = {}
-    for point, lrs in log.entries if log is not None else ():
-        by_step[point] = lrs  # the last read of a step wins (after a rollback, points are read again)
-    entries = sorted(by_step.items())
-    lookback = machine.thresholds.lr_lookback
-    for (_, before), (point, after) in zip(entries, entries[1:]):
-        if not (onset - lookback <= point <= onset) or len(after) <= len(before) or not before:
-            continue
-        old, new = max(before), max(after[len(before):])
-        if old > 0 and new >= ADDED_GROUP_RATIO * old:
-            return LrRise(LrEvent.PARAM_GROUP_ADDED, old, new, point).entries()
-    return None
-

@@ -32,6 +32,12 @@ _RANK_ZERO_LOG = logging.getLogger("lightning.pytorch.utilities.rank_zero")
 LOG_WINDOWS = 4  # the skip rate is a running mean over this many log intervals
 
 
+def _times(n: int) -> str:
+    """``2`` -> "the 2nd time"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"the {n}{suffix} time"
+
+
 class Reporters:
     """Every place a diagnosis, a metric or the summary goes. Each sink fails alone: a failure is warned once
     (naming the sink, and the path for files) and never stops the other sinks or the caller."""
@@ -46,6 +52,9 @@ class Reporters:
         self.verbose = verbose
         # what the console last showed of each diagnosis: a later fact about it prints as a short update
         self._printed: dict[tuple[Any, int], Diagnosis] = {}
+        # the unremedied alarms shown as a panel, by (finding, location, advice): [first step, times seen]; the same
+        # alarm again prints one line (a glitch every few batches would otherwise print a panel every few steps)
+        self._shown: dict[tuple[Any, str | None, str], list[int]] = {}
         self.event_log = EventLog(log_dir)
         self._warned: set[str] = set()
         self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
@@ -127,9 +136,19 @@ class Reporters:
     def _print(self, diagnosis: Diagnosis) -> None:
         key = (diagnosis.finding, diagnosis.step)
         before = self._printed.get(key)
-        if before is None:
+        same = (diagnosis.finding, diagnosis.location, diagnosis.advice)
+        seen = self._shown.get(same) if diagnosis.is_alarm and diagnosis.remedy is None else None
+        if before is None and seen is not None and self.verbose != "full":
+            seen[1] += 1
+            where = f" in {diagnosis.location}" if diagnosis.location else ""
+            self.console.print(f"AmpWatch: {diagnosis.finding.value} again at step {diagnosis.step}{where} "
+                               f"({_times(seen[1])} this run; the same fix as the panel at step {seen[0]}; "
+                               f"every record in {self.event_log.path if self.writable else 'the loggers'})")
+        elif before is None:
             more_at = str(self.dir.parent) if self.writable else None
             self.console.print(diagnosis_panel(diagnosis, self.verbose, more_at))
+            if diagnosis.is_alarm and diagnosis.remedy is None:
+                self._shown.setdefault(same, [diagnosis.step, 1])
         else:
             self.console.print(update_panel(before, diagnosis, full=self.verbose == "full"))
         self._printed[key] = diagnosis

@@ -1,0 +1,61 @@
+"""A fault that recurs without a remedy: raw sensor features (columns in the thousands) where a glitching sensor
+writes 1e5 into one row of every 9th batch, AdamW after a 5-step warmup (tests/_user_models.py ``raw_features``), in
+true float16 on the CPU with a real GradScaler.
+
+Truth, measured without AmpWatch (30 steps): FP32 trains clean, 1.18 -> 0.24. Under float16 the scaler lowers its
+first scale at steps 0-2 (finite losses: finding its level), the steps 3-7 are clean, and the losses of steps 8, 17
+and 26, the glitched batches, are inf (the first Linear's input cast overflows), each skipped; the run otherwise
+trains as FP32 does (0.26 at step 29)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+import _user_models as um
+from lightning_ampwatch import AmpWatch, Finding
+
+
+def _fit(tmp_path: Path, watch: AmpWatch, steps: int = 30) -> None:
+    make, data = um.MODELS["raw_features"]
+    pl.seed_everything(0, verbose=False)
+    um.trainer([watch], str(tmp_path), steps=steps).fit(make(steps=steps), data())
+
+
+def test_a_glitched_batch_after_the_warmup_is_input_range_at_its_own_step(tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False, log_dir=str(tmp_path))
+    _fit(tmp_path, watch, steps=12)
+    [alarm] = [d for d in watch.diagnoses if d.is_alarm]
+    # before: dated at step 0 (the scaler's start-up skips chained to it) and named LR_SCHEDULE then
+    # FORWARD_OVERFLOW by the warmup's timing, "whose values keep growing with training"
+    assert alarm.finding is Finding.INPUT_RANGE and alarm.step == 8 and alarm.location == "net.0"
+    ev = alarm.evidence
+    assert ev["input_absmax"] == pytest.approx(1e5)
+    assert "stopped at the fault at step 8" in ev["tried"]  # the replay stops at the glitch, not a start-up skip
+    assert ev["cofactors"] and "learning rate rose" in ev["cofactors"][0]  # the warmup, beside it
+    assert "growing with training" not in json.dumps(ev)
+
+
+def test_a_recurring_fault_is_replayed_once_and_printed_once(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    watch = AmpWatch(log_dir=str(tmp_path))
+    _fit(tmp_path, watch)
+    alarms = [d for d in watch.diagnoses if d.is_alarm]
+    assert [(d.finding, d.step, d.location) for d in alarms] == [(Finding.INPUT_RANGE, s, "net.0") for s in (8, 17, 26)]
+    first, *again = alarms
+    assert first.evidence["tried"].startswith("tried from step ")
+    for d in again:  # not replayed again: the same finding in the same place, confirmed, no remedy since
+        assert "tried" not in d.evidence
+        assert d.evidence["trajectory_control"].startswith("not run again: the alarm at step 8 was the same finding")
+    # the event log keeps every record; the console shows one panel and a line for each recurrence
+    logged = [json.loads(line) for line in (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
+    assert [(r["finding"], r["step"]) for r in logged if r["finding"] == "INPUT_RANGE"] == \
+        [("INPUT_RANGE", s) for s in (8, 17, 26)]
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("AmpWatch: INPUT_RANGE at step") == 1
+    assert "AmpWatch: INPUT_RANGE again at step 17 in net.0 (the 2nd time this run; the same fix as the panel at " \
+           "step 8;" in out
+    assert "INPUT_RANGE again at step 26 in net.0 (the 3rd time this run;" in out
