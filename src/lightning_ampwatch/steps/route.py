@@ -6,7 +6,9 @@ metrics, the one packed read, the log cadence), and the plan of how far the ledg
 hands each record the ledger closes to the trajectory control, the machine and the timeline, and the resolved
 steps to the episode owner. Everything else (the lifecycle, failure containment, applying the episode's actions) is
 the front's (:class:`~lightning_ampwatch.core.RunWatcher`, ``watch`` here), whose rooms the route reads by their
-public names: built per run by the front, so read through it rather than copied.
+public names: built per run by the front, so read through it rather than copied. :func:`realign` brings the
+per-step view (the ledger, the machine it feeds) in line with what a remedy or a rollback changed, where the front
+applies the episode's ``Realign`` action.
 
 The per-step calls catch their own failures inline and hand them to the front's ``internal_failure`` rather than
 going through the front's guard decorator: on a healthy step they run a few dozen bytecodes, and a wrapper call would
