@@ -361,9 +361,10 @@ class RunWatcher(WatchState):
     def internal_failure(self, where: str, err: Exception) -> None:
         user = getattr(self.host, "user_failure", None)
         said = user(err) if callable(user) else None  # the user's own code failed under the watch: said as such
+        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
+        if self.ledger is not None:
+            self.ledger.stepped = False  # after any failure: never carry a half-built step into the next one
         if said is not None:
-            if self.ledger is not None:
-                self.ledger.stepped = False  # as after any failure: never carry a half-built step into the next one
             if said not in self._said:
                 self._said.add(said)
                 warnings.warn(said, UserWarning, stacklevel=3)
@@ -375,9 +376,6 @@ class RunWatcher(WatchState):
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
                           f"{type(err).__name__}: {err}" + (f"\n{known}" if known else ""), RuntimeWarning,
                           stacklevel=3)
-        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
-        if self.ledger is not None:
-            self.ledger.stepped = False  # never carry a half-built step into the next one
         if len(self._failures) >= MAX_FAILURES and not self.disabled:
             # under several ranks it keeps its place where the others still meet it: a bystander
             left = self.treatment.steps_left(self.machine.steps_seen) if self.machine is not None else None
