@@ -600,3 +600,27 @@ def test_reapply_all_keeps_a_resumed_runs_own_precision_and_says_in_one_line_wha
     assert lines == ["AmpWatch: the checkpoint's bf16_fallback was not applied again: bfloat16 autocast is not "
                      "supported on meta; the resumed run trains at 16-mixed."]
     assert fp16.precision_plugin.precision == "16-mixed" and getattr(model.block, ISLAND_ATTR, None) is not None
+
+
+def test_the_treatment_of_a_run_is_what_its_config_asks_and_replay_episode_is_off_under_several_ranks() -> None:
+    """The front builds the treatment from the watch's configuration (``Treatment.for_run``) and, once it knows the
+    world size, the treatment decides ``replay_episode`` (``across_ranks``): under DDP a rerun of the episode outside
+    the loop would not all-reduce its gradients, so it is turned off and the user reads why; one process, or a run
+    that never asked for it, keeps it as it is and hears nothing."""
+    from lightning_ampwatch import Thresholds
+    from lightning_ampwatch.config import WatchConfig
+    from lightning_ampwatch.remedies.treatment import Treatment
+
+    config = WatchConfig(remediate=["slow_growth"], rollback=False, replay_episode=True,
+                         thresholds=Thresholds(recovery_steps=5, fall_margin=0.3, track_tolerance=0.05))
+    treatment = Treatment.for_run(config)
+    assert (treatment.recovery_steps, treatment.rollback, treatment.fall_margin, treatment.track_tolerance) == (
+        5, False, 0.3, 0.05)
+    assert treatment.policy.allowed == frozenset({RemedyName.SLOW_GROWTH})
+    assert treatment.across_ranks(1) is None and treatment.replay_episode
+    assert treatment.across_ranks(2) == ("replay_episode is off under DDP (a rerun of the episode would not "
+                                         "all-reduce its gradients); the episode's batches are skipped after a "
+                                         "rollback.")
+    assert not treatment.replay_episode
+    assert treatment.across_ranks(2) is None  # said once: nothing is left to turn off
+    assert Treatment.for_run(WatchConfig()).across_ranks(4) is None

@@ -71,16 +71,15 @@ from lightning_ampwatch.config import WatchConfig
 from lightning_ampwatch.episode import Action, Apply, Episodes, Publish, Realign, Rollback, Stop
 from lightning_ampwatch.guards import RecipeGuards
 from lightning_ampwatch.host import Host
-from lightning_ampwatch.investigate import Investigations, Investigator
+from lightning_ampwatch.investigate import Investigations
 from lightning_ampwatch.machine import AmpStateMachine
-from lightning_ampwatch.probes import uses_rng
-from lightning_ampwatch.remedies import AppliedRemedy, Effect, RemedyContext, RemedyPolicy
+from lightning_ampwatch.remedies import AppliedRemedy, RemedyContext
 from lightning_ampwatch.remedies.treatment import Treatment
 from lightning_ampwatch.reporters import Reporters
 from lightning_ampwatch.signals import PrecisionInfo, scaler_config
 from lightning_ampwatch.state import STATE_VERSION, WatchState  # noqa: F401 - STATE_VERSION: the contract's
 from lightning_ampwatch.steps import StepLedger
-from lightning_ampwatch.steps.route import StepRoute
+from lightning_ampwatch.steps.route import StepRoute, realign
 from lightning_ampwatch.summary import RunStats
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 from lightning_ampwatch.trajectory.control import TrajectoryControl
@@ -126,25 +125,18 @@ class RunWatcher(WatchState):
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
         self.host: Host | None = None
-        self.machine: AmpStateMachine | None = None
-        self.reporters: Reporters | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._reset()
 
     def _reset(self) -> None:
         """Per-run state: a second run with the same instance starts afresh (unless it resumes a checkpoint)."""
-        config = self.config
-        self.machine = None
-        self.reporters = None
+        self.machine: AmpStateMachine | None = None
+        self.reporters: Reporters | None = None
         self.ledger: StepLedger | None = None
         self.trajectory: TrajectoryControl | None = None  # the FP32 trajectory control (snapshots), when on
         self.investigations: Investigations | None = None
         self.guards = RecipeGuards()
-        self.treatment = Treatment(RemedyPolicy(config.remedies),
-                                   recovery_steps=config.thresholds.recovery_steps,  # type: ignore[union-attr]
-                                   rollback=config.rollback, replay_episode=config.replay_episode,
-                                   fall_margin=config.thresholds.fall_margin,  # type: ignore[union-attr]
-                                   track_tolerance=config.thresholds.track_tolerance)  # type: ignore[union-attr]
+        self.treatment = Treatment.for_run(self.config)
         # the episode owner: alarm, investigation, decision, remedy, outcome, publication (``diagnoses`` is its journal)
         # the per-step owner's route: the adapter's per-step calls, the express lane, the log step, the deferral
         self.route = StepRoute(self)
@@ -230,66 +222,44 @@ class RunWatcher(WatchState):
         self.world_size = host.world_size
         self.ranks = distributed.CrossRank(self.world_size, config.on_unrecoverable)
         self.machine.divergence_opens_episode = self.world_size == 1
-        self.reporters = Reporters(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero,
-                                   verbose=config.verbose, precision=info.mode.value, device=host.device,
-                                   world_size=self.world_size, remedies=config.remedies, say=self._say)
+        self.reporters = Reporters.for_run(config, host, info.mode.value, self.world_size, say=self._say)
         self.timeline = self.reporters.timeline
         if loaded is not None:
             self.reporters.carry_over(self.diagnoses)
         self.ledger = StepLedger(info, device_type=host.device.type, world_size=self.world_size)
-        investigator = Investigator(host.module, host.forward_context, host.device, info.mode,
-                                    localize=config.localize, control=config.control_replay,
-                                    automatic=host.automatic, step_loss=host.step_loss,
-                                    outside_modules=getattr(host, "outside_modules", None),
-                                    root=getattr(host, "wrapped_module", None),
-                                    refused=getattr(host, "replays_refused", None))
-        self.investigations = Investigations(
-            investigator, self.machine, window=thresholds.window, world_size=self.world_size,
-            capture_rng=uses_rng(host.module), on_failure=self.internal_failure)
+        self.investigations = Investigations.for_run(config, host, self.machine, self.world_size,
+                                                     on_failure=self.internal_failure)
         self.route.sync_investigations()
         if info.note:
             self.say_once(info.note)
         self._attach_guards()
-        if config.replay_episode and self.world_size > 1:
-            # a rerun outside the loop has no gradient all-reduce: the ranks' weights would drift apart
-            self.treatment.replay_episode = False
-            self.say_once("replay_episode is off under DDP (a rerun of the episode would not all-reduce its "
-                          "gradients); the episode's batches are skipped after a rollback.")
+        said = self.treatment.across_ranks(self.world_size)  # replay_episode is off under DDP
+        if said:
+            self.say_once(said)
 
     @_guarded
     def begin_training(self) -> None:
         """The scaler's checkpointed state is loaded by now: mirror it (one read per run)."""
         host, ledger = self.host, self.ledger
         assert host is not None and ledger is not None
-        route = self.route
-        route.begin(max(int(host.log_every), 0), self.world_size)
-        ledger.start(host, route.log_every)
-        self.machine.optimizer_names = ledger.optimizer_names  # type: ignore[union-attr]  # (several optimizers)
-        if ledger.scaler_active:
-            self.machine.reconfigure(scaler_config=ledger.scaler_config)  # type: ignore[union-attr]
+        self.route.begin(host)  # the ledger started, the machine told of its optimizers and scaler
         self._start_trajectory()
         ledger.runs.hand_to_watch(self.machine, self.timeline)  # who takes the clean steps the ledger holds back
-        route.plan_deferral()
+        self.route.plan_deferral()
 
     def _start_trajectory(self) -> None:
         """The FP32 trajectory control, where it is on (again after a remedy swaps the precision: snapshots of the
         old arithmetic replay no more); the ledger hands it the clean steps' batches it holds back."""
         if self.investigations is None or self.host is None or self.ledger is None:
             return
-        control = TrajectoryControl.for_run(self.config, self.host, self.ledger.lr_log, self.say_once,
-                                            self.internal_failure)
+        control = TrajectoryControl.for_run(self.config, self.host, self.ledger, self.say_once, self.internal_failure)
         if control is not None:
             self.trajectory = control
-            self.ledger.runs.hand_to("trajectory", lambda steps, batches, *_: control.note_run(steps, batches))
 
     def _attach_guards(self) -> None:
         assert self.ledger is not None and self.host is not None
         self.guards.attach(self.host, self.host.module, self.ledger.precision, self.episodes.emit,
-                           scale_reader=self._mirrored_scale)
-
-    def _mirrored_scale(self) -> float:
-        mirror = self.ledger.mirror if self.ledger is not None else None
-        return mirror.scale if mirror is not None else 1.0
+                           scale_reader=self.ledger.scale.mirrored_scale)
 
     def finish(self) -> None:
         """The end of training: what is in flight resolved, a watched remedy left unjudged, the summary."""
@@ -306,10 +276,7 @@ class RunWatcher(WatchState):
         if not self.disabled:
             self._summarize()
         self.close()
-        if self.ranks.end_due:  # a rank asked to end the run after the last log step: "raise" is carried out here,
-            if self.config.on_unrecoverable == "raise":  # on every rank at once ("stop": the run is over anyway)
-                self.ranks.end_if_due(None, relayed, when="at the end of the fit")
-            self.ranks.end_due = False
+        self.ranks.end_at_fit_end(relayed)  # a rank asked to end the run after the last log step
 
     @_guarded
     def _finish(self) -> None:
@@ -318,7 +285,8 @@ class RunWatcher(WatchState):
     @_guarded
     def _summarize(self) -> None:
         if self.reporters is not None:
-            self.reporters.finish(self.diagnoses, self._run_stats())
+            mirror = self.ledger.mirror if self.ledger is not None else None
+            self.reporters.finish(self.diagnoses, RunStats.of_run(self.machine, mirror))
 
     def close(self) -> None:
         """Leave the run as it was found: optimizer hooks, clipping functions, the scheduler hook, probes; the
@@ -362,8 +330,14 @@ class RunWatcher(WatchState):
         if isinstance(action, Apply):
             return self.treatment.policy.apply(self.remedy_context(), action.diagnosis, action.choice,
                                                step=action.step)
-        if isinstance(action, Realign):
-            self._after_remedy(action.effects)
+        if isinstance(action, Realign):  # the watch's own view in line with what a remedy or a rollback changed
+            assert self.ledger is not None and self.host is not None and self.machine is not None
+            switched = realign(self.ledger, self.machine, self.host, action.effects)
+            if switched is not None:  # what was built for the old arithmetic, built again
+                if self.investigations is not None:
+                    self.investigations.switch_mode(switched.mode)
+                self._attach_guards()
+                self._start_trajectory()  # snapshots of the old arithmetic replay no more
             return None
         if isinstance(action, Stop):
             diagnosis = action.diagnosis
@@ -382,42 +356,15 @@ class RunWatcher(WatchState):
         return self.host.remedy_context(scaler, self.machine.max_safe_scale if self.machine is not None else None,
                                         self.guards)
 
-    def _after_remedy(self, effects: frozenset[Effect]) -> None:
-        """Bring the watch's own view in line with what a remedy or a rollback changed (each declares it)."""
-        ledger, host, machine = self.ledger, self.host, self.machine
-        assert ledger is not None and host is not None and machine is not None
-        for effect in effects:
-            if effect is Effect.PRECISION:
-                info = host.precision()
-                ledger.switch_precision(info)
-                machine.reconfigure(mode=info.mode, scaler_config=ledger.scaler_config)
-                if self.investigations is not None and self.investigations.investigator is not None:
-                    self.investigations.investigator.mode = info.mode
-                self._attach_guards()
-                self._start_trajectory()  # snapshots of the old arithmetic replay no more
-            elif effect is Effect.SCALER:
-                ledger.mirror_scaler()
-                if ledger.scaler_active:
-                    machine.reconfigure(scaler_config=ledger.scaler_config)
-            elif effect is Effect.OPTIMIZERS:
-                ledger.read_param_groups(host.optimizers, lrs_now=True)
-
-    def _run_stats(self) -> RunStats | None:
-        machine, ledger = self.machine, self.ledger
-        if machine is None:
-            return None
-        mirror = ledger.mirror if ledger is not None else None
-        return RunStats(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
-                        scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
-
     # ------------------------------------------------------------------ failure containment
 
     def internal_failure(self, where: str, err: Exception) -> None:
         user = getattr(self.host, "user_failure", None)
         said = user(err) if callable(user) else None  # the user's own code failed under the watch: said as such
+        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
+        if self.ledger is not None:
+            self.ledger.stepped = False  # after any failure: never carry a half-built step into the next one
         if said is not None:
-            if self.ledger is not None:
-                self.ledger.stepped = False  # as after any failure: never carry a half-built step into the next one
             if said not in self._said:
                 self._said.add(said)
                 warnings.warn(said, UserWarning, stacklevel=3)
@@ -429,18 +376,11 @@ class RunWatcher(WatchState):
             warnings.warn(f"AmpWatch hit an internal error in {where} and keeps watching without it: "
                           f"{type(err).__name__}: {err}" + (f"\n{known}" if known else ""), RuntimeWarning,
                           stacklevel=3)
-        stepped = self.ledger is not None and self.ledger.stepped  # a step taken but never closed: it still counts
-        if self.ledger is not None:
-            self.ledger.stepped = False  # never carry a half-built step into the next one
         if len(self._failures) >= MAX_FAILURES and not self.disabled:
-            ledger = self.ledger
-            if self.world_size > 1 and ledger is not None and self.reporters is not None and self.host is not None:
-                # the other ranks still meet this one where they talk across ranks: it keeps its place there (the
-                # step in flight is closed at its batch's end; a watched remedy is judged after as many steps)
-                left = self.treatment.steps_left(self.machine.steps_seen) if self.machine is not None else None
-                self.ranks.bystander = distributed.Bystander(
-                    self.ranks, ledger, self.reporters, self.host, ledger.step_index, self.route.log_every,
-                    stepped=stepped, judge_at=None if left is None or left < 1 else ledger.step_index + left)
+            # under several ranks it keeps its place where the others still meet it: a bystander
+            left = self.treatment.steps_left(self.machine.steps_seen) if self.machine is not None else None
+            self.ranks.step_aside(self.ledger, self.reporters, self.host, self.route.log_every, stepped=stepped,
+                                  remedy_left=left)
             self.disabled = True
             self.route.wants_batch_start = False
             warnings.warn("AmpWatch has failed repeatedly and switches itself off for this run; training goes on.",

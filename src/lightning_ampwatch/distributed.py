@@ -288,6 +288,26 @@ class CrossRank:
             host.stop()
         return f"stopping the run on every rank {when} (on_unrecoverable='stop'): {what}."
 
+    def end_at_fit_end(self, relayed: Sequence[Diagnosis]) -> None:
+        """At the end of the fit, after the last exchange (:meth:`at_end`; ``relayed``: what rank zero got there): a
+        rank that asked to end the run after the last log step has "raise" carried out here, on every rank at once
+        ("stop": the run is over anyway)."""
+        if self.end_due:
+            if self.on_unrecoverable == "raise":
+                self.end_if_due(None, relayed, when="at the end of the fit")
+            self.end_due = False
+
+    def step_aside(self, ledger: Any, reporters: Any, host: Any, log_every: int, *, stepped: bool,
+                   remedy_left: int | None) -> None:
+        """This rank's watch switched itself off: under several ranks it becomes a :class:`Bystander`, since the
+        other ranks still meet it where they talk across ranks and it keeps its place there. ``stepped``: a step was
+        taken but not closed (it is closed at its batch's end); ``remedy_left``: the steps until the remedy the
+        ranks watch is judged (None: none is watched), after which the bystander meets the judgement."""
+        if self.world_size > 1 and ledger is not None and reporters is not None and host is not None:
+            judge_at = None if remedy_left is None or remedy_left < 1 else ledger.step_index + remedy_left
+            self.bystander = Bystander(self, ledger, reporters, host, ledger.step_index, log_every, stepped=stepped,
+                                       judge_at=judge_at)
+
     def stop_agreeing(self, ledger: Any, off: float) -> None:
         self.off = max(self.off, off)
         if ledger is not None:

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from lightning_ampwatch import compat, deepspeed_state, distributed, sharding
-from lightning_ampwatch.machine import BatchStats, PrecisionMode, Thresholds
+from lightning_ampwatch.machine import AmpStateMachine, BatchStats, PrecisionMode, Thresholds
 from lightning_ampwatch.machine.lr_history import added_group
-from lightning_ampwatch.signals import float_tensors
 from lightning_ampwatch.probes import (
     FP16_MAX,
     LiveProbe,
     MicroBatch,
+    ReducedInputs,
     Replayer,
     ReplayResult,
     capture_rng,
-    tensors_in,
+    uses_rng,
 )
 from lightning_ampwatch.records import ControlVerdict, facts_of
 from lightning_ampwatch.replays import (
@@ -235,47 +235,6 @@ class Investigator:
         return out
 
 
-class ReducedInputs(torch.overrides.TorchFunctionMode):
-    """Which of the batches' float tensors enter a reduced-precision op in a replay: a torch function that takes one
-    (or a float32 tensor computed from one) and returns a float16/bfloat16 tensor. A target used only in a float32
-    loss never does. Alarm-time only (the probe's replay)."""
-
-    def __init__(self, batches: Sequence[MicroBatch]) -> None:
-        super().__init__()
-        self.paths: dict[int, str] = {}
-        self.keep: list[torch.Tensor] = []  # the traced tensors stay alive, so that their ids stay theirs
-        for i, mb in enumerate(batches):
-            prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
-            for path, t in float_tensors(mb.batch, prefix):
-                self.paths[id(t)] = path
-                self.keep.append(t)
-        self.reduced: list[str] = []
-        self.seen: set[str] = set()  # the batch paths some op took: none means the batch reached the model copied
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if not self.paths:
-            return out
-        found = {self.paths[id(t)] for t in tensors_in((args, kwargs or {})) if id(t) in self.paths}
-        if found:
-            self.seen.update(found)
-            outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
-            if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs):
-                self.reduced.extend(p for p in sorted(found) if p not in self.reduced)
-            else:  # a float32 derivation (a normalisation, a slice): followed on
-                path = sorted(found)[0]
-                for t in outs:
-                    if t.is_floating_point():
-                        self.paths[id(t)] = path
-                        self.keep.append(t)
-        return out
-
-    def entered(self) -> list[str] | None:
-        """The paths that entered a reduced-precision op; None when no op took any of the batch's own tensors (a
-        wrapper copied them on the way, as DDP may): then nothing is known, and nothing is concluded."""
-        return list(self.reduced) if self.seen else None
-
-
 #: The measured safe scale keeps the largest parameter gradient this many times under float16's maximum: the
 #: activations' gradients, which the replay does not see, can be larger.
 SAFE_SCALE_MARGIN = 2.0
@@ -405,6 +364,26 @@ class Investigations:
     def remedy_applied(self) -> None:
         """A remedy changed the run: a recurrence after it is a new question, replayed again."""
         self._confirmed.clear()
+
+    @classmethod
+    def for_run(cls, config: Any, host: Any, machine: AmpStateMachine, world_size: int,
+                on_failure: Callable[[str, Exception], None]) -> "Investigations":
+        """The investigations of one run, as the watch's configuration asks (``localize``, ``control_replay``, the
+        window), replaying through the host: its module, autocast and loss, and the optional ``outside_modules``,
+        ``wrapped_module`` and ``replays_refused`` where it has them (see :class:`~lightning_ampwatch.host.Host`)."""
+        investigator = Investigator(host.module, host.forward_context, host.device, machine.mode,
+                                    localize=config.localize, control=config.control_replay,
+                                    automatic=host.automatic, step_loss=host.step_loss,
+                                    outside_modules=getattr(host, "outside_modules", None),
+                                    root=getattr(host, "wrapped_module", None),
+                                    refused=getattr(host, "replays_refused", None))
+        return cls(investigator, machine, window=config.thresholds.window, world_size=world_size,
+                   capture_rng=uses_rng(host.module), on_failure=on_failure)
+
+    def switch_mode(self, mode: PrecisionMode) -> None:
+        """A remedy swapped the run's precision: replays run at the new one."""
+        if self.investigator is not None:
+            self.investigator.mode = mode
 
     @property
     def wants_batch_start(self) -> bool:

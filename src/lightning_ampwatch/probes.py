@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_ampwatch import compat, distributed, sharding
+from lightning_ampwatch.signals import float_tensors
 
 FP16_MAX = 65504.0
 _STOCHASTIC = compat.STOCHASTIC_MODULES
@@ -497,3 +498,44 @@ class LiveProbe:
             self._forward.__exit__(None, None, None)
             self._forward = None
         self._grads = []
+
+
+class ReducedInputs(torch.overrides.TorchFunctionMode):
+    """Which of the batches' float tensors enter a reduced-precision op in a replay: a torch function that takes one
+    (or a float32 tensor computed from one) and returns a float16/bfloat16 tensor. A target used only in a float32
+    loss never does. Alarm-time only (the probe's replay)."""
+
+    def __init__(self, batches: Sequence[MicroBatch]) -> None:
+        super().__init__()
+        self.paths: dict[int, str] = {}
+        self.keep: list[torch.Tensor] = []  # the traced tensors stay alive, so that their ids stay theirs
+        for i, mb in enumerate(batches):
+            prefix = "batch" if len(batches) == 1 else f"micro_batch[{i}]"
+            for path, t in float_tensors(mb.batch, prefix):
+                self.paths[id(t)] = path
+                self.keep.append(t)
+        self.reduced: list[str] = []
+        self.seen: set[str] = set()  # the batch paths some op took: none means the batch reached the model copied
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not self.paths:
+            return out
+        found = {self.paths[id(t)] for t in tensors_in((args, kwargs or {})) if id(t) in self.paths}
+        if found:
+            self.seen.update(found)
+            outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
+            if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs):
+                self.reduced.extend(p for p in sorted(found) if p not in self.reduced)
+            else:  # a float32 derivation (a normalisation, a slice): followed on
+                path = sorted(found)[0]
+                for t in outs:
+                    if t.is_floating_point():
+                        self.paths[id(t)] = path
+                        self.keep.append(t)
+        return out
+
+    def entered(self) -> list[str] | None:
+        """The paths that entered a reduced-precision op; None when no op took any of the batch's own tensors (a
+        wrapper copied them on the way, as DDP may): then nothing is known, and nothing is concluded."""
+        return list(self.reduced) if self.seen else None

@@ -30,6 +30,15 @@ class RunStats:
     scale: float | None = None  # the loss scale at the end; None without a scaler
     precision: str | None = None
 
+    @classmethod
+    def of_run(cls, machine: Any, mirror: Any) -> "RunStats | None":
+        """The counters of a watched run, from its machine (None before one is built: no counters) and the scaler's
+        host mirror (None without a scaler: no scale)."""
+        if machine is None:
+            return None
+        return cls(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
+                   scale=mirror.scale if mirror is not None else None, precision=machine.mode.value)
+
 
 def counts_line(stats: RunStats) -> str:
     """"60 optimizer steps, 8 skipped by the scaler (13%), loss scale 2**8 at the end". No scale is named once

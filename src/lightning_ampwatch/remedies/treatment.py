@@ -102,6 +102,25 @@ class Treatment:
     fall_margin: float = Thresholds.fall_margin  # the user's Thresholds: a decisive fall
     track_tolerance: float = Thresholds.track_tolerance  # how closely a run must track its reference trajectory
 
+    @classmethod
+    def for_run(cls, config: Any) -> "Treatment":
+        """The treatment of one run, as the watch's configuration asks (``remedies``, ``rollback``,
+        ``replay_episode``, and the thresholds' recovery window, decisive fall and tracking tolerance)."""
+        thresholds = config.thresholds
+        return cls(RemedyPolicy(config.remedies), recovery_steps=thresholds.recovery_steps, rollback=config.rollback,
+                   replay_episode=config.replay_episode, fall_margin=thresholds.fall_margin,
+                   track_tolerance=thresholds.track_tolerance)
+
+    def across_ranks(self, world_size: int) -> str | None:
+        """Under several ranks ``replay_episode`` is off: a rerun of the episode outside the loop would not all-reduce
+        its gradients, and the ranks' weights would drift apart. Returns the line that says so, where it was asked
+        for (the episode's batches are skipped after a rollback instead)."""
+        if not (self.replay_episode and world_size > 1):
+            return None
+        self.replay_episode = False
+        return ("replay_episode is off under DDP (a rerun of the episode would not all-reduce its gradients); the "
+                "episode's batches are skipped after a rollback.")
+
     def folds(self, diagnosis: Diagnosis) -> bool:
         """An alarm that blames reduced precision while the run diverges (a divergence's remedy is watched, or one
         did not recover): part of that episode, not a new fault with a remedy of its own."""

@@ -71,6 +71,15 @@ class Reporters:
         self.timeline: Timeline | None = (
             Timeline(self.dir / TIMELINE_NAME, precision=precision) if self.writable else None)
 
+    @classmethod
+    def for_run(cls, config: Any, host: Any, precision: str, world_size: int,
+                say: Callable[[str], None]) -> "Reporters":
+        """The sinks of one run: in the watch's ``log_dir`` (else the host's), written on rank zero only, with the
+        console's ``verbose`` and the remedies ``remediate=`` allows, as the configuration asks; ``say``: the
+        adapter's one-line voice."""
+        return cls(config.log_dir or host.log_dir, is_global_zero=host.is_global_zero, verbose=config.verbose,
+                   precision=precision, device=host.device, world_size=world_size, remedies=config.remedies, say=say)
+
     def _check_writable(self) -> bool:
         try:
             ensure_writable(self.dir)

@@ -6,7 +6,9 @@ metrics, the one packed read, the log cadence), and the plan of how far the ledg
 hands each record the ledger closes to the trajectory control, the machine and the timeline, and the resolved
 steps to the episode owner. Everything else (the lifecycle, failure containment, applying the episode's actions) is
 the front's (:class:`~lightning_ampwatch.core.RunWatcher`, ``watch`` here), whose rooms the route reads by their
-public names: built per run by the front, so read through it rather than copied.
+public names: built per run by the front, so read through it rather than copied. :func:`realign` brings the
+per-step view (the ledger, the machine it feeds) in line with what a remedy or a rollback changed, where the front
+applies the episode's ``Realign`` action.
 
 The per-step calls catch their own failures inline and hand them to the front's ``internal_failure`` rather than
 going through the front's guard decorator: on a healthy step they run a few dozen bytecodes, and a wrapper call would
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lightning_ampwatch.remedies.base import Effect
+from lightning_ampwatch.signals import PrecisionInfo
 from lightning_ampwatch.steps.cadence import LogCadence
 from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS
 from lightning_ampwatch.steps.records import ClosedStep
@@ -65,12 +69,19 @@ class StepRoute:
         self.log_cadence: LogCadence | None = None
         self.steady_last: tuple[int, float] | None = None  # (step, end) of the last steady snapshot step timed
 
-    def begin(self, log_every: int, world_size: int) -> None:
-        """At train start: the framework's log interval, and the log cadence (one process only: under DDP the log
-        step is where the ranks meet, so every rank must run it at once)."""
-        self.log_every = self.judge_every = log_every
-        self.log_cadence = LogCadence(log_every) if log_every and world_size == 1 else None
+    def begin(self, host: Any) -> None:
+        """At train start: the framework's log interval, the log cadence (one process only: under DDP the log step is
+        where the ranks meet, so every rank must run it at once), the ledger started on the host, and the machine
+        told of what the ledger found (the optimizers' names, the scaler's growth settings)."""
+        watch = self.watch
+        ledger, machine = watch.ledger, watch.machine
+        self.log_every = self.judge_every = log_every = max(int(host.log_every), 0)
+        self.log_cadence = LogCadence(log_every) if log_every and watch.world_size == 1 else None
         self.steady_last = None
+        ledger.start(host, log_every)
+        machine.optimizer_names = ledger.optimizer_names  # (several optimizers)
+        if ledger.scaler_active:
+            machine.reconfigure(scaler_config=ledger.scaler_config)
 
     def sync_investigations(self) -> None:
         """Refresh :attr:`wants_batch_start` and the probing flag from the investigations (after a call that can
@@ -423,3 +434,23 @@ class StepRoute:
             said = ranks.end_if_due(host, relayed)
             if said is not None:
                 watch.say_once(said, key=f"end:{ledger.step_index}")
+
+
+def realign(ledger: Any, machine: Any, host: Any, effects: frozenset[Effect]) -> PrecisionInfo | None:
+    """Bring the per-step view in line with what a remedy or a rollback changed (each declares its ``effects``): the
+    ledger's precision, scaler mirror and param groups, and the machine's configuration they feed. Returns the new
+    precision when it changed: the front then makes again what it built for the old arithmetic (the guards, the
+    trajectory control, whose snapshots replay no more)."""
+    switched = None
+    for effect in effects:
+        if effect is Effect.PRECISION:
+            switched = host.precision()
+            ledger.switch_precision(switched)
+            machine.reconfigure(mode=switched.mode, scaler_config=ledger.scaler_config)
+        elif effect is Effect.SCALER:
+            ledger.mirror_scaler()
+            if ledger.scaler_active:
+                machine.reconfigure(scaler_config=ledger.scaler_config)
+        elif effect is Effect.OPTIMIZERS:
+            ledger.read_param_groups(host.optimizers, lrs_now=True)
+    return switched

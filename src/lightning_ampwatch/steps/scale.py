@@ -61,6 +61,12 @@ class ScaleTracking:
         self.table_scaler = scaler if scaler is not None and self.states_seen is not None else None
         self.engine = precision.engine
 
+    def mirrored_scale(self) -> float:
+        """The scale as the host mirrors it now, without a device read (1.0 without a scaler): what the recipe guards
+        read when they find a mistake."""
+        mirror = self.mirror
+        return mirror.scale if mirror is not None else 1.0
+
     def held(self, scaler: Any) -> bool:
         """Whether the scaler's last update kept (or grew) its scale: it ran the step. One read, only after the
         optimizers changed under the step hook."""

@@ -47,12 +47,13 @@ class TrajectoryControl:
         self.keep = ring.keep
 
     @classmethod
-    def for_run(cls, config: Any, host: Any, lr_log: Any, say: Callable[[str], None],
+    def for_run(cls, config: Any, host: Any, ledger: Any, say: Callable[[str], None],
                 on_failure: Callable[[str, Exception], None]) -> "TrajectoryControl | None":
         """The control of one run, from the watch's configuration (``snapshot_every``, ``snapshot_budget``,
         ``control_replay``, the thresholds) and the host (what a replay drives, the processes that share the node's
         snapshot budget), started with a snapshot of the state before its first step; None where it is off.
-        ``lr_log``: each step's LRs, which a replay runs its steps at."""
+        From the ledger (:class:`~lightning_ampwatch.steps.StepLedger`) it takes each step's LRs (``lr_log``, which
+        a replay runs its steps at) and the clean steps' batches it holds back (``runs``, handed over in runs)."""
         if not (config.snapshot_every and config.control_replay):
             return None
         every, adaptive = config.snapshot_interval  # "auto": the cadence lengthens it from the measured copies
@@ -61,8 +62,9 @@ class TrajectoryControl:
                             processes_per_node=int(getattr(host, "processes_per_node", 1) or 1))
         control = cls(ring, host.train_state(), config.thresholds.divergence_ratio, say, adaptive=adaptive,
                       on_failure=on_failure, thresholds=config.thresholds)
-        control.state.lr_log = lr_log
+        control.state.lr_log = ledger.lr_log
         control.start(host.global_step)  # a state from before the first step this run takes
+        ledger.runs.hand_to("trajectory", lambda steps, batches, *_: control.note_run(steps, batches))
         return control
 
     def start(self, global_step: int) -> None:
