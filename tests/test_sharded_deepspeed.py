@@ -16,6 +16,7 @@ from _sharded import DEEPSPEED, NO_DEEPSPEED
 
 from lightning_ampwatch import Finding
 from lightning_ampwatch.deepspeed_state import NOT_UNDER_DEEPSPEED
+from lightning_ampwatch.summary import RunStats
 from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not DEEPSPEED, reason=NO_DEEPSPEED)
@@ -86,7 +87,7 @@ class ScaleLog(pl.Callback):
                            "skipped_steps": int(engine.skipped_steps)})
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        stats = self.watch.watcher._run_stats()
+        stats = RunStats.of_run(self.watch.watcher.machine, self.watch.watcher.ledger.mirror)
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
                "skipped": stats.skipped, "scale": stats.scale, "deepspeed": self.steps,
                "losses": self.losses, "run_steps": trainer.global_step,

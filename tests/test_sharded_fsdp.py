@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import true_fp16_plugin
+from lightning_ampwatch.summary import RunStats
 from _limits import HANG_S
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -76,7 +77,7 @@ class Dump(pl.Callback):
         trainer.optimizers[0].register_step_post_hook(count)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        stats = self.watch.watcher._run_stats()
+        stats = RunStats.of_run(self.watch.watcher.machine, self.watch.watcher.ledger.mirror)
         out = {"diagnoses": [d.to_dict() for d in self.watch.diagnoses], "steps": stats.steps,
                "skipped": stats.skipped, "scale": stats.scale, "run_steps": trainer.global_step,
                "run_skipped": trainer.global_step - self.taken,

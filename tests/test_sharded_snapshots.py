@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_ampwatch import AmpWatch, Finding
+from lightning_ampwatch.summary import RunStats
 
 
 class FrozenBase(pl.LightningModule):
@@ -114,7 +115,7 @@ def test_a_disabled_grad_scaler_is_watched_without_internal_failure(tmp_path: An
         trainer = _fit(tmp_path, FrozenBase(), watch, max_steps=12, plugin=plugin)
     assert not _internal_failures(caught)
     assert watch.precision.scaler is None
-    stats = watch.watcher._run_stats()
+    stats = RunStats.of_run(watch.watcher.machine, watch.watcher.ledger.mirror)
     assert stats is not None and stats.steps == trainer.global_step == 12 and stats.scale is None
 
 
@@ -158,7 +159,7 @@ def test_a_failing_snapshot_is_reported_once_and_every_step_stays_counted(tmp_pa
         trainer.fit(Locked(), DataLoader(separable(), batch_size=32))
     failures = _internal_failures(caught)
     assert len(failures) == 1 and "snapshot" in failures[0]
-    stats = watch.watcher._run_stats()
+    stats = RunStats.of_run(watch.watcher.machine, watch.watcher.ledger.mirror)
     assert stats.steps == trainer.global_step == 30
     assert scales.skipped >= 3 and stats.skipped == scales.skipped  # the start-up skips, every one counted
     assert stats.scale == float(trainer.precision_plugin.scaler.get_scale())
