@@ -237,6 +237,66 @@ def raw_features(n_batches: int = 40, batch_size: int = 64, every: int = 9, seed
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 6. An HF-style encoder whose padding mask is added the old way, (1 - mask) * -1e9 in the scores' dtype: -inf in
+#    float16, and a sequence with no real token (every position padded) gives a row of -inf whose softmax is NaN
+# ---------------------------------------------------------------------------------------------------------------
+
+PAD_T, PAD_D = 12, 32
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(PAD_D, 3 * PAD_D)
+        self.o = nn.Linear(PAD_D, PAD_D)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(PAD_D)
+        scores = scores + (1.0 - mask[:, None, :].to(scores.dtype)) * -1e9
+        return self.o(scores.softmax(-1) @ v)
+
+
+class PadMaskEncoder(pl.LightningModule):
+    def __init__(self, lr: float = 1e-3, steps: int = 60, warmup: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB * 2, PAD_D)
+        self.ln = nn.ModuleList([nn.LayerNorm(PAD_D) for _ in range(2)])
+        self.attn = nn.ModuleList([MaskedAttention() for _ in range(2)])
+        self.head = nn.Linear(PAD_D, 2)
+        self.lr, self.steps, self.warmup = lr, steps, warmup
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids, mask, y = batch
+        x = self.emb(ids)
+        for ln, attn in zip(self.ln, self.attn):
+            x = x + attn(ln(x), mask)
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return nn.functional.cross_entropy(self.head(pooled).float(), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        w, n = self.warmup, self.steps
+
+        def factor(s: int) -> float:
+            return (s + 1) / w if s < w else 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, n - w)))
+
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+
+
+def pad_mask_data(n_batches: int = 60, batch_size: int = 16, every: int = 11, seed: int = 5) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    n = n_batches * batch_size
+    ids = torch.randint(1, VOCAB * 2, (n, PAD_T), generator=g)
+    lens = torch.randint(3, PAD_T + 1, (n,), generator=g)
+    for b in range(every - 1, n_batches, every):  # batches 10, 21, 32, 43, 54: one empty text each
+        lens[b * batch_size + 2] = 0
+    mask = (torch.arange(PAD_T)[None, :] < lens[:, None]).float()
+    ids = ids * mask.long()
+    return DataLoader(TensorDataset(ids, mask, (ids[:, 0] % 2).long()), batch_size=batch_size, shuffle=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the truth, measured without AmpWatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -271,6 +331,7 @@ MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoad
     "finetune": (Finetune, finetune_data),
     "big_targets": (BigTargets, big_targets),
     "raw_features": (RawFeatures, raw_features),
+    "pad_mask": (PadMaskEncoder, pad_mask_data),
 }
 
 

@@ -457,8 +457,8 @@ class Investigations:
         first = self._confirmed.get(key) if self.world_size == 1 else None  # (several ranks would have to agree)
         if trajectory is not None and first is not None:  # a recurring cause, replayed once, not at every glitch
             refined = replace(refined, evidence={**refined.evidence, "trajectory_control": (
-                f"not run again: the alarm at step {first} was the same finding in the same place, its replays "
-                "confirmed it, and no remedy was applied since")})
+                f"not run again: the replays of the alarm at step {first} named this finding in this place, and no "
+                "remedy was applied since")})
         elif trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
             # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
@@ -467,8 +467,8 @@ class Investigations:
                                                                     None if reference is None else reference.level,
                                                                     agree=agree, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
-                if renamed_again is None and refined.finding is key[0] and facts_of(refined).interventions:
-                    self._confirmed.setdefault(key, diagnosis.step)
+                if facts_of(refined).interventions:  # what the replays named, where: a recurrence named so is theirs
+                    self._confirmed.setdefault((refined.finding, refined.location), diagnosis.step)
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
                 trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")

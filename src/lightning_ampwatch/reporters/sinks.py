@@ -52,9 +52,9 @@ class Reporters:
         self.verbose = verbose
         # what the console last showed of each diagnosis: a later fact about it prints as a short update
         self._printed: dict[tuple[Any, int], Diagnosis] = {}
-        # the unremedied alarms shown as a panel, by (finding, location, advice): [first step, times seen]; the same
-        # alarm again prints one line (a glitch every few batches would otherwise print a panel every few steps)
-        self._shown: dict[tuple[Any, str | None, str], list[int]] = {}
+        # the unremedied alarms shown as a panel, by (finding, location): [first step, times seen]; the same alarm
+        # again prints one line (a glitch every few batches would otherwise print a panel every few steps)
+        self._shown: dict[tuple[Any, str | None], list[int]] = {}
         self.event_log = EventLog(log_dir)
         self._warned: set[str] = set()
         self._console: Console | None = None  # made on first use: a Console does not pickle (ddp_spawn)
@@ -145,13 +145,13 @@ class Reporters:
     def _print(self, diagnosis: Diagnosis) -> None:
         key = (diagnosis.finding, diagnosis.step)
         before = self._printed.get(key)
-        same = (diagnosis.finding, diagnosis.location, diagnosis.advice)
+        same = (diagnosis.finding, diagnosis.location)
         seen = self._shown.get(same) if diagnosis.is_alarm and diagnosis.remedy is None else None
         if before is None and seen is not None and self.verbose != "full":
             seen[1] += 1
             where = f" in {diagnosis.location}" if diagnosis.location else ""
             self.console.print(f"AmpWatch: {diagnosis.finding.value} again at step {diagnosis.step}{where} "
-                               f"({_times(seen[1])} this run; the same fix as the panel at step {seen[0]}; "
+                               f"({_times(seen[1])} this run; see the panel at step {seen[0]}; "
                                f"every record in {self.event_log.path if self.writable else 'the loggers'})")
         elif before is None:
             more_at = str(self.dir.parent) if self.writable else None
