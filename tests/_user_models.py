@@ -202,6 +202,17 @@ def backbone_finetuning() -> Any:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def warmup_cosine(opt: torch.optim.Optimizer, warmup: int, steps: int) -> Any:
+    """``configure_optimizers``' answer: a linear warmup over ``warmup`` steps, then cosine to 0 at ``steps``."""
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+
+
 class RawFeatures(pl.LightningModule):
     """A GELU MLP on the raw features; under float16 autocast the first Linear's input cast overflows on a glitched
     row (1e5 > 65504), the loss goes inf and the scaler skips the step. FP32 trains through it."""
@@ -216,13 +227,8 @@ class RawFeatures(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x).squeeze(-1).float(), y)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-        w, n = self.warmup, self.steps
-
-        def factor(s: int) -> float:
-            return (s + 1) / w if s < w else 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, n - w)))
-
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+        return warmup_cosine(torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01), self.warmup,
+                             self.steps)
 
 
 def raw_features(n_batches: int = 40, batch_size: int = 64, every: int = 9, seed: int = 3) -> DataLoader:
@@ -275,13 +281,7 @@ class PadMaskEncoder(pl.LightningModule):
         return nn.functional.cross_entropy(self.head(pooled).float(), y)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
-        w, n = self.warmup, self.steps
-
-        def factor(s: int) -> float:
-            return (s + 1) / w if s < w else 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, n - w)))
-
-        return [opt], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}]
+        return warmup_cosine(torch.optim.AdamW(self.parameters(), lr=self.lr), self.warmup, self.steps)
 
 
 def pad_mask_data(n_batches: int = 60, batch_size: int = 16, every: int = 11, seed: int = 5) -> DataLoader:

@@ -49,7 +49,8 @@ def test_a_recurring_fault_is_replayed_once_and_printed_once(tmp_path: Path,
     assert first.evidence["tried"].startswith("tried from step ")
     for d in again:  # not replayed again: the same finding in the same place, confirmed, no remedy since
         assert "tried" not in d.evidence
-        assert d.evidence["trajectory_control"].startswith("not run again: the replays of the alarm at step 8 named this finding")
+        assert d.evidence["trajectory_control"].startswith(
+            "not run again: the replays of the alarm at step 8 named this finding")
     # the event log keeps every record; the console shows one panel and a line for each recurrence
     logged = [json.loads(line) for line in (tmp_path / "ampwatch" / "diagnoses.jsonl").read_text().splitlines()]
     assert [(r["finding"], r["step"]) for r in logged if r["finding"] == "INPUT_RANGE"] == \
