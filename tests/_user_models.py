@@ -297,6 +297,41 @@ def pad_mask_data(n_batches: int = 60, batch_size: int = 16, every: int = 11, se
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 7. Multi-label tagging on a frozen "pretrained" encoder with a new head and BCE written by hand (as users do where
+#    autocast bans binary_cross_entropy): once a logit passes ~8.3, float16's sigmoid rounds to exactly 1, log(1 - p)
+#    is -inf, and 0 * -inf is NaN. Float32 rounds to 1 only past ~17
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class HandBce(pl.LightningModule):
+    def __init__(self, lr: float = 3e-2, steps: int = 80, warmup: int = 5) -> None:
+        super().__init__()
+        self.base = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+        self.base.requires_grad_(False)
+        with torch.no_grad():  # large weights, as a trained net's are
+            for m in self.base:
+                if isinstance(m, nn.Linear):
+                    m.weight.mul_(3.0)
+        self.head = nn.Linear(128, 16)
+        self.lr, self.steps, self.warmup = lr, steps, warmup
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        p = torch.sigmoid(self.head(self.base(x)))
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+    def configure_optimizers(self) -> Any:
+        return warmup_cosine(torch.optim.AdamW(self.head.parameters(), lr=self.lr), self.warmup, self.steps)
+
+
+def tagging_data(n_batches: int = 80, batch_size: int = 32, seed: int = 9) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * batch_size, 32, generator=g)
+    y = ((x @ torch.randn(32, 16, generator=g)) > 0.5).float()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the truth, measured without AmpWatch
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -332,6 +367,7 @@ MODELS: dict[str, tuple[Callable[..., pl.LightningModule], Callable[[], DataLoad
     "big_targets": (BigTargets, big_targets),
     "raw_features": (RawFeatures, raw_features),
     "pad_mask": (PadMaskEncoder, pad_mask_data),
+    "hand_bce": (HandBce, tagging_data),
 }
 
 

@@ -10,6 +10,7 @@ trains as FP32 does (0.26 at step 29)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -88,3 +89,30 @@ def test_a_fault_the_replays_renamed_is_not_replayed_at_its_recurrences(tmp_path
     assert out.count("AmpWatch: FORWARD_OVERFLOW at step") == 1
     assert [f"again at step {s} in attn.0 (the {n} time" in out for s, n in ((21, "2nd"), (32, "3rd"), (43, "4th"),
                                                                               (54, "5th"))] == [True] * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-label tagging with BCE written by hand (tests/_user_models.py ``hand_bce``), AdamW after a 5-step warmup.
+# Truth, measured without AmpWatch (80 steps): FP32 finite, 0.78 -> 0.41. Float16 NaN at 21 steps from step 20 on
+# (20, 22, 33, 34, 37, ...: the sigmoid rounds to 1, log(1 - p) is -inf), each skipped by the scaler, which keeps the
+# weights clean: the run ends at 0.43.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_recurrence_is_remedied_only_by_what_the_replays_measured_and_the_run_float16_kept_alive_lives(
+        tmp_path: Path) -> None:
+    watch = AmpWatch(verbose=False, remediate=True, log_dir=str(tmp_path))
+    make, data = um.MODELS["hand_bce"]
+    pl.seed_everything(0, verbose=False)
+    tape, model = um.Tape(), make()
+    um.trainer([watch, tape], str(tmp_path), steps=80).fit(model, data())
+    alarms = [d for d in watch.diagnoses if d.is_alarm]
+    assert [(d.finding, d.location) for d in alarms][:2] == [(Finding.FORWARD_OVERFLOW, "HandBce.training_step")] * 2
+    # the replays at step 20: FP32 and LR/10 cure it, no precision fix was measured to; remediate=True leaves out
+    # reduce_lr, so no remedy, at the alarm or at any recurrence (before: bf16_fallback, never replayed, was applied
+    # at a later alarm; bfloat16 rounds the sigmoid to 1 as well, and with no scaler the NaN reached the weights)
+    assert alarms[0].evidence["interventions"]["cured_by"] == ["lower_lr"]
+    assert watch.applied == [] and all(d.remedy is None for d in alarms)
+    assert alarms[1].evidence["trajectory_control"].startswith("not run again: the replays of the alarm at step 20")
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert math.isfinite(tape.losses[-1]) and tape.losses[-1] < 0.6 * tape.losses[0]

@@ -624,3 +624,36 @@ def test_the_treatment_of_a_run_is_what_its_config_asks_and_replay_episode_is_of
     assert not treatment.replay_episode
     assert treatment.across_ranks(2) is None  # said once: nothing is left to turn off
     assert Treatment.for_run(WatchConfig()).across_ranks(4) is None
+
+
+def test_where_replays_ran_only_a_fix_a_replay_cured_is_on_the_ladder() -> None:
+    """A forward fault whose replays cured with FP32 only (LR/10 failed, bf16 left out by the replay-step cap) gets no
+    remedy, and the summary says why. The ladder used to fall back to the finding's rungs no replay measured to fail:
+    a bf16 fallback, never replayed, went to a rounding fault (log of 1 - sigmoid) that bfloat16 has as well, and with
+    no scaler left to skip its steps the NaN reached the weights of a run float16 had kept alive (a fresh run)."""
+    from lightning_ampwatch.interventions import Intervention, InterventionReport, Tried
+    from lightning_ampwatch.records import with_facts
+    from lightning_ampwatch.reporters.unremedied import unremedied_reason
+    from lightning_ampwatch.verdicts import TrajectoryResult
+
+    steps = list(range(1, 9))
+
+    def tried(kind: Intervention, label: str, fault_at: int | None) -> Tried:
+        n = len(steps) if fault_at is None else steps.index(fault_at) + 1
+        losses = [0.5] * n if fault_at is None else [0.5] * (n - 1) + [float("nan")]
+        result = TrajectoryResult(precision="amp", from_step=0, steps=steps[:n], losses=losses,
+                                  skipped=[False] * (n - 1) + [fault_at is not None], params_finite=True)
+        return Tried(kind, label, result, len(steps), counted_from=5)
+
+    report = InterventionReport(from_step=0, onset=5, lr_factor=0.1, window=(1, 8), repeated_from=None,
+                                tried=(tried(Intervention.NOTHING, "nothing changed", 5),
+                                       tried(Intervention.FP32, "FP32", None),
+                                       tried(Intervention.LOWER_LR, "LR/10", 5)),
+                                not_tried=(("bf16", "the replay-step cap of 24 per alarm is reached"),))
+    diagnosis = with_facts(_diag(Finding.FORWARD_OVERFLOW, step=5, location="head"), interventions=report)
+    assert report.cures() == [] and ladder_for(diagnosis) == ()
+    assert RemedyPolicy(frozenset(RemedyName)).choose(diagnosis) is None
+    assert unremedied_reason(diagnosis, [diagnosis], ["fp32_island", "bf16_fallback"]) == \
+        "no fix cured it on the replays (bf16: not tried)"
+    # without replays (no snapshot) the finding's table row stands, as documented
+    assert ladder_for(_diag(Finding.FORWARD_OVERFLOW, location="head")) == ("fp32_island", "bf16_fallback")

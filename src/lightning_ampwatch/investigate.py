@@ -359,7 +359,7 @@ class Investigations:
         self._awaiting_probe: list[Diagnosis] = []
         self._probe_next = False
         self._live_probe: LiveProbe | None = None
-        self._confirmed: dict[tuple[Finding, str | None], int] = {}  # replays confirmed: (finding, where) -> step
+        self._confirmed: dict[tuple[Finding, str | None], tuple[int, Any]] = {}  # (finding, where) -> (step, report)
 
     def remedy_applied(self) -> None:
         """A remedy changed the run: a recurrence after it is a new question, replayed again."""
@@ -456,9 +456,11 @@ class Investigations:
         key = (refined.finding, refined.location)
         first = self._confirmed.get(key) if self.world_size == 1 else None  # (several ranks would have to agree)
         if trajectory is not None and first is not None:  # a recurring cause, replayed once, not at every glitch
-            refined = replace(refined, evidence={**refined.evidence, "trajectory_control": (
-                f"not run again: the replays of the alarm at step {first} named this finding in this place, and no "
-                "remedy was applied since")})
+            # its remedy is chosen from what those replays measured, never from the finding's unmeasured table row
+            refined = replace(refined, facts=replace(facts_of(refined), interventions=first[1]), evidence={
+                **refined.evidence, "trajectory_control": (
+                    f"not run again: the replays of the alarm at step {first[0]} named this finding in this place, "
+                    "and no remedy was applied since")})
         elif trajectory is not None and (refined.finding in AMP_BLAMING or refined.finding is Finding.LR_SCHEDULE):
             # an LR rise is timing, not a measurement: the interventions decide whether the LR is the cause
             try:
@@ -467,8 +469,9 @@ class Investigations:
                                                                     None if reference is None else reference.level,
                                                                     agree=agree, fault_ranks=step.fault_ranks)
                 renamed = renamed_again or renamed
-                if facts_of(refined).interventions:  # what the replays named, where: a recurrence named so is theirs
-                    self._confirmed.setdefault((refined.finding, refined.location), diagnosis.step)
+                report = facts_of(refined).interventions
+                if report:  # what the replays named, where: a recurrence named so is theirs
+                    self._confirmed.setdefault((refined.finding, refined.location), (diagnosis.step, report))
             except Exception as err:  # noqa: BLE001 - degrade to the single-batch control, never to a crash
                 # off for the rest of the run: no more snapshots, nor batches kept for it
                 trajectory.ring.turn_off(f"the trajectory control failed earlier ({type(err).__name__})")

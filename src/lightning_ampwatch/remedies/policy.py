@@ -39,8 +39,10 @@ MEASURED = frozenset({Finding.GRADIENT_OVERFLOW, Finding.FORWARD_OVERFLOW, Findi
 
 
 def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
-    """The remedies whose interventions cured the replayed window, least invasive first; where none cured, the
-    finding's own rungs that no replay measured to fail. None where no interventions ran."""
+    """The remedies whose interventions cured the replayed window, least invasive first; where none cured, none (a
+    rung no replay tried is not applied on trust: a bf16 fallback, never replayed, was applied to a rounding fault
+    (log of 1 - sigmoid) that bfloat16 has as well, and with no scaler left to skip it the NaN reached the weights
+    of a run that float16 had kept alive). None where no interventions ran."""
     report = facts_of(diagnosis).interventions
     if report is None or diagnosis.finding not in MEASURED:
         return None
@@ -51,10 +53,7 @@ def measured_ladder(diagnosis: Diagnosis) -> tuple[RemedyName, ...] | None:
         # FP32 fails too: never an AMP knob, whatever quieted the skips (a warmup to a peak LR that FP32 does not
         # survive either was once given lower_init_scale, 2**16 -> 2**16, before the lower LR)
         cures = tuple(r for r in cures if r not in PRECISION_REMEDIES)
-    if cures:
-        return cures
-    failed = {REMEDY_OF[t.kind] for t in report.tried if t.kind in REMEDY_OF}
-    return tuple(r for r in LADDERS.get(diagnosis.finding, ()) if r not in failed)
+    return cures
 
 
 #: The remedies that change how reduced precision runs: no cure for a fault FP32 has too.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from lightning_ampwatch.records import facts_of
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
 
@@ -35,7 +36,13 @@ def unremedied_reason(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis],
 def _unremedied(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis], allowed: frozenset[str],
                 ladder: list[str]) -> str | None:
     if not ladder:
-        return "no AMP setting fixes it"
+        from lightning_ampwatch.remedies.policy import MEASURED
+
+        report = facts_of(diagnosis).interventions
+        if report is None or diagnosis.finding not in MEASURED:
+            return "no AMP setting fixes it"
+        untried = [label for label, _ in report.not_tried]
+        return "no fix cured it on the replays" + (f" ({', '.join(untried)}: not tried)" if untried else "")
     if not allowed:
         return None
     named = ", ".join(ladder)
