@@ -218,3 +218,27 @@ def test_metrics_share_the_csv_row_of_the_steps_own_logged_values(tmp_path: Path
     assert len(rows) == 5  # Lightning's four, and the extra step's own
     assert "ampwatch/skipped_steps" in trainer.logged_metrics
     assert "log_metrics" not in vars(trainer._logger_connector)  # the connector is left as it was found
+
+
+def test_an_unremedied_alarm_again_in_the_same_place_prints_one_line_and_full_prints_every_panel(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def alarm(step: int, location: str | None = "net.0", remedy: str | None = None) -> Diagnosis:
+        return Diagnosis(Finding.INPUT_RANGE, step, location=location, evidence={"input_absmax": 1e5},
+                         advice=f"Normalise the inputs (step {step}).", remedy=remedy)
+
+    sink = reporters(tmp_path)
+    for d in (alarm(8), alarm(17), alarm(20, location="net.3"), alarm(26), alarm(30, remedy="fp32_island")):
+        sink.publish(d, [])
+    out = flat(capsys.readouterr().out)
+    # one panel for net.0, a line for each recurrence there (its advice may differ: a recurrence is not replayed);
+    # another place, and an alarm that got a remedy, each get their own panel
+    assert [s for s in (8, 17, 20, 26, 30) if f"AmpWatch: INPUT_RANGE at step {s} " in out] == [8, 20, 30]
+    assert "AmpWatch: INPUT_RANGE again at step 17 in net.0 (the 2nd time this run; see the panel at step 8; " \
+           "every record in" in out
+    assert "INPUT_RANGE again at step 26 in net.0 (the 3rd time this run;" in out
+    assert len((tmp_path / "ampwatch" / EVENT_LOG_NAME).read_text().splitlines()) == 5  # nothing lost
+    full = reporters(tmp_path / "full", verbose="full")
+    for d in (alarm(8), alarm(17)):
+        full.publish(d, [])
+    out = flat(capsys.readouterr().out)
+    assert "AmpWatch: INPUT_RANGE at step 17 in net.0" in out and "again" not in out
