@@ -242,6 +242,12 @@ def test_a_batch_past_float16s_range_goes_before_an_lr_rise_which_stays_beside_i
                                         lrs=(0.5,), batch=BatchStats(absmax=1e5, absmax_where="batch[0]")))
     assert [d.finding for d in found] == [Finding.INPUT_RANGE]
     assert found[0].evidence["input_absmax"] == 1e5 and found[0].evidence["lr_event"] == "lr_increase"
+    # values large but inside float16's range: the rise is still looked at first (the replays decide between them)
+    machine = fp16_machine()
+    replay(machine, scaled_run([], 10, lrs=[0.01] * 8 + [0.5] * 2))
+    found = machine.observe(Observation(step=10, skipped=True, loss=float("inf"), loss_finite=False, scale=65536.0,
+                                        lrs=(0.5,), batch=BatchStats(absmax=2e4, absmax_where="batch[0]")))
+    assert [d.finding for d in found] == [Finding.LR_SCHEDULE]
 
 
 def test_the_scalers_start_up_skips_are_not_the_first_sign_of_a_later_fault() -> None:

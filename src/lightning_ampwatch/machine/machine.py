@@ -37,6 +37,10 @@ from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 __all__ = ["AmpStateMachine"]
 
 
+#: float16's largest finite value: a batch value past it is inf once cast, whatever the LR did.
+FLOAT16_MAX = 65504.0
+
+
 class AmpStateMachine:
     """Feed ``observe`` one :class:`Observation` per optimizer step, in order; it returns new diagnoses.
 
@@ -366,8 +370,9 @@ class AmpStateMachine:
         lr = lr_event(s, t, onset, now_lr)
         if lr is not None:
             ev.update(lr)
-            if finding is not Finding.INPUT_RANGE:  # (the batch's values, measured, go before a rise's timing)
-                return self._make(Finding.LR_SCHEDULE, onset, ev)
+            if not (finding is Finding.INPUT_RANGE and obs.loss_finite is False and batch is not None
+                    and batch.absmax > FLOAT16_MAX):
+                return self._make(Finding.LR_SCHEDULE, onset, ev)  # (a batch float16 cannot hold goes before it)
         if finding is Finding.INPUT_RANGE:
             assert batch is not None
             ev.update(input_absmax=batch.absmax, input_where=batch.absmax_where)
