@@ -242,6 +242,23 @@ def test_summary_lines_for_normal_scaling_and_a_fixed_alarm() -> None:
     assert lines[5].endswith("ampwatch report /runs/a --plot timeline.png")
 
 
+def test_a_fault_that_recurs_every_few_batches_is_one_row_and_a_count_in_the_summary() -> None:
+    glitch = [Diagnosis(Finding.INPUT_RANGE, s, location="net.0") for s in range(8, 400, 9)]  # 44 alarms
+    other = Diagnosis(Finding.FORWARD_OVERFLOW, 100, location="attn", remedy="fp32_island", outcome="recovered")
+    lines = summary_lines([*glitch, other], RunStats(400, skipped=45, scale=2.0**-29))
+    assert lines[0].endswith("; 45 alarms.")
+    # the rows in step order: the run broken by another finding's row is two runs; two alike in a row stay two rows
+    assert lines[1:] == [
+        "  step      8  INPUT_RANGE in net.0 (not fixed: see the advice above)",
+        "               and 10 more alike, at steps 17, 26, 35, 44, 53, ..., 98",
+        "  step    100  FORWARD_OVERFLOW in attn (fixed with fp32_island, recovery verified)",
+        "  step    107  INPUT_RANGE in net.0 (not fixed: see the advice above)",
+        "               and 32 more alike, at steps 116, 125, 134, 143, 152, ..., 395"]
+    pair = summary_lines(glitch[:2], RunStats(20, skipped=2))
+    assert pair[1:] == ["  step      8  INPUT_RANGE in net.0 (not fixed: see the advice above)",
+                        "  step     17  INPUT_RANGE in net.0 (not fixed: see the advice above)"]
+
+
 def test_a_cut_short_last_line_is_left_out_with_a_warning(tmp_path: Path) -> None:
     path = tmp_path / TIMELINE_NAME
     path.write_text('{"event":"start","step":0,"format":1}\n{"step":0,"scale":2.0}\n{"step":1,"sc')

@@ -128,6 +128,7 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
             return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]
         return [f"AmpWatch: {counts_line(stats)}; nothing to report. Healthy run."]
     lines = [f"AmpWatch summary: {counts_line(stats)}; {len(alarms)} alarm{'s' if len(alarms) != 1 else ''}."]
+    rows: list[tuple[int, str]] = []  # (step, what follows it)
     for d in sorted(diagnoses, key=lambda d: d.step):  # stable: records of one step keep their order
         where = f" in {d.location}" if d.location else ""
         if d.remedy:
@@ -139,11 +140,37 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
             outcome = f"withdrawn: a {d.evidence.get('withdrawn_by')} episode followed"
         else:
             outcome = "normal"
-        lines.append(f"  step {d.step:>6}  {d.finding.value}{where} ({outcome})")
+        rows.append((d.step, f"{d.finding.value}{where} ({outcome})"))
+    lines.extend(_folded(rows))
     if log_dir is not None:
         lines.append(f"  Details in {Path(log_dir) / 'ampwatch'}; draw them with: "
                      f"ampwatch report {log_dir} --plot timeline.png")
     return lines
+
+
+#: A run of this many rows alike in a row (a fault that recurs every few batches) is shown as its first row and one
+#: line for the rest.
+FOLD_AT = 3
+
+
+def _folded(rows: Sequence[tuple[int, str]]) -> list[str]:
+    """The summary's rows, a run of ``FOLD_AT`` or more alike in a row (the same finding, place and outcome) shown
+    as its first row and a line with the others' count and steps (the first five and the last)."""
+    out: list[str] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1][1] == rows[i][1]:
+            j += 1
+        out.append(f"  step {rows[i][0]:>6}  {rows[i][1]}")
+        rest = [step for step, _ in rows[i + 1:j + 1]]
+        if len(rest) + 1 >= FOLD_AT:
+            shown = rest if len(rest) <= 6 else [*rest[:5], "...", rest[-1]]
+            out.append(f"  {'':>11}  and {len(rest)} more alike, at steps {', '.join(str(s) for s in shown)}")
+        else:
+            out.extend(f"  step {step:>6}  {rows[i][1]}" for step in rest)
+        i = j + 1
+    return out
 
 
 @dataclass(frozen=True)
