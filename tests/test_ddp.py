@@ -228,3 +228,25 @@ def test_a_diagnosis_relayed_from_another_rank_names_the_rank_where_the_rows_are
     # the compact panel's plain label for nonfinite_where (the event log keeps the key)
     assert re.search(r"non-finite values in the batch +rank 1: batch\[0\] rows \[1\]", done.stdout)
     assert "Fix: Clean the data before it reaches the model (rank 1: batch[0] rows [1])" in done.stdout
+
+
+def test_a_start_up_overflow_judged_on_the_clean_step_after_it_is_published_the_same_on_both_ranks(
+        tmp_path: Path) -> None:
+    """The start-up streak's alarm is raised on the clean step that ends it, where each rank knows only itself as the
+    rank at fault: each judged the trajectory replays by its own (each rank replays its own batches, so their skips
+    differ) and published different evidence (a fresh run: raw sensor features, tests/_user_models.py)."""
+    import _user_models as um
+
+    pl.seed_everything(0, verbose=False)
+    watch = AmpWatch(verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=12, plugins=[true_fp16_plugin()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), callbacks=[watch, DumpDiagnoses(watch, str(tmp_path))],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(um.RawFeatures(steps=12), datamodule=RowsByRank(um.raw_features(n_batches=24, batch_size=32).dataset))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    startup = next(d for d in rank0 if d["finding"] == Finding.GRADIENT_OVERFLOW.value)
+    assert startup["step"] == 0 and startup["evidence"]["trajectory_rank"] == 0 and "tried" in startup["evidence"]
+    assert rank0 == rank1, "both ranks must publish the same diagnoses"

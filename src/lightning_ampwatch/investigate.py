@@ -361,6 +361,13 @@ class Investigations:
         self._live_probe: LiveProbe | None = None
         self._confirmed: dict[tuple[Finding, str | None], tuple[int, Any]] = {}  # (finding, where) -> (step, report)
 
+    @staticmethod
+    def _agreed_ranks(step: Any) -> Sequence[int]:
+        """The ranks at fault as every rank knows them: merged on a skipped step; on any other (the clean step that
+        ends a start-up streak) each rank knows only itself, and naming itself would make each rank judge by its own
+        replay and publish different evidence: none, then."""
+        return step.fault_ranks if step.obs.skipped else ()
+
     def remedy_applied(self) -> None:
         """A remedy changed the run: a recurrence after it is a new question, replayed again."""
         self._confirmed.clear()
@@ -467,7 +474,7 @@ class Investigations:
                 reference = self.machine.reference_for(diagnosis.step)
                 refined, renamed_again = trajectory.judgement.judge(refined, step.opened.step,
                                                                     None if reference is None else reference.level,
-                                                                    agree=agree, fault_ranks=step.fault_ranks)
+                                                                    agree=agree, fault_ranks=self._agreed_ranks(step))
                 renamed = renamed_again or renamed
                 report = facts_of(refined).interventions
                 if report:  # what the replays named, where: a recurrence named so is theirs
