@@ -16,9 +16,8 @@ from enum import Enum
 from typing import Any, Callable, Sequence
 
 from lightning_ampwatch.taxonomy import Finding, format_pow2
+from lightning_ampwatch.machine.vocabulary import FP16_MAX
 from lightning_ampwatch.verdicts import TrajectoryResult
-
-FP16_MAX = 65504.0
 
 
 class Intervention(str, Enum):

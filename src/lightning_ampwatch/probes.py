@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_ampwatch import compat, distributed, sharding
+from lightning_ampwatch.machine.vocabulary import FP16_MAX
 from lightning_ampwatch.signals import float_tensors
 
-FP16_MAX = 65504.0
 _STOCHASTIC = compat.STOCHASTIC_MODULES
 #: How a rank that stopped at a meeting because another rank's part raised says so (the other's error is said first).
 _ABORTED = "(stopped with the others) "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from itertools import islice
+from itertools import groupby, islice
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -157,19 +157,15 @@ def _folded(rows: Sequence[tuple[int, str]]) -> list[str]:
     """The summary's rows, a run of ``FOLD_AT`` or more alike in a row (the same finding, place and outcome) shown
     as its first row and a line with the others' count and steps (the first five and the last)."""
     out: list[str] = []
-    i = 0
-    while i < len(rows):
-        j = i
-        while j + 1 < len(rows) and rows[j + 1][1] == rows[i][1]:
-            j += 1
-        out.append(f"  step {rows[i][0]:>6}  {rows[i][1]}")
-        rest = [step for step, _ in rows[i + 1:j + 1]]
-        if len(rest) + 1 >= FOLD_AT:
-            shown = rest if len(rest) <= 6 else [*rest[:5], "...", rest[-1]]
-            out.append(f"  {'':>11}  and {len(rest)} more alike, at steps {', '.join(str(s) for s in shown)}")
-        else:
-            out.extend(f"  step {step:>6}  {rows[i][1]}" for step in rest)
-        i = j + 1
+    for text, run in groupby(rows, key=lambda row: row[1]):
+        steps = [step for step, _ in run]
+        if len(steps) < FOLD_AT:
+            out.extend(f"  step {step:>6}  {text}" for step in steps)
+            continue
+        rest = steps[1:]
+        shown = rest if len(rest) <= 6 else [*rest[:5], "...", rest[-1]]
+        out += [f"  step {steps[0]:>6}  {text}",
+                f"  {'':>11}  and {len(rest)} more alike, at steps {', '.join(str(s) for s in shown)}"]
     return out
 
 

@@ -31,14 +31,10 @@ from lightning_ampwatch.machine.overflow import (
 from lightning_ampwatch.machine.reference import HealthyReference, LevelAt
 from lightning_ampwatch.machine.state import Climb, Episode, Reference, fresh_state, load_state, plain
 from lightning_ampwatch.machine.tally import count_clean_run, count_step
-from lightning_ampwatch.machine.vocabulary import Observation, PrecisionMode, Thresholds
+from lightning_ampwatch.machine.vocabulary import FP16_MAX, Observation, PrecisionMode, Thresholds
 from lightning_ampwatch.taxonomy import Diagnosis, Finding, advise
 
 __all__ = ["AmpStateMachine"]
-
-
-#: float16's largest finite value: a batch value past it is inf once cast, whatever the LR did.
-FLOAT16_MAX = 65504.0
 
 
 class AmpStateMachine:
@@ -371,7 +367,7 @@ class AmpStateMachine:
         if lr is not None:
             ev.update(lr)
             if not (finding is Finding.INPUT_RANGE and obs.loss_finite is False and batch is not None
-                    and batch.absmax > FLOAT16_MAX):
+                    and batch.absmax > FP16_MAX):
                 return self._make(Finding.LR_SCHEDULE, onset, ev)  # (a batch float16 cannot hold goes before it)
         if finding is Finding.INPUT_RANGE:
             assert batch is not None

@@ -384,7 +384,8 @@ class HealthyReference:
                 if low is not None and low + 1 < len(before):
                     onset, at_onset = before[low + 1]
                     rise = (f"rising from the run's first loss since step {onset} ({at_onset:.3g} there), and ")
-        onset = run_up_start(s.recent_skips, onset, 2 * t.streak, s.startup_until)  # skips just before the climb were its first sign
+        # skips just before the climb were its first sign (the run's start-up skips never are)
+        onset = run_up_start(s.recent_skips, onset, 2 * t.streak, s.startup_until)
         ref = self.reference_for(onset)
         base_from = "the healthy level" if ref is not None else "the run's first loss"
         ev: dict[str, Any] = {

@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import get_type_hints
 
+#: float16's largest finite value (the one home of the figure for the modules that may import the machine's
+#: vocabulary; ``advice`` words it on its own, below the machine in the import order).
+FP16_MAX = 65504.0
+
 
 class PrecisionMode(str, Enum):
     """What arithmetic the watched run uses; decides which findings are possible."""
