@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning_ampwatch import AmpWatch, Finding
 from lightning_ampwatch.scenarios import Regressor, regression_data, true_fp16_plugin
 from _limits import HANG_S
-from test_ddp import DumpDiagnoses  # each rank writes the diagnoses its AmpWatch published
+from test_ddp import DumpDiagnoses, EndProcessGroupAtExit  # each rank writes the diagnoses its AmpWatch published
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -33,7 +33,8 @@ def fit(strategy: str, precision: str, out_dir: str, log_every: int) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=8, logger=False, log_every_n_steps=log_every,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir,
-        callbacks=[watch, DumpDiagnoses(watch, out_dir)], use_distributed_sampler=False, **kwargs,
+        callbacks=[watch, DumpDiagnoses(watch, out_dir), EndProcessGroupAtExit()], use_distributed_sampler=False,
+        **kwargs,
     )
     trainer.fit(Regressor(), datamodule=RowsByRank(regression_data(n=256, nan_rows=(67,))))
 
