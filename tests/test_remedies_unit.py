@@ -655,5 +655,13 @@ def test_where_replays_ran_only_a_fix_a_replay_cured_is_on_the_ladder() -> None:
     assert RemedyPolicy(frozenset(RemedyName)).choose(diagnosis) is None
     assert unremedied_reason(diagnosis, [diagnosis], ["fp32_island", "bf16_fallback"]) == \
         "no fix cured it on the replays (bf16: not tried)"
+    # the fault and its FP32 control used up the cap: no fix was tried, and the line does not say one failed
+    capped = InterventionReport(from_step=0, onset=5, lr_factor=0.1, window=(1, 8), repeated_from=None,
+                                tried=report.tried[:2],
+                                not_tried=(("LR/10", "the replay-step cap of 16 per alarm is reached"),
+                                           ("bf16", "the replay-step cap of 16 per alarm is reached")))
+    diagnosis = with_facts(_diag(Finding.FORWARD_OVERFLOW, step=5, location="head"), interventions=capped)
+    assert unremedied_reason(diagnosis, [diagnosis], ["fp32_island", "bf16_fallback"]) == \
+        "no fix was tried on the replays (LR/10, bf16: not tried)"
     # without replays (no snapshot) the finding's table row stands, as documented
     assert ladder_for(_diag(Finding.FORWARD_OVERFLOW, location="head")) == ("fp32_island", "bf16_fallback")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from lightning_ampwatch.interventions import INVASIVENESS
 from lightning_ampwatch.records import facts_of
 from lightning_ampwatch.taxonomy import Diagnosis, Finding
 
@@ -42,7 +43,10 @@ def _unremedied(diagnosis: Diagnosis, diagnoses: Sequence[Diagnosis], allowed: f
         if report is None or diagnosis.finding not in MEASURED:
             return "no AMP setting fixes it"
         untried = [label for label, _ in report.not_tried]
-        return "no fix cured it on the replays" + (f" ({', '.join(untried)}: not tried)" if untried else "")
+        tail = f" ({', '.join(untried)}: not tried)" if untried else ""
+        if not any(t.kind in INVASIVENESS for t in report.tried):  # only the fault and the FP32 control replayed
+            return "no fix was tried on the replays" + tail
+        return "no fix cured it on the replays" + tail
     if not allowed:
         return None
     named = ", ".join(ladder)
