@@ -202,3 +202,15 @@ def test_remediate_true_sets_the_discriminators_scale_and_its_steps_go_through(t
     assert applied.details["scale_after"] == alarm.evidence["safe_scale"] == steps.taken(1)[0]
     after = [row for row in steps.steps[applied.step + 1:]]
     assert len(after) >= 10 and all(taken for _, _, taken in after)
+
+
+def test_the_two_losses_of_a_gan_are_not_taken_for_one_series(tmp_path: Path) -> None:
+    # the generator's and the discriminator's losses alternate step by step: a level or a climb made of both would
+    # be meaningless (a false FP32_UNSTABLE, found on a fresh GAN run), so the alarm says why it has no level
+    watch = AmpWatch(verbose=False)
+    fit(tmp_path / "run", [watch])
+    [alarm] = [d for d in watch.diagnoses if d.is_alarm]
+    assert alarm.evidence["loss_reference"] is None
+    assert alarm.evidence["loss_reference_why"] == (
+        "no healthy loss level: each batch steps several optimizers, each on a loss of its own (a GAN's "
+        "discriminator and generator), so the losses are not one series to take a level or a climb from")

@@ -931,3 +931,34 @@ def test_a_healthy_log_steps_losses_are_taken_at_once_and_trouble_one_by_one() -
     # a spike: the losses before its run of four are taken at once, the rest is left to the one-by-one path
     assert m._note_healthy_run([(60 + i, 1.0) for i in range(21)] + [(81, 1000.0)] + [(82, 1.0)]) == 20
     assert m.state.loss_steps[-1] == 79 and m.loss_level is not None
+
+
+def test_losses_of_two_objectives_make_no_level_and_no_climb() -> None:
+    """A GAN's batch steps the discriminator on its loss and the generator on its own: the step losses alternate
+    between two objectives. Taken as one series, the discriminator's tiny losses make the level, and a wobble of
+    theirs (4e-5 to 3e-4, found on a fresh GAN run) reads as a finite divergence. Once the machine knows the losses
+    are apart it keeps no level, looks for no climb, still counts a non-finite loss, and says why there is no level."""
+    def gan_losses(start: int, n: int, d_loss: float, g_loss: float) -> list[tuple[int, float]]:
+        return [(step, d_loss if step % 2 == 0 else g_loss) for step in range(start, start + n)]
+
+    why = "each batch steps several optimizers, each on a loss of its own"
+    for apart in (False, True):
+        machine = AmpStateMachine("fp16")
+        if apart:
+            machine.healthy.apart(why)
+        machine.note_losses(gan_losses(0, 40, 1e-4, 1.0))  # a level between the two (about 0.5)
+        # the generator's loss grows past 4x that level: each of its losses starts a climb that the discriminator's
+        # next one ends, and only the discriminator's losses join the level, which falls to theirs
+        machine.note_losses(gan_losses(40, 60, 4e-5, 13.0))
+        machine.note_losses(gan_losses(100, 30, 3e-4, 13.0) + [(130, math.nan)])  # the discriminator's wobble
+        found = [d.finding for d in machine.take_pending()]
+        if not apart:
+            assert Finding.FP32_UNSTABLE in found  # what a single series makes of it
+            continue
+        assert found == [] and machine.state.reference is None and machine.state.start_loss is None
+        assert machine.state.nonfinite_total == 1
+        assert machine.reference_evidence(120) == {"loss_reference": None,
+                                                  "loss_reference_why": f"no healthy loss level: {why}"}
+        restored = AmpStateMachine("fp16")
+        restored.load_state_dict(json.loads(json.dumps(machine.state_dict())))
+        assert restored.state.losses_apart == why  # a resumed run keeps it

@@ -100,6 +100,9 @@ class HealthyReference:
         # a loss that took the full path): the same result as one call per loss, for a few comparisons per loss.
         if not isinstance(losses, list):
             losses = list(losses)
+        if self._owner.state.losses_apart is not None:  # not one series: only the non-finite ones count
+            self._owner.state.nonfinite_total += sum(1 for _, loss in losses if not -_INF < loss < _INF)
+            return
         taken = self.note_healthy_run(losses) if len(losses) > _PROMOTE_EVERY else 0
         s, take, promote = self._owner.state, self.take_loss, self.promote
         ratio = self._owner.thresholds.divergence_ratio
@@ -190,6 +193,9 @@ class HealthyReference:
         if ref is not None:
             return {"loss_reference": ref.level, "loss_reference_steps": [ref.first_step, ref.last_step]}
         start = self._owner.state.start_loss
+        if self._owner.state.losses_apart is not None:
+            return {"loss_reference": None,
+                    "loss_reference_why": f"no healthy loss level: {self._owner.state.losses_apart}"}
         rebased = self._owner.state.rebased_why
         climbing = self._owner.state.climbing_why
         why = (f"no healthy loss level before step {onset}: {rebased}" if rebased is not None else
@@ -210,6 +216,8 @@ class HealthyReference:
         and not a slow build above the healthy level before it. Otherwise there is no level, and
         ``why`` says why."""
         t, s = self._owner.thresholds, self._owner.state
+        if s.losses_apart is not None:
+            return LevelAt(resumed_at, None, resumed_at, resumed_at, s.losses_apart)
         recent = list(recent)
         then = sorted((step, loss) for step, loss in recent if resumed_at - t.loss_window <= step < resumed_at)
         where = f"the run went back to step {resumed_at}"
@@ -272,6 +280,21 @@ class HealthyReference:
         losses = [loss for _, loss in ahead]
         return LevelAt(resumed_at, statistics.median(losses), resumed_at, end - 1, count=len(losses), ahead=True)
 
+    def apart(self, why: str) -> None:
+        """The run's losses are not one series (``why``): each batch steps several optimizers, each on a loss of its
+        own. A level made of them would be the median of two objectives, and a climb from one to the other no
+        divergence: from now on there is neither (non-finite losses are still counted)."""
+        s = self._owner.state
+        if s.losses_apart is not None:
+            return
+        s.losses_apart = why
+        s.reference = s.reference_before_skip = s.reference_earlier = None
+        s.start_loss = s.climb = None
+        s.divergence_noted = False
+        s.losses.clear()
+        s.loss_steps.clear()
+        self._since_promote = 0
+
     def rebase(self, at: LevelAt) -> None:
         """The run went back to an earlier state (a rollback): its healthy level is the one it had there, if that
         stretch was healthy (:meth:`level_before`); otherwise there is none, and the evidence of a later alarm says
@@ -297,6 +320,8 @@ class HealthyReference:
             self._owner.state.nonfinite_total += 1
             return
         s, t = self._owner.state, self._owner.thresholds
+        if s.losses_apart is not None:
+            return
         if s.start_loss is None:
             s.start_loss = loss
         ref = s.reference
@@ -333,6 +358,8 @@ class HealthyReference:
         not climbing over its older half, and not a slow build above the level before it."""
         self._since_promote = 0
         s = self._owner.state
+        if s.losses_apart is not None:
+            return
         losses = list(s.losses)
         n = len(losses)
         if n < _LEVEL_MIN_LOSSES:

@@ -156,6 +156,9 @@ class MachineState:
     # the last step of the run's start-up skips (the scaler lowering its first scale, every loss finite, before the
     # first step it took): the scaler finding its level, never the first sign of a later fault
     startup_until: int | None = None
+    # why the run's losses are not one series (each batch steps several optimizers, each on a loss of its own: a
+    # GAN's discriminator and generator): no healthy level is kept, and no climb is looked for (None: one series)
+    losses_apart: str | None = None
 
 
 def fresh_state(t: Thresholds) -> MachineState:

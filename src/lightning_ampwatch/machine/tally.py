@@ -32,7 +32,7 @@ def count_step(s: MachineState, t: Thresholds, mode: PrecisionMode, obs: Observa
     if obs.loss_finite is False:
         s.nonfinite_total += 1
     if obs.anomalous:
-        if s.start_loss is None and obs.loss is not None and math.isfinite(obs.loss):
+        if s.start_loss is None and obs.loss is not None and math.isfinite(obs.loss) and s.losses_apart is None:
             s.start_loss = obs.loss
     elif obs.scale is not None and mode is PrecisionMode.FP16 and \
             (s.max_safe_scale is None or obs.scale > s.max_safe_scale):

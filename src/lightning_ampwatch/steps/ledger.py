@@ -60,11 +60,10 @@ class StepLedger:
         #: several ranks meet anomalies together under a scaler (and gather a view of each skip) until a rank's watch
         #: switches itself off (distributed.CrossRank)
         self.agree = True
-        #: the scaler's host mirror, and what tells a step the scaler ran (:class:`ScaleTracking`)
-        self.scale = ScaleTracking()
-        self.taken = StepTaken()
+        self.scale, self.taken = ScaleTracking(), StepTaken()  # the scaler's mirror; what tells a step the scaler ran
         self.stepped = False  # an optimizer step ran in this batch and is not taken in yet
         self._mark = 0  # the tape's length when that step began: later losses belong to the batch's next step
+        self.losses_apart = False  # a batch stepped several optimizers, each on losses of its own (a GAN's two)
         self.step_index = 0  # trainer.global_step at the step being opened, kept locally (the property is slow)
         self.losses = LossRing()
         self.reads = LossReads()
@@ -279,8 +278,8 @@ class StepLedger:
             batches.append(micro_batch)  # type: ignore[arg-type]
         if split:
             mark = self._mark
-            if 0 < mark < len(tape):
-                self._tape = LossTape(tape[mark:])
+            if 0 < mark < len(tape):  # each optimizer stepped on losses of its own: not one series
+                self._tape, self.losses_apart = LossTape(tape[mark:]), True
                 del tape[mark:]
             else:
                 self._tape = LossTape(tape)

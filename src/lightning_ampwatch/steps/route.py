@@ -34,6 +34,10 @@ from lightning_ampwatch.steps.losses import LOSS_RING_MAX_STEPS
 from lightning_ampwatch.steps.records import ClosedStep
 from lightning_ampwatch.taxonomy import AmpWatchError, Diagnosis
 
+#: Why a run whose batches step several optimizers, each on a loss of its own, has no healthy loss level.
+LOSSES_APART = ("each batch steps several optimizers, each on a loss of its own (a GAN's discriminator and "
+                "generator), so the losses are not one series to take a level or a climb from")
+
 #: The most clean steps taken in later at once (a run with no log steps still hands them over this often). Taking a
 #: held step in costs about 1 us, nearly all of it reading objects the training steps since pushed out of the cache,
 #: so a run's hand-over costs in proportion to its length wherever it happens. Measured for issue 29 on the toy: with
@@ -166,6 +170,8 @@ class StepRoute:
                 if ledger.stepped:  # manual optimization: a second step in the same batch, a step of its own
                     quiet = watch.machine.quiet
                     self.take_closed(ledger.close(watch.host, quiet, split=True), quiet)
+                    if ledger.losses_apart:
+                        watch.machine.healthy.apart(LOSSES_APART)
                 if several:
                     ledger.optimizers.current = index
                 ledger.optimizer_step_begins()  # the step itself is read when it is over, in batch_end
