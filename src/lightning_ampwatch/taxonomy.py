@@ -95,7 +95,7 @@ _SUMMARIES: dict[Finding, str] = {
     Finding.GRADIENT_OVERFLOW: "the scaled gradients overflow float16, so the scaler keeps skipping steps",
     Finding.GROWTH_OVERFLOW: "every time the scaler doubles the loss scale, the very next steps overflow",
     Finding.LR_SCHEDULE: "the trouble began right after the learning rate went up",
-    Finding.NORMAL_SCALING: "a few skipped steps at a healthy scale: dynamic loss scaling doing its job",
+    Finding.NORMAL_SCALING: "a few skipped steps, clean steps after them: dynamic loss scaling at work",
     Finding.FP16_PARAMETERS: "trainable parameters are already float16 under 16-mixed, so nothing is kept in float32",
     Finding.EPS_UNDERFLOW: "the optimizer's eps is too small for float16 and no longer guards its division",
     Finding.NOT_REPRODUCED: "the same steps replayed from a snapshot stay finite: the fault did not reproduce, so "
