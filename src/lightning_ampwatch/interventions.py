@@ -320,7 +320,7 @@ class Interventions:
             scale_hint: float | None, scaled: bool, from_step: int, onset: int,
             repeated_from: int | None, lr_factor: float = LR_FACTOR,
             lr_cap: float | None = None, lr_rose: bool = False,
-            unlocated: str = "the fault was not located in a module",
+            unlocated: str = "the fault was not located in a module", lower_lr_moot: str | None = None,
             fp32_fails: Callable[[Tried, Tried], bool] | None = None) -> InterventionReport:
         """``located``: the module the fault was located in (forward faults), or None; ``forward``: the loss itself
         went non-finite (no loss scale reaches a forward overflow); ``onset_scale``: the scale the run faulted at;
@@ -328,7 +328,8 @@ class Interventions:
         a scaler; ``lr_rose``: the LR rose before the onset, so the lower LR is always replayed: where the cap has no
         room left for the whole window, over as much of it as fits, through the onset and a step past it;
         ``fp32_fails(nothing, fp32)``: the FP32 replay, finite, still failed (it climbed far above the level: the
-        trajectory control's verdict), so no precision fix is replayed."""
+        trajectory control's verdict), so no precision fix is replayed. ``lower_lr_moot``: why the lower LR is not
+        replayed (the window starts past the onset), or None."""
         n = len(self.window)
         self.onset = onset
         self.lr_factor = lr_factor
@@ -388,6 +389,8 @@ class Interventions:
                             island=island)
                 else:
                     not_tried.append(("fp32 island", unlocated))
+            elif lower_lr_moot is not None:
+                not_tried.append((f"LR/{1 / lr_factor:.3g}", lower_lr_moot))
             else:
                 if lr_cap is not None:  # a rise of more than 10x: the same steps without it
                     attempt(kind, f"LR capped at {lr_cap:.3g} (before the rise)", False, precision="amp",

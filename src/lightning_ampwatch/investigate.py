@@ -474,7 +474,8 @@ class Investigations:
                 reference = self.machine.reference_for(diagnosis.step)
                 refined, renamed_again = trajectory.judgement.judge(refined, step.opened.step,
                                                                     None if reference is None else reference.level,
-                                                                    agree=agree, fault_ranks=self._agreed_ranks(step))
+                                                                    agree=agree, fault_ranks=self._agreed_ranks(step),
+                                                                    skipped=self.machine.state.skip_log)
                 renamed = renamed_again or renamed
                 report = facts_of(refined).interventions
                 if report:  # what the replays named, where: a recurrence named so is theirs

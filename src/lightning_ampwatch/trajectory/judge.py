@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -100,7 +100,8 @@ class TrajectoryJudge:
             f"taken every {self.ring.every} steps")
 
     def judge(self, diagnosis: Diagnosis, alarm_step: int, loss_level: float | None, agree: bool, *,
-              rename: bool = True, fault_ranks: Sequence[int] = ()) -> tuple[Diagnosis, Finding | None]:
+              rename: bool = True, fault_ranks: Sequence[int] = (),
+              skipped: Collection[int] = ()) -> tuple[Diagnosis, Finding | None]:
         """The diagnosis with the trajectory's verdict (and the finding it renames, if it does). ``loss_level`` is
         the healthy level from before the onset, or None when there was none (the FP32 run is then judged by its
         own shape). Three replays from the newest snapshot from before the step whose update may have done the
@@ -108,7 +109,8 @@ class TrajectoryJudge:
         counterfactual: does a lower LR train clean?). ``rename=False``: evidence only (a finite divergence,
         already named by its loss). Where every rank replayed (``agree``), the gravest verdict stands; among
         equally grave ones, a rank at fault's (its batches are the ones that went wrong), and the evidence names
-        the rank."""
+        the rank. ``skipped``: the steps the scaler skipped (the machine's latest), which let a snapshot taken after
+        the onset stand in where none from before it is held (:func:`after_onset`)."""
         ev = dict(diagnosis.evidence)
         unavailable = self.state.replay_unavailable or self.state.fp32_unavailable
         if unavailable is not None:  # the same on every rank: none of them gathers below
@@ -116,6 +118,11 @@ class TrajectoryJudge:
             return replace(diagnosis, evidence=ev), None
         before = max(diagnosis.step - 1, 0)
         snapshot = self.ring.newest_before(before) if self.ring.enabled else None
+        held_since: str | None = None  # what a snapshot from after the onset stands for (a fit resumed mid-episode)
+        if snapshot is None and self.ring.enabled and skipped:
+            found = after_onset(self.ring.snapshots, diagnosis.step, alarm_step, frozenset(skipped))
+            if found is not None:  # (said only where every rank replays from it: see below)
+                snapshot, held_since = found
         stale = snapshot.stale(self.state) if snapshot is not None else None
         if snapshot is not None and stale is None and [len(g) for g in snapshot.groups] != [
                 len(o.param_groups) for o in self.state.optimizers]:
@@ -171,7 +178,9 @@ class TrajectoryJudge:
             reason = disagreed or self._no_snapshot(before, diagnosis.step)
             ev["trajectory_control"] = f"not run: {reason}"
         else:
-            local = self._replay(diagnosis, snapshot, alarm_step, loss_level, agree)
+            if held_since is not None:
+                ev["trajectory_from"] = held_since
+            local = self._replay(diagnosis, snapshot, alarm_step, loss_level, agree, held_since is not None)
         gathered = distributed.gather(local) if agree else [local]
         ranked = [(rank if agree else distributed.rank(), r) for rank, r in enumerate(gathered) if r is not None]
         # the rank whose replay raised first, before those that stopped with it (distributed.Lockstep)
@@ -228,7 +237,8 @@ class TrajectoryJudge:
                        facts=facts), renamed
 
     def _replay(self, diagnosis: Diagnosis, snapshot: Any, alarm_step: int, loss_level: float | None,
-                agree: bool) -> tuple[TrajectoryVerdict, LowerLrVerdict, bool, Any] | _CapTooSmall | str:
+                agree: bool, held_since: bool = False) -> tuple[TrajectoryVerdict, LowerLrVerdict, bool, Any] | \
+            _CapTooSmall | str:
         """This rank's replays from ``snapshot`` (every rank's together where they ``agree``): the verdicts (the
         trajectory's, the lower LR's, whether FP32 trained down, the interventions' report), the reason the cap
         cannot hold them, or this rank's error; never raised, since every rank must reach the gather that follows."""
@@ -317,6 +327,9 @@ class TrajectoryJudge:
                     scaled=state.scaler is not None, from_step=snapshot.step, onset=diagnosis.step,
                     repeated_from=repeated_from, lr_factor=_lower_lr_factor(diagnosis.measured.lr),
                     lr_cap=_lr_cap(diagnosis.measured.lr), lr_rose=_lr_rise(diagnosis.measured.lr) is not None,
+                    lower_lr_moot=(f"the replays start from the snapshot after step {snapshot.step}, past the onset: "
+                                   "they cannot show whether a lower learning rate would have prevented it")
+                    if held_since else None,
                     unlocated=unlocated,
                     fp32_fails=lambda nothing, fp32: judge_trajectory(
                         fp32.result, nothing.result, loss_level, self.divergence_ratio).kind in (
@@ -345,6 +358,32 @@ class TrajectoryJudge:
             return str(err)
         except Exception as err:  # noqa: BLE001 - every rank must still reach the gather below
             return f"{type(err).__name__}: {err}"
+
+
+def after_onset(snapshots: Sequence[Any], onset: int, alarm_step: int,
+                skipped: Collection[int]) -> tuple[Any, str] | None:
+    """Of ``snapshots`` (oldest first), where none from before the update that preceded the onset is held (a fit
+    resumed in the middle of an episode): one taken since, and what replays from it can stand for. The oldest one
+    the scaler skipped every step to from the onset holds the state the onset's own step ran on (a skipped step
+    changes no weight and no optimizer state); failing that, the oldest one with a later fault of the episode (a
+    skipped step) after it and by the alarm. None when neither is held."""
+    held = [s for s in snapshots if onset - 1 <= s.step < alarm_step]
+    for snapshot in held:
+        if all(k in skipped for k in range(onset, snapshot.step + 1)):
+            skips = ", and the scaler skipped every step from the onset to it" if snapshot.step >= onset else ""
+            return snapshot, (
+                f"the snapshot after step {snapshot.step}: none from before the update that preceded the onset at "
+                f"step {onset} is held{skips}, so it holds the weights and the optimizer state the onset's step ran "
+                "on; the replays start at the fault, so they show what cures it, not what set it off")
+    for snapshot in held:
+        later = sorted(k for k in skipped if snapshot.step < k <= alarm_step)
+        if later:
+            steps = ", ".join(str(k) for k in later[:6]) + (", ..." if len(later) > 6 else "")
+            return snapshot, (
+                f"the snapshot after step {snapshot.step}, taken after the onset at step {onset}: none from before "
+                f"it is held; the replays start past the onset, over the episode's later faults (step"
+                f"{'s' if len(later) > 1 else ''} {steps}), so they show what cures those, not what set it off")
+    return None
 
 
 class _CapTooSmall(Exception):

@@ -1,0 +1,60 @@
+"""A fit resumed in the middle of an episode (issue 29's fresh runs): the LM of ``_user_models`` (hand-written
+attention, exp() of unscaled scores, a 10-step warmup) trained 12 steps, checkpointed, and resumed by a new Trainer
+with a new AmpWatch.
+
+Truth, measured on this model with AmpWatch in one uninterrupted fit: the attention overflows float16 from step 9
+(the warmup's end), the scaler skipping steps 9, 14 and 16, and ``fp32_island`` cures it. The first fit ends at
+step 11, before any alarm. The resumed fit raises the alarm, but its snapshot ring starts at the resume (step 11),
+after the onset. Before the fix the replays did not run ("no snapshot from before step 8"), the timing rule named
+LR_SCHEDULE, no remedy was applied, and every later loss was NaN (the scale fell to 2**-10). Now the replays run
+from the resume's snapshot over the episode's later faults, and the measured cure is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from lightning_ampwatch import AmpWatch, Finding
+from _user_models import Tape, TinyLM, lm_data, trainer
+
+
+def _fit(root: Path, steps: int, ckpt: Path | None = None) -> tuple[AmpWatch, Tape, pl.Trainer]:
+    pl.seed_everything(0, verbose=False)
+    watch, tape = AmpWatch(remediate=True, verbose=False, log_dir=str(root)), Tape()
+    run = trainer([watch, tape], str(root), steps=steps)
+    run.fit(TinyLM(), lm_data(), ckpt_path=None if ckpt is None else str(ckpt))
+    return watch, tape, run
+
+
+def test_a_fit_resumed_mid_episode_replays_from_the_resume_and_applies_the_measured_cure(tmp_path: Path) -> None:
+    first, _, run = _fit(tmp_path / "first", 12)
+    assert not [d for d in first.diagnoses if d.is_alarm]  # the episode is still open when the first fit ends
+    run.save_checkpoint(tmp_path / "k.ckpt")
+    second, tape, _ = _fit(tmp_path / "second", 30, tmp_path / "k.ckpt")
+    [alarm] = [d for d in second.diagnoses if d.is_alarm and d.outcome is not None]
+    ev = alarm.evidence
+    assert alarm.finding is Finding.FORWARD_OVERFLOW and alarm.location == "blocks.1.attn"
+    assert ev["trajectory_from"].startswith("the snapshot after step 11, taken after the onset at step 9")
+    assert "LR/10: not tried (the replays start from the snapshot after step 11, past the onset" in ev["tried"]
+    assert ev["cofactors"] == ["the learning rate rose before the onset (0.0006 -> 0.0018 at step 8)"]
+    assert alarm.remedy == "fp32_island" and alarm.outcome == "recovered"
+    assert all(math.isfinite(v) for v in tape.losses[-8:])  # before the fix: NaN from here to the end
+
+
+def test_a_snapshot_after_the_onset_stands_in_only_as_far_as_it_can() -> None:
+    from types import SimpleNamespace as At
+
+    from lightning_ampwatch.trajectory.judge import after_onset
+
+    held = [At(step=11), At(step=20)]
+    # every step from the onset to the snapshot skipped: the state the onset's step ran on
+    snapshot, why = after_onset(held, onset=9, alarm_step=16, skipped={9, 10, 11, 13})
+    assert snapshot.step == 11 and "the scaler skipped every step from the onset to it" in why
+    # a step between went through: only the episode's later faults are in its window
+    snapshot, why = after_onset(held, onset=9, alarm_step=16, skipped={9, 13, 16})
+    assert snapshot.step == 11 and "over the episode's later faults (steps 13, 16)" in why
+    assert after_onset(held, onset=9, alarm_step=16, skipped={9}) is None  # no fault after it: nothing to replay
+    assert after_onset([At(step=16)], onset=9, alarm_step=16, skipped={9, 16}) is None  # not before the alarm
