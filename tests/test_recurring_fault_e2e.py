@@ -116,3 +116,19 @@ def test_a_recurrence_is_remedied_only_by_what_the_replays_measured_and_the_run_
     assert alarms[1].evidence["trajectory_control"].startswith("not run again: the replays of the alarm at step 20")
     assert all(bool(p.isfinite().all()) for p in model.parameters())
     assert math.isfinite(tape.losses[-1]) and tape.losses[-1] < 0.6 * tape.losses[0]
+
+
+def test_the_island_that_cured_the_replays_is_judged_against_fp32_after_as_many_steps(tmp_path: Path) -> None:
+    # remediate=True: the replays from the snapshot after step 0 (steps 1-16) measured fp32_island curing the glitch,
+    # and the remedy rolls back to that snapshot. The remedied run is judged on its first 8 steps from there. Before:
+    # against where the 16-step FP32 window ended (0.28), 'not recovered' at 0.77, then bf16_fallback with a second
+    # rollback, 'not recovered' again; FP32's own first 8 steps from that state average 0.84
+    watch = AmpWatch(remediate=True, verbose=False, log_dir=str(tmp_path))
+    _fit(tmp_path, watch, steps=24)
+    [alarm] = [d for d in watch.diagnoses if d.is_alarm and d.outcome is not None]
+    assert alarm.finding is Finding.INPUT_RANGE and alarm.remedy == "fp32_island"
+    recovery = alarm.evidence["recovery"]
+    assert alarm.outcome == "recovered", recovery["reason"]
+    assert recovery["loss_before_from"].startswith("what FP32 reached over its first 8 steps from the same snapshot")
+    assert recovery["loss_before"] > 2 * alarm.evidence["trajectory_fp32_losses"][-1]  # not the window's end
+    assert [a.name.value for a in watch.applied] == ["fp32_island"]  # no escalation to bf16

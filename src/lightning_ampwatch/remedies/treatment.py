@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -214,7 +215,7 @@ class Treatment:
         self.applied.append(applied)
         if applied.name is RemedyName.REDUCE_LR and isinstance(applied.details.get("lr_after"), list):
             self.lr_tried = list(applied.details["lr_after"])
-        reference, reference_from = _reference(treated, level, then, self.fall_margin)
+        reference, reference_from = _reference(treated, level, then, self.fall_margin, self.recovery_steps)
         track = _cured_replay_track(treated) if reference is None else None
         self.watch = Watch(treated, start=applied.step, steps_before=steps_seen, skipped_before=skipped_total,
                            reference=reference, reference_from=reference_from, snapshot=snapshot,
@@ -466,8 +467,27 @@ class Treatment:
             self.watch = replace(self.watch, snapshot=None)
 
 
+def _fp32_reached(diagnosis: Diagnosis, trajectory: Any, fp32: Any, steps: int) -> tuple[float, str]:
+    """What FP32 reached replaying the episode's steps. After a rollback to the replays' own snapshot (the episode's
+    batches skipped), the remedied run is judged on its first ``steps`` steps from that state: FP32's first
+    ``steps`` losses from it, not where its whole window ended, which came from more updates than the run has had.
+    (A fresh run rolled back to step 1 was judged 'not recovered' against the end of a 16-step FP32 window after 8
+    steps, and escalated to bf16, though its island had cured the replays.)"""
+    facts = facts_of(diagnosis)
+    rollback, report = facts.rollback, facts.interventions
+    first = [v for v in trajectory.fp32_losses[:steps] if v is not None and math.isfinite(v)]
+    if (steps and rollback is not None and rollback.resumed_at is not None and rollback.retrained is None
+            and report is not None and rollback.snapshot_step == report.from_step
+            and steps < len(trajectory.fp32_losses) and len(first) == steps):
+        return statistics.median(first), (
+            f"what FP32 reached over its first {steps} steps from the same snapshot (after step "
+            f"{rollback.snapshot_step}), as many as the run has trained since going back to it (over the whole "
+            f"window it {fp32.why})")
+    return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
+
+
 def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,
-               margin: float = Thresholds.fall_margin) -> tuple[float | None, str]:
+               margin: float = Thresholds.fall_margin, steps: int = 0) -> tuple[float | None, str]:
     """What the loss must come back to: only ever a reference known to be healthy. ``level`` is the healthy level
     from before the episode (None when the episode began before any healthy stretch). After a rollback, the level the
     run had where it went back to (``then``), if higher (it cannot be asked to be better than that), and only when
@@ -491,11 +511,13 @@ def _reference(diagnosis: Diagnosis, level: float | None, then: LevelAt | None,
                 return then.level, (f"what the run first reached from the same state, on steps {then.first_step}.."
                                     f"{then.last_step} before the episode")
             return then.level, f"the healthy loss level where the run went back to (step {then.resumed_at})"
-        if fp32 is not None and fp32.level is not None and fp32.level > level:
-            return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
+        if fp32 is not None and fp32.level is not None:
+            reached = _fp32_reached(diagnosis, trajectory, fp32, steps)
+            if reached[0] > level:
+                return reached
         return level, "the healthy loss level before the episode"
     if fp32 is not None and fp32.level is not None:
-        return fp32.level, f"what FP32 reached replaying the episode's steps (it {fp32.why})"
+        return _fp32_reached(diagnosis, trajectory, fp32, steps)
     cured = _cured_replay_reference(diagnosis, margin)
     if cured is not None:
         return cured
