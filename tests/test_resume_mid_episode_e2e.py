@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 
 from lightning_ampwatch import AmpWatch, Finding
 from _user_models import Tape, TinyLM, lm_data, trainer
@@ -58,3 +59,16 @@ def test_a_snapshot_after_the_onset_stands_in_only_as_far_as_it_can() -> None:
     assert snapshot.step == 11 and "over the episode's later faults (steps 13, 16)" in why
     assert after_onset(held, onset=9, alarm_step=16, skipped={9}) is None  # no fault after it: nothing to replay
     assert after_onset([At(step=16)], onset=9, alarm_step=16, skipped={9, 16}) is None  # not before the alarm
+
+
+def test_a_fit_that_ends_while_a_skip_is_being_judged_is_not_called_healthy(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the first 12 steps alone: the attention's first overflow skips step 9, and the fit ends 2 clean steps later,
+    # before a skip is judged (the scaler finding its level, or the first sign of a fault). It used to end with
+    # "nothing to report. Healthy run."
+    pl.seed_everything(0, verbose=False)
+    trainer([AmpWatch(log_dir=str(tmp_path))], str(tmp_path), steps=12).fit(TinyLM(), lm_data())
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("12 optimizer steps, 1 skipped by the scaler (8%), loss scale 2**15 at the end; no alarm, but the fit "
+            "ended while the skip at step 9 was still being judged, so it is not called healthy.") in out
+    assert "Healthy run" not in out
