@@ -48,8 +48,9 @@ KEY_EVIDENCE: dict[Finding, tuple[str, ...]] = {
     Finding.FP16_PARAMETERS: ("float16_parameters", "first_float16"),
     Finding.EPS_UNDERFLOW: ("optimizer", "param_group", "eps", "eps_in_float16"),
 }
-#: Rows any finding shows when present: why nothing was replayed, and where a remedy took the run back to.
-ALWAYS_SHOWN = ("weights_lost", "replay", "live_probe", "cofactors", "tried", "rollback")
+#: Rows any finding shows when present: why nothing was replayed, where replays from after the onset started (a
+#: resumed fit), and where a remedy took the run back to.
+ALWAYS_SHOWN = ("weights_lost", "replay", "live_probe", "cofactors", "trajectory_from", "tried", "rollback")
 #: Evidence the console never shows: the single batch's control verdict, kept in the evidence (and the event log)
 #: when the trajectory control's verdict took its place as ``control_verdict``. Beside it, it would read as a
 #: contradiction.
@@ -110,6 +111,7 @@ EVIDENCE_LABELS: dict[str, str] = {
     "trajectory_snapshot_bytes": "snapshot size (bytes)",
     "trajectory_control": "float32 replay of the run",
     "trajectory_rank": "float32 replay run on rank",
+    "trajectory_from": "replays started from",
     "lower_lr_verdict": "lower LR verdict",
     "lower_lr_reason": "same steps at a lower LR",
     "lower_lr_factor": "LR lowered by",
