@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from _limits import HANG_S
 from _sharded import RowsByRank, SnapshotBytes
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 HERE = Path(__file__).parent
 
 
-def _child(function: str, out_dir: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def _child(function: str, out_dir: Path, timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
     """``function(out_dir)`` in a child process of its own session, within ``timeout`` seconds: past it, the child
     and the rank it forked are killed (their stacks written first) and the test fails."""
     code = (f"import faulthandler, sys; faulthandler.dump_traceback_later({timeout - 5}, exit=False); "
@@ -182,7 +183,7 @@ def _fit_replay_fails_before_its_restore_on_rank1(out_dir: str) -> None:
 
 def test_a_replay_that_fails_on_one_rank_before_its_split_restore_stops_every_rank_before_it(tmp_path: Path) -> None:
     # before the fix: rank 0 waited in the restore's broadcast while rank 1 waited in the next meeting's all_gather
-    done = _child("_fit_replay_fails_before_its_restore_on_rank1", tmp_path, timeout=120)
+    done = _child("_fit_replay_fails_before_its_restore_on_rank1", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rank0, rank1 = _ranks(tmp_path)
     assert rank0["steps"] == rank1["steps"] == 16
