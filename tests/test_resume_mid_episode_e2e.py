@@ -72,3 +72,29 @@ def test_a_fit_that_ends_while_a_skip_is_being_judged_is_not_called_healthy(
     assert ("12 optimizer steps, 1 skipped by the scaler (8%), loss scale 2**15 at the end; no alarm, but the fit "
             "ended while the skip at step 9 was still being judged, so it is not called healthy.") in out
     assert "Healthy run" not in out
+
+
+def test_a_remedy_still_watched_when_the_fit_ended_is_judged_by_the_fit_resumed_after_it(tmp_path: Path) -> None:
+    # the glitching-sensor regression: fp32_island is applied at step 9 (rolled back to step 1) and the fit ends 3
+    # steps later, "not verified: the run ended". A checkpoint written after that fit used to hold no watch, so the
+    # resumed fit kept "not verified" while it trained on with the island; now it judges the remedy
+    import _user_models as um
+
+    make, data = um.MODELS["raw_features"]
+
+    def fit(root: Path, steps: int, ckpt: Path | None = None) -> tuple[AmpWatch, pl.Trainer]:
+        pl.seed_everything(0, verbose=False)
+        watch = AmpWatch(remediate=True, verbose=False, log_dir=str(root))
+        run = trainer([watch], str(root), steps=steps)
+        run.fit(make(steps=40), data(), ckpt_path=None if ckpt is None else str(ckpt))
+        return watch, run
+
+    first, run = fit(tmp_path / "first", 12)
+    [alarm] = [d for d in first.diagnoses if d.is_alarm]
+    assert (alarm.remedy, alarm.outcome) == ("fp32_island", "not_verified")
+    assert alarm.evidence["recovery"]["reason"].startswith("the run ended 3 optimizer steps after the remedy")
+    run.save_checkpoint(tmp_path / "after.ckpt")
+    second, _ = fit(tmp_path / "second", 24, tmp_path / "after.ckpt")
+    [alarm] = [d for d in second.diagnoses if d.is_alarm]
+    assert (alarm.finding, alarm.step, alarm.remedy, alarm.outcome) == (Finding.INPUT_RANGE, 8, "fp32_island",
+                                                                        "recovered")

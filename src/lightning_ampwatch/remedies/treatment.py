@@ -102,6 +102,7 @@ class Treatment:
     recovered: dict[str, Diagnosis] = field(default_factory=dict)  # finding -> its latest record that recovered
     fall_margin: float = Thresholds.fall_margin  # the user's Thresholds: a decisive fall
     track_tolerance: float = Thresholds.track_tolerance  # how closely a run must track its reference trajectory
+    unjudged: dict[str, Any] | None = None  # the watch the run's end cut short: a checkpoint written after it resumes it
 
     @classmethod
     def for_run(cls, config: Any) -> "Treatment":
@@ -294,8 +295,8 @@ class Treatment:
         checkpoint written during the watch judges it when its steps are run. The snapshot the run went back to is
         not kept (a next rung after a resume goes back as a first one does)."""
         watch = self.watch
-        if watch is None:
-            return None
+        if watch is None:  # (after the fit: the watch its end cut short, judged by a fit resumed from here)
+            return None if self.unjudged is None else {**self.unjudged, "run_ended": True}
         return {"diagnosis": watch.diagnosis.to_dict(), "start": watch.start, "steps_before": watch.steps_before,
                 "skipped_before": watch.skipped_before, "reference": watch.reference,
                 "reference_from": watch.reference_from, "data_steps": sorted(watch.data_steps.items()),
@@ -307,8 +308,14 @@ class Treatment:
         if not state:
             return
         written = Diagnosis.from_dict(state["diagnosis"])
-        held = next((d for d in diagnoses if d.finding is written.finding and d.step == written.step
-                     and d.remedy == written.remedy and d.outcome is None), written)
+        ended = "not_verified" if state.get("run_ended") else None  # published so when the earlier fit ended
+        at, held = next(((i, d) for i, d in enumerate(diagnoses) if d.finding is written.finding and
+                         d.step == written.step and d.remedy == written.remedy and d.outcome in (None, ended)),
+                        (None, written))
+        if at is not None and held.outcome is not None and isinstance(diagnoses, list):
+            # watched again: the record is as it was published while watched, until this fit judges it
+            held = diagnoses[at] = replace(held, outcome=None, evidence={
+                k: v for k, v in held.evidence.items() if k != "recovery"})
         reference = state.get("reference")
         self.watch = Watch(held, start=int(state["start"]), steps_before=int(state["steps_before"]),
                            skipped_before=int(state["skipped_before"]),
@@ -455,6 +462,7 @@ class Treatment:
         if watch is None:
             return None
         ran = steps_seen - watch.steps_before
+        self.unjudged = self.watch_state()
         return self.end(Recovery(Outcome.NOT_VERIFIED, (
             f"the run ended {ran} optimizer step{'s' if ran != 1 else ''} after the remedy, before the "
             f"{self.recovery_steps} its recovery is judged over"), {"steps": ran, "recovery_steps": self.recovery_steps},
