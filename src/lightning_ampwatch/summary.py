@@ -29,7 +29,7 @@ class RunStats:
     nonfinite: int = 0
     scale: float | None = None  # the loss scale at the end; None without a scaler
     precision: str | None = None
-    #: skips the machine was still judging when the run ended, in words ("the skip at step 9"); None: none
+    #: skips the machine was still judging when the run ended, in words ("the skip at step 9 was"); None: none
     pending: str | None = None
 
     @classmethod
@@ -39,8 +39,8 @@ class RunStats:
         if machine is None:
             return None
         state = machine.state
-        pending = (f"the skips from step {state.streak.first_step} on" if state.streak is not None else
-                   f"the skip at step {state.isolated_since}" if state.isolated_since is not None else None)
+        pending = (f"the skips from step {state.streak.first_step} on were" if state.streak is not None else
+                   f"the skip at step {state.isolated_since} was" if state.isolated_since is not None else None)
         return cls(steps=machine.steps_seen, skipped=machine.skipped_total, nonfinite=machine.nonfinite_total,
                    scale=mirror.scale if mirror is not None else None, precision=machine.mode.value, pending=pending)
 
@@ -129,9 +129,8 @@ def summary_lines(diagnoses: Sequence[Diagnosis], stats: RunStats, log_dir: str 
                 "finite says something is wrong outside what the scaler sees (an empty batch's mean, a NaN the "
                 "gradients do not reach): not a healthy run."]
     if not alarms and stats.pending:  # a skip is the scaler finding its level only once clean steps follow it
-        return [f"AmpWatch: {counts_line(stats)}; no alarm, but the fit ended while {stats.pending} "
-                f"{'were' if stats.pending.startswith('the skips') else 'was'} still being judged, so it is not "
-                "called healthy."]
+        return [f"AmpWatch: {counts_line(stats)}; no alarm, but the fit ended while {stats.pending} still being "
+                "judged, so it is not called healthy."]
     if not alarms:
         if any(d.finding is Finding.NORMAL_SCALING for d in diagnoses):
             return [f"AmpWatch: {counts_line(stats)}; the skips were the scaler finding its level. Healthy run."]

@@ -358,9 +358,7 @@ class HealthyReference:
         not climbing over its older half, and not a slow build above the level before it."""
         self._since_promote = 0
         s = self._owner.state
-        if s.losses_apart is not None:
-            return
-        losses = list(s.losses)
+        losses = list(s.losses)  # (empty for good once the losses are apart: nothing joins them then)
         n = len(losses)
         if n < _LEVEL_MIN_LOSSES:
             return
